@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Runs swarm's test suite in the project-local .venv (created on first run).
+source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
+cd "$ROOT"
+exec python -m pytest "$@"

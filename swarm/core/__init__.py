@@ -1,0 +1,1 @@
+"""Foundation of swarm: identities, addresses, the event-loop bridge, serialization, errors."""

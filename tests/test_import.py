@@ -1,0 +1,3 @@
+def test_import():
+    import swarm
+    assert swarm.__version__
