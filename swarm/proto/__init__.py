@@ -1,1 +1,1 @@
-"""swarm.proto"""
+"""Code generated from proto/*.proto by scripts/gen_proto.sh. Do not edit."""

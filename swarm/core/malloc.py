@@ -1,0 +1,33 @@
+"""glibc malloc tuning for peers that move large tensors.
+
+TRANSPORT.md: raising the mmap and trim thresholds halved CPU per GB and sped large messages
+2-4x, because 1 MiB chunk buffers stop being mmap'ed and unmapped (page faults) on every
+message. Applied once per process, at peer start; a no-op where glibc is absent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_applied = False
+
+
+def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:
+    """Sets glibc's mmap/trim thresholds (like MALLOC_MMAP_THRESHOLD_); True when applied."""
+    global _applied
+    if _applied:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
+    if not ok:
+        logging.getLogger(__name__).debug("mallopt refused the thresholds")
+    _applied = ok
+    return ok

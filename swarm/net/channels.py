@@ -1,0 +1,212 @@
+"""Client side of the gRPC layer: one channel per remote peer, keyed by PeerID.
+
+Every call carries a ticket proving this peer's PeerID (swarm.net.auth) and an explicit deadline.
+The first use of a channel runs the `Handshake`, so a caller never talks to an address that
+cannot prove it holds the PeerID the caller dialed. Failures surface as swarm's typed errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from swarm.core.errors import ConfigError, InvalidRequest, RPCError, Unauthenticated
+from swarm.core.identity import Identity
+from swarm.core.multiaddr import Multiaddr
+from swarm.net.auth import TicketSigner, check_handshake
+from swarm.net.errors import from_grpc_error
+from swarm.proto import peer_pb2
+
+HANDSHAKE = "/swarm.Peer/Handshake"
+INFO = "/swarm.Peer/Info"
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    """Client-side limits and defaults.
+
+    Attributes:
+        default_timeout: deadline, in seconds, for calls that do not pass their own.
+        max_message_bytes: largest single message sent or received.
+        handshake_timeout: deadline for proving the callee's identity on a new channel.
+    """
+
+    default_timeout: float = 10.0
+    max_message_bytes: int = 8 << 20
+    handshake_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.default_timeout <= 0 or self.handshake_timeout <= 0:
+            raise ConfigError("timeouts must be positive")
+
+
+class PeerChannel:
+    """A channel to one peer. Use `unary`, `stream` for calls; `verify()` proves the callee's PeerID."""
+
+    def __init__(self, pool: ChannelPool, addr: Multiaddr) -> None:
+        self.pool = pool
+        self.addr = addr
+        self.peer_id = addr.peer_id or ""
+        cfg = pool.config
+        self.channel = grpc.aio.insecure_channel(
+            addr.grpc_target,
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.enable_retries", 0),
+                ("grpc.keepalive_time_ms", 60_000),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2_000),
+            ],
+        )
+        self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+        self._verified: asyncio.Future[None] | None = None
+
+    def _metadata(self) -> tuple[tuple[str, bytes], ...]:
+        return self.pool.signer.metadata_for(self.peer_id)
+
+    async def verify(self) -> None:
+        """Runs the handshake once per channel (concurrent callers share it)."""
+        if self._verified is None or (self._verified.done() and self._verified.exception() is not None):
+            self._verified = asyncio.ensure_future(self._handshake())
+        await asyncio.shield(self._verified)
+
+    async def _handshake(self) -> None:
+        challenge = os.urandom(32)
+        me = self.pool.identity.peer_id
+        request = peer_pb2.HandshakeRequest(challenge=challenge, caller_peer_id=me)
+        response = await self._raw_unary(
+            HANDSHAKE, request, peer_pb2.HandshakeResponse, self.pool.config.handshake_timeout, metadata=()
+        )
+        if not self.peer_id:  # dialed a bare address: learn who is there
+            from swarm.core.identity import public_key_to_peer_id
+
+            if len(response.public_key) != 32:
+                raise Unauthenticated(f"peer at {self.addr} sent a malformed handshake")
+            self.peer_id = public_key_to_peer_id(response.public_key)
+        check_handshake(self.peer_id, response.public_key, response.signature, challenge, me)
+
+    async def unary(
+        self, method: str, request: Message | bytes, response_type: type[Message] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """One request, one response; raises swarm's `RPCError` subclasses on failure."""
+        await self.verify()
+        return await self._raw_unary(method, request, response_type, timeout, self._metadata())
+
+    async def _raw_unary(
+        self, method: str, request: Message | bytes, response_type: type[Message] | None,
+        timeout: float | None, metadata: Any,
+    ) -> Any:
+        callable_ = self._unary.get(method)
+        if callable_ is None:
+            callable_ = self._unary[method] = self.channel.unary_unary(method)
+        payload = request if isinstance(request, bytes) else request.SerializeToString()
+        try:
+            data = await callable_(payload, timeout=timeout or self.pool.config.default_timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc_error(e, self.peer_id or str(self.addr), method) from None
+        if response_type is None:
+            return data
+        try:
+            return response_type.FromString(data)
+        except Exception as e:  # noqa: BLE001 - a lying peer
+            raise InvalidRequest(f"malformed {response_type.__name__} from {self.peer_id}: {e}",
+                                 peer_id=self.peer_id) from None
+
+    async def stream(
+        self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """Bidirectional stream of raw-bytes messages; yields responses; errors become `RPCError`."""
+        await self.verify()
+        call = self.channel.stream_stream(method)(
+            requests, timeout=timeout or self.pool.config.default_timeout, metadata=self._metadata()
+        )
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc_error(e, self.peer_id, method) from None
+        finally:
+            call.cancel()
+
+    async def stream_unary(
+        self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None
+    ) -> bytes:
+        """Client-streaming call: many requests, one raw-bytes response."""
+        await self.verify()
+        try:
+            return await self.channel.stream_unary(method)(
+                requests, timeout=timeout or self.pool.config.default_timeout, metadata=self._metadata()
+            )
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc_error(e, self.peer_id, method) from None
+
+    async def info(self, timeout: float | None = None) -> peer_pb2.PeerInfo:
+        return await self.unary(INFO, peer_pb2.InfoRequest(), peer_pb2.PeerInfo, timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class ChannelPool:
+    """Channels to other peers, one per PeerID (re-dialed when the peer's address changes)."""
+
+    def __init__(self, identity: Identity, config: ChannelConfig | None = None) -> None:
+        self.identity = identity
+        self.config = config or ChannelConfig()
+        self.signer = TicketSigner(identity)
+        self._channels: dict[str, PeerChannel] = {}
+
+    def get(self, addr: Multiaddr | str) -> PeerChannel:
+        """Channel to the peer at `addr` (a multiaddr ending in /p2p/<PeerID>)."""
+        if isinstance(addr, str):
+            addr = Multiaddr.parse(addr)
+        if not addr.peer_id:
+            raise ConfigError(f"{addr} does not name a peer: append /p2p/<PeerID> (or use dial_unknown)")
+        channel = self._channels.get(addr.peer_id)
+        if channel is None or channel.addr.grpc_target != addr.grpc_target:
+            if channel is not None:
+                asyncio.ensure_future(channel.close())
+            channel = self._channels[addr.peer_id] = PeerChannel(self, addr)
+        return channel
+
+    def known(self, peer_id: str) -> PeerChannel | None:
+        return self._channels.get(peer_id)
+
+    async def dial_unknown(self, addr: Multiaddr | str) -> PeerChannel:
+        """Dials an address without a PeerID, learns the PeerID through the handshake."""
+        if isinstance(addr, str):
+            addr = Multiaddr.parse(addr)
+        if addr.peer_id:
+            channel = self.get(addr)
+            await channel.verify()
+            return channel
+        channel = PeerChannel(self, addr)
+        try:
+            await channel.verify()
+        except RPCError:
+            await channel.close()
+            raise
+        existing = self._channels.get(channel.peer_id)
+        if existing is not None:
+            await channel.close()
+            return existing
+        channel.addr = addr.with_peer_id(channel.peer_id)
+        self._channels[channel.peer_id] = channel
+        return channel
+
+    async def forget(self, peer_id: str) -> None:
+        channel = self._channels.pop(peer_id, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

@@ -1,0 +1,59 @@
+"""The one place where gRPC status codes and swarm's typed errors are translated into each other."""
+
+from __future__ import annotations
+
+import grpc
+
+from swarm.core.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    NotFound,
+    PeerUnreachable,
+    RemoteError,
+    ResourceExhausted,
+    RPCError,
+    SwarmError,
+    Unauthenticated,
+)
+
+_FROM_STATUS: dict[grpc.StatusCode, type[RPCError]] = {
+    grpc.StatusCode.UNAVAILABLE: PeerUnreachable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: Unauthenticated,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.FAILED_PRECONDITION: InvalidRequest,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNIMPLEMENTED: NotFound,
+}
+
+_TO_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (PeerUnreachable, grpc.StatusCode.UNAVAILABLE),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (TypeError, grpc.StatusCode.INVALID_ARGUMENT),
+    (SwarmError, grpc.StatusCode.ABORTED),
+]
+
+
+def from_grpc_error(error: grpc.RpcError, peer_id: str | None = None, method: str = "") -> RPCError:
+    """Translates a failed call into swarm's error tree, keeping the callee's message."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    cls = _FROM_STATUS.get(code, RemoteError)
+    where = f" ({method} on {peer_id})" if peer_id else (f" ({method})" if method else "")
+    return cls(f"{details or code.name}{where}", peer_id=peer_id)
+
+
+def to_status(error: BaseException) -> grpc.StatusCode | None:
+    """Status for an expected error raised by a handler; None means an internal failure."""
+    for cls, code in _TO_STATUS:
+        if isinstance(error, cls):
+            return code
+    return None

@@ -1,0 +1,231 @@
+"""The peer's one gRPC server: every service on one TCP port, every call authenticated.
+
+Services register plain coroutine handlers by method path (`/swarm.DHT/Find`); the server wraps
+each one once with what every call needs: the caller's PeerID from its ticket, decoding of the
+request with a clear INVALID_ARGUMENT on garbage, and translation of swarm errors into statuses.
+Handlers may be added after the server started (dispatch looks them up per call).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from swarm.core.errors import ConfigError, InvalidRequest, SwarmError, Unauthenticated
+from swarm.core.identity import Identity
+from swarm.core.multiaddr import Multiaddr
+from swarm.net.auth import TicketVerifier
+from swarm.net.errors import to_status
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits of the peer's gRPC server.
+
+    Attributes:
+        max_message_bytes: largest single message accepted or sent (tensors travel in ~1 MiB chunks).
+        max_concurrent_rpcs: calls in flight at once; past it new calls get RESOURCE_EXHAUSTED.
+        max_concurrent_streams: HTTP/2 streams per connection.
+        shutdown_grace: seconds in-flight calls get to finish when the server stops.
+    """
+
+    max_message_bytes: int = 8 << 20
+    max_concurrent_rpcs: int = 2048
+    max_concurrent_streams: int = 512
+    shutdown_grace: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes < (1 << 20) + 4096:
+            raise ConfigError("max_message_bytes must hold a 1 MiB chunk")
+        if self.max_concurrent_rpcs < 1 or self.max_concurrent_streams < 1:
+            raise ConfigError("concurrency limits must be positive")
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a handler knows about the call: the authenticated caller and the gRPC context."""
+
+    peer_id: str
+    grpc_context: grpc.aio.ServicerContext
+
+    def time_remaining(self) -> float | None:
+        return self.grpc_context.time_remaining()
+
+
+UnaryHandler = Callable[[Any, CallContext], Awaitable[Any]]
+StreamHandler = Callable[[AsyncIterator[bytes], CallContext], AsyncIterator[Any]]
+
+
+def _serialize(response: Any) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def _decode(request_type: type[Message] | None, data: bytes) -> Any:
+    if request_type is None:
+        return data
+    try:
+        return request_type.FromString(data)
+    except DecodeError as e:
+        raise InvalidRequest(f"malformed {request_type.__name__}: {e}") from None
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: BaseException, path: str) -> None:
+    code = to_status(error)
+    if code is None:
+        logger.exception("handler %s failed", path, exc_info=error)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {path}: {type(error).__name__}: {error}")
+    else:
+        if isinstance(error, SwarmError):
+            logger.debug("%s refused a call: %s", path, error)
+        await context.abort(code, str(error))
+
+
+class _Dispatcher(grpc.GenericRpcHandler):
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return self.handlers.get(handler_call_details.method)
+
+
+class RPCServer:
+    """One grpc.aio server per peer; `await start(listen)` binds it (port 0 picks a free port)."""
+
+    def __init__(self, identity: Identity, config: ServerConfig | None = None) -> None:
+        self.identity = identity
+        self.config = config or ServerConfig()
+        self.verifier = TicketVerifier(identity.peer_id)
+        self._dispatcher = _Dispatcher()
+        self._server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    # -- registration -------------------------------------------------------------------------
+
+    def _caller(self, context: grpc.aio.ServicerContext, authenticated: bool) -> str:
+        if not authenticated:
+            return ""
+        return self.verifier.caller_of(context.invocation_metadata())
+
+    def add_unary(
+        self, path: str, handler: UnaryHandler, request_type: type[Message] | None = None, *, authenticated: bool = True
+    ) -> None:
+        """Registers `handler(request, ctx) -> response` for unary calls to `path`."""
+
+        async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                caller = self._caller(context, authenticated)
+                return _serialize(await handler(_decode(request_type, request), CallContext(caller, context)))
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a dead server
+                await _abort(context, e, path)
+                raise AssertionError("unreachable") from None
+
+        self._dispatcher.handlers[path] = grpc.unary_unary_rpc_method_handler(behavior)
+
+    def add_stream(self, path: str, handler: StreamHandler, *, request_streaming: bool = True) -> None:
+        """Registers `handler(request_iterator, ctx)`, an async generator of responses (bytes or messages).
+
+        Requests arrive as raw bytes (a header, then tensor chunks). With `request_streaming=False`
+        the handler still receives an async iterator, holding the single request.
+        """
+
+        async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            try:
+                caller = self._caller(context, True)
+                source = requests if request_streaming else _single(requests)
+                async for response in handler(source, CallContext(caller, context)):
+                    yield _serialize(response)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                await _abort(context, e, path)
+
+        factory = grpc.stream_stream_rpc_method_handler if request_streaming else grpc.unary_stream_rpc_method_handler
+        self._dispatcher.handlers[path] = factory(behavior)
+
+    def add_stream_unary(self, path: str, handler: Callable[[AsyncIterator[bytes], CallContext], Awaitable[Any]]) -> None:
+        """Registers `handler(request_iterator, ctx) -> response` for client-streaming calls."""
+
+        async def behavior(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                caller = self._caller(context, True)
+                return _serialize(await handler(requests, CallContext(caller, context)))
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                await _abort(context, e, path)
+                raise AssertionError("unreachable") from None
+
+        self._dispatcher.handlers[path] = grpc.stream_unary_rpc_method_handler(behavior)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, listen: Multiaddr) -> int:
+        """Binds and starts serving; returns the bound port. A taken port fails loudly."""
+        cfg = self.config
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ],
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+        )
+        self._server.add_generic_rpc_handlers((self._dispatcher,))
+        target = listen.grpc_target
+        if listen.protocol in ("dns", "dns4", "dns6"):
+            raise ConfigError(f"listen on an IP address, not a DNS name ({listen}); announce DNS names instead")
+        try:
+            port = self._server.add_insecure_port(target)
+        except RuntimeError as e:
+            raise ConfigError(f"cannot listen on {listen}: {e} (is the port taken?)") from None
+        if port == 0:
+            raise ConfigError(f"cannot listen on {listen} (is the port taken?)")
+        await self._server.start()
+        self.port = port
+        return port
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._server is not None:
+            await self._server.stop(self.config.shutdown_grace if grace is None else grace)
+            self._server = None
+
+
+async def _single(request: Any) -> AsyncIterator[Any]:
+    yield request
+
+
+def reachable_addrs(listen: Multiaddr, port: int, peer_id: str, announce: list[Multiaddr]) -> list[str]:
+    """The multiaddrs others can dial: `--announce` if given, else the listen address, with
+    0.0.0.0 / :: expanded to loopback and this host's own addresses."""
+    if announce:
+        return [str(a.with_port(a.port or port).with_peer_id(peer_id)) for a in announce]
+    if not listen.is_unspecified:
+        return [str(listen.with_port(port).with_peer_id(peer_id))]
+    family, protocol, loopback = (
+        (socket.AF_INET, "ip4", "127.0.0.1") if listen.protocol == "ip4" else (socket.AF_INET6, "ip6", "::1")
+    )
+    hosts = [loopback]
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM):
+            host = str(info[4][0]).split("%")[0]
+            if host not in hosts and not host.startswith("127.") and host != "::1":
+                hosts.append(host)
+    except OSError:
+        pass
+    return [str(Multiaddr(protocol, h, port, peer_id)) for h in hosts]
+
+
+__all__ = ["CallContext", "RPCServer", "ServerConfig", "Unauthenticated", "reachable_addrs"]

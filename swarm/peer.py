@@ -1,0 +1,170 @@
+"""`swarm.Peer`: the composition root. One peer owns the event loop, the gRPC server and channels,
+and the DHT; averagers, expert servers and optimizers attach to it.
+
+Every blocking method has an awaitable twin prefixed with `a` (`shutdown` / `ashutdown`) for
+code already inside an event loop, such as a Jupyter cell.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from swarm import __version__
+from swarm.core.errors import ConfigError
+from swarm.core.identity import Identity, IdentityFile
+from swarm.core.loop import LoopThread
+from swarm.core.malloc import tune_malloc
+from swarm.core.multiaddr import Multiaddr
+from swarm.net.channels import ChannelConfig, ChannelPool
+from swarm.net.peer_service import PeerService
+from swarm.net.server import RPCServer, ServerConfig, reachable_addrs
+from swarm.proto import peer_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class Component(Protocol):
+    """Something attached to a peer that must stop cleanly with it (experts save checkpoints, ...)."""
+
+    async def ashutdown(self) -> None: ...
+
+
+class Peer:
+    """A swarm peer: identity, one gRPC server (unless in client mode), channels, and the DHT.
+
+    Args:
+        initial_peers: multiaddrs (ending in /p2p/<PeerID>) of peers already in the swarm.
+        listen: where to accept connections; port 0 picks a free port.
+        identity_path: file keeping this peer's key, so its PeerID survives restarts (0600, locked).
+        client_mode: only dial out (Colab, behind NAT): no server, never in others' routing tables.
+        announce: addresses to advertise instead of the listen address (public IP, DNS name).
+        start: start serving now; with False, call `await peer.astart()` from an event loop.
+    """
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str] = (),
+        listen: str = "/ip4/127.0.0.1/tcp/0",
+        identity_path: str | None = None,
+        client_mode: bool = False,
+        *,
+        announce: Sequence[str] = (),
+        identity: Identity | None = None,
+        role: str = "peer",
+        server_config: ServerConfig | None = None,
+        channel_config: ChannelConfig | None = None,
+        dht_config: Any = None,
+        start: bool = True,
+    ) -> None:
+        self.initial_peers = [Multiaddr.parse(a) for a in initial_peers]
+        self.listen = Multiaddr.parse(listen)
+        self.announce = [Multiaddr.parse(a) for a in announce]
+        self.client_mode = client_mode
+        self.role = role
+        if self.listen.peer_id:
+            raise ConfigError(f"listen address {listen} must not name a peer")
+        self._identity_file = IdentityFile(identity_path) if identity_path else None
+        if identity is not None and self._identity_file is not None:
+            raise ConfigError("pass identity or identity_path, not both")
+        self.identity = identity or (self._identity_file.load_or_create() if self._identity_file else Identity.generate())
+        self.peer_id = self.identity.peer_id
+        self.addrs: list[str] = []
+        self._server_config = server_config
+        self.pool = ChannelPool(self.identity, channel_config)
+        self.server: RPCServer | None = None
+        self.dht: Any = None
+        self._dht_config = dht_config
+        self._components: list[Component] = []
+        self.loop = LoopThread(name=f"swarm-{self.peer_id[-6:]}")
+        self._closed = False
+        tune_malloc()
+        if start:
+            try:
+                self.loop.run(self.astart())
+            except BaseException:
+                self.shutdown()
+                raise
+
+    async def astart(self) -> None:
+        """Starts the server and joins the DHT (runs on the peer's loop)."""
+        if self.loop.loop is not _running_loop():
+            return await self.loop.wrap(self.astart())
+        if not self.client_mode:
+            self.server = RPCServer(self.identity, self._server_config)
+            PeerService(self.server, self.describe)
+            port = await self.server.start(self.listen)
+            self.addrs = reachable_addrs(self.listen, port, self.peer_id, self.announce)
+        await self._start_dht()
+        logger.info("peer %s ready at %s", self.peer_id, ", ".join(self.addrs) or "(client mode)")
+
+    async def _start_dht(self) -> None:
+        try:
+            from swarm.dht.node import DHTNode  # noqa: F401  (the DHT layer may not be installed yet)
+        except ImportError:
+            return
+        from swarm.dht import DHT
+
+        self.dht = await DHT.create(self, self._dht_config)
+        self._components.append(self.dht)
+
+    def attach(self, component: Component) -> None:
+        """Registers a component to shut down (in reverse order) before the server stops."""
+        self._components.append(component)
+
+    def detach(self, component: Component) -> None:
+        if component in self._components:
+            self._components.remove(component)
+
+    def describe(self) -> peer_pb2.PeerInfo:
+        return peer_pb2.PeerInfo(
+            peer_id=self.peer_id, version=__version__, addrs=self.addrs, role=self.role, client_mode=self.client_mode
+        )
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Runs a coroutine on the peer's event loop and waits for it (the sync bridge)."""
+        return self.loop.run(coro, timeout)
+
+    async def ashutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for component in reversed(self._components):
+            try:
+                await component.ashutdown()
+            except Exception:  # noqa: BLE001 - one component failing must not keep the rest running
+                logger.exception("error while shutting down %r", component)
+        self._components.clear()
+        if self.server is not None:
+            await self.server.stop()
+        await self.pool.close()
+
+    def shutdown(self) -> None:
+        """Leaves the swarm: stops components (checkpoints saved), the server, then the loop."""
+        try:
+            if not self._closed and not self.loop.loop.is_closed():
+                self.loop.run(self.ashutdown(), timeout=30)
+        finally:
+            self._closed = True
+            self.loop.stop()
+            if self._identity_file is not None:
+                self._identity_file.release()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"Peer({self.peer_id}, addrs={self.addrs})"
+
+
+def _running_loop() -> Any:
+    import asyncio
+
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -1,0 +1,45 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("peer_id", "version", "addrs", "role", "client_mode", "time", "experts")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADDRS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_MODE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    version: str
+    addrs: _containers.RepeatedScalarFieldContainer[str]
+    role: str
+    client_mode: bool
+    time: float
+    experts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., client_mode: _Optional[bool] = ..., time: _Optional[float] = ..., experts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("challenge", "caller_peer_id")
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    CALLER_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    challenge: bytes
+    caller_peer_id: str
+    def __init__(self, challenge: _Optional[bytes] = ..., caller_peer_id: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("public_key", "signature")
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    public_key: bytes
+    signature: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
