@@ -1,1 +1,1 @@
-"""swarm.cli"""
+"""Command-line entry points (`swarm-peer`)."""

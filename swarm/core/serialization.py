@@ -19,4 +19,4 @@ def pack(value: Any) -> bytes:
 def unpack(data: bytes, max_bytes: int = MAX_VALUE_BYTES) -> Any:
     if len(data) > max_bytes:
         raise ValueError(f"msgpack value of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, max_buffer_size=max_bytes)
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)

@@ -53,20 +53,27 @@ class PeerChannel:
         self.pool = pool
         self.addr = addr
         self.peer_id = addr.peer_id or ""
-        cfg = pool.config
-        self.channel = grpc.aio.insecure_channel(
-            addr.grpc_target,
-            options=[
-                ("grpc.max_receive_message_length", cfg.max_message_bytes),
-                ("grpc.max_send_message_length", cfg.max_message_bytes),
-                ("grpc.enable_retries", 0),
-                ("grpc.keepalive_time_ms", 60_000),
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2_000),
-            ],
-        )
+        self._channel: grpc.aio.Channel | None = None
         self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._verified: asyncio.Future[None] | None = None
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The grpc channel, created on first use so it binds to the peer's event loop."""
+        if self._channel is None:
+            cfg = self.pool.config
+            self._channel = grpc.aio.insecure_channel(
+                self.addr.grpc_target,
+                options=[
+                    ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                    ("grpc.max_send_message_length", cfg.max_message_bytes),
+                    ("grpc.enable_retries", 0),
+                    ("grpc.keepalive_time_ms", 60_000),
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2_000),
+                ],
+            )
+        return self._channel
 
     def _metadata(self) -> tuple[tuple[str, bytes], ...]:
         return self.pool.signer.metadata_for(self.peer_id)
@@ -152,7 +159,8 @@ class PeerChannel:
         return await self.unary(INFO, peer_pb2.InfoRequest(), peer_pb2.PeerInfo, timeout)
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self._channel is not None:
+            await self._channel.close()
 
 
 class ChannelPool:

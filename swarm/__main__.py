@@ -1,0 +1,7 @@
+"""`python -m swarm` runs `swarm-peer`."""
+
+import sys
+
+from swarm.cli.peer import main
+
+sys.exit(main())

@@ -1,0 +1,144 @@
+"""Options of `swarm-peer`: command line, then `SWARM_<OPTION>` environment variables, then a TOML
+file given by `--config`, then defaults (SPEC.md §3). The first that sets an option wins."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from swarm.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    """Everything `swarm-peer` can be told; names match the CLI flags (dashes as underscores)."""
+
+    listen: str = "/ip4/0.0.0.0/tcp/31337"
+    announce: tuple[str, ...] = ()
+    initial_peers: tuple[str, ...] = ()
+    identity: str | None = None
+    client_mode: bool = False
+    experts: str | None = None
+    expert_cls: str = "ffn"
+    hidden_dim: int = 1024
+    checkpoint_dir: str | None = None
+    metrics_port: int | None = None
+    log_level: str = "INFO"
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.hidden_dim <= 0:
+            raise ConfigError(f"--hidden-dim must be positive, got {self.hidden_dim}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be a TCP port, got {self.metrics_port}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.client_mode and self.experts:
+            raise ConfigError("a client-mode peer cannot serve experts (it accepts no connections)")
+
+
+_LIST_OPTIONS = {"announce", "initial_peers"}
+_BOOL_OPTIONS = {"client_mode"}
+_INT_OPTIONS = {"hidden_dim", "metrics_port"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the daemon's options; every default is None so that env and config can fill them."""
+    parser.add_argument("--config", help="TOML file with any of these options (keys as flag names)")
+    parser.add_argument("--listen", help="multiaddr to accept connections on (default /ip4/0.0.0.0/tcp/31337)")
+    parser.add_argument("--announce", action="append", help="multiaddr to advertise instead (repeatable)")
+    parser.add_argument("--initial-peers", action="append", nargs="+",
+                        help="multiaddrs of peers already in the swarm (…/p2p/<PeerID>)")
+    parser.add_argument("--identity", help="key file; created (0600) if missing, so the PeerID survives restarts")
+    parser.add_argument("--client-mode", action="store_const", const=True,
+                        help="only dial out (behind NAT, Colab): no server, not in others' routing tables")
+    parser.add_argument("--experts", help="expert UIDs to serve, e.g. 'ffn.[0:4].[0:4]'")
+    parser.add_argument("--expert-cls", help="expert class (ffn, transformer, nop, or a registered one)")
+    parser.add_argument("--hidden-dim", type=int, help="hidden size of served experts (default 1024)")
+    parser.add_argument("--checkpoint-dir", help="where experts are saved periodically and at shutdown")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for f in fields(PeerOptions):
+        raw = environ.get(f"SWARM_{f.name.upper()}")
+        if raw is None or raw == "":
+            continue
+        values[f.name] = _coerce(f.name, raw, f"environment variable SWARM_{f.name.upper()}")
+    return values
+
+
+def _coerce(name: str, raw: Any, where: str) -> Any:
+    try:
+        if name in _LIST_OPTIONS:
+            items = raw.replace(",", " ").split() if isinstance(raw, str) else list(raw)
+            return tuple(str(i) for i in items)
+        if name in _BOOL_OPTIONS:
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if name in _INT_OPTIONS:
+            return int(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: invalid value {raw!r} for {name}") from None
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    known = {f.name for f in fields(PeerOptions)} - {"extra"}
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"config file {path}: unknown option {key!r} (known: {', '.join(sorted(known))})")
+        values[name] = _coerce(name, raw, f"config file {path}")
+    return values
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> PeerOptions:
+    """Merges command line, environment and config file into `PeerOptions`."""
+    environ = os.environ if environ is None else environ
+    config_path = args.config or environ.get("SWARM_CONFIG")
+    merged = _from_file(config_path) if config_path else {}
+    merged.update(_from_env(environ))
+    for f in fields(PeerOptions):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        if f.name == "initial_peers":
+            value = tuple(a for group in value for item in group for a in item.replace(",", " ").split())
+        elif f.name == "announce":
+            value = tuple(value)
+        merged[f.name] = value
+    return PeerOptions(**merged)
+
+
+def to_argv(options: Mapping[str, Any]) -> Sequence[str]:  # pragma: no cover - convenience for scripts
+    argv: list[str] = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                argv += [flag, str(v)]
+        else:
+            argv += [flag, str(value)]
+    return argv

@@ -1,0 +1,109 @@
+"""`swarm-peer`: the daemon a volunteer runs (SPEC.md §3).
+
+On ready it prints each reachable multiaddr on its own stdout line and keeps serving.
+SIGINT/SIGTERM stop it cleanly (exit 0); a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from swarm.cli.config import PeerOptions, add_arguments, resolve
+from swarm.core.errors import SwarmError
+
+logger = logging.getLogger("swarm.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm-peer",
+        description="Run a swarm peer: join the DHT, serve experts, help average. "
+        "Every option can also be set as SWARM_<OPTION> or in a --config TOML file.",
+    )
+    add_arguments(parser)
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if level.upper() != "DEBUG":
+        logging.getLogger("asyncio").setLevel(logging.ERROR)
+
+
+def _attach_services(peer: object, options: PeerOptions) -> None:
+    """Starts what the options ask for beyond the bare peer (experts, metrics)."""
+    if options.experts:
+        from swarm.moe.cli import serve_experts  # imports torch only when experts are served
+
+        serve_experts(peer, options)
+    if options.metrics_port is not None:
+        from swarm.metrics import serve_metrics
+
+        serve_metrics(peer, options.metrics_port)
+
+
+def run_daemon(options: PeerOptions) -> int:
+    from swarm.peer import Peer
+
+    stop = threading.Event()
+    signals_seen = 0
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen > 1:
+            os._exit(128 + signum)
+        logger.info("received %s, shutting down (send it again to exit at once)", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    peer = Peer(
+        initial_peers=options.initial_peers,
+        listen=options.listen,
+        identity_path=options.identity,
+        client_mode=options.client_mode,
+        announce=options.announce,
+        role="expert-server" if options.experts else "peer",
+    )
+    try:
+        _attach_services(peer, options)
+        for addr in peer.addrs:
+            print(addr, flush=True)
+        if options.client_mode:
+            logger.info("client mode: peer %s dials out only", peer.peer_id)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        peer.shutdown()
+    logger.info("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "status":
+        from swarm.cli.status import main as status_main
+
+        return status_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        options = resolve(args)
+        _setup_logging(options.log_level)
+        return run_daemon(options)
+    except SwarmError as e:
+        print(f"swarm-peer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""Shared fixtures. `tests/procs.py` starts real peer processes."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,88 @@
+"""Real `swarm-peer` processes for tests: start, read the addresses they print, signal, collect output."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+
+class PeerProcess:
+    """`python -m swarm ARGS` with stdout/stderr captured; `addrs` are the lines printed on ready."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, cwd: str | None = None,
+                 ready_timeout: float = 20.0, expect_addrs: int = 1) -> None:
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swarm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=full_env, cwd=cwd, text=True,
+        )
+        self.addrs: list[str] = []
+        if expect_addrs:
+            self.addrs = self.read_lines(expect_addrs, ready_timeout)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def read_lines(self, count: int, timeout: float) -> list[str]:
+        """Reads `count` stdout lines, failing with the process's stderr if they do not come in time."""
+        lines: list[str] = []
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while len(lines) < count:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self.kill()
+                    raise TimeoutError(f"peer printed {lines} within {timeout} s; stderr:\n{self.stderr_text()}")
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"peer exited ({self.proc.wait()}); stderr:\n{self.stderr_text()}")
+                lines.append(line.rstrip("\n"))
+        return lines
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 15.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stderr_text(self) -> str:
+        if self.proc.poll() is None:
+            return "(still running)"
+        return self.proc.stderr.read() if self.proc.stderr else ""
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+
+
+def start_peers(count: int, *extra: str, args_for: Sequence[Sequence[str]] | None = None) -> list[PeerProcess]:
+    """Starts `count` peers on loopback; each after the first bootstraps from the first."""
+    peers: list[PeerProcess] = []
+    for i in range(count):
+        args = ["--listen", "/ip4/127.0.0.1/tcp/0", *extra, *(args_for[i] if args_for else ())]
+        if peers:
+            args += ["--initial-peers", peers[0].addrs[0]]
+        peers.append(PeerProcess(*args))
+    return peers
