@@ -40,6 +40,8 @@ class Peer:
         identity_path: file keeping this peer's key, so its PeerID survives restarts (0600, locked).
         client_mode: only dial out (Colab, behind NAT): no server, never in others' routing tables.
         announce: addresses to advertise instead of the listen address (public IP, DNS name).
+        loop: share another peer's event-loop thread (many peers in one process, e.g. simulations);
+            by default each peer owns its loop.
         start: start serving now; with False, call `await peer.astart()` from an event loop.
     """
 
@@ -56,6 +58,7 @@ class Peer:
         server_config: ServerConfig | None = None,
         channel_config: ChannelConfig | None = None,
         dht_config: Any = None,
+        loop: LoopThread | None = None,
         start: bool = True,
     ) -> None:
         self.initial_peers = [Multiaddr.parse(a) for a in initial_peers]
@@ -77,7 +80,8 @@ class Peer:
         self.dht: Any = None
         self._dht_config = dht_config
         self._components: list[Component] = []
-        self.loop = LoopThread(name=f"swarm-{self.peer_id[-6:]}")
+        self._owns_loop = loop is None
+        self.loop = loop or LoopThread(name=f"swarm-{self.peer_id[-6:]}")
         self._closed = False
         tune_malloc()
         if start:
@@ -147,7 +151,8 @@ class Peer:
                 self.loop.run(self.ashutdown(), timeout=30)
         finally:
             self._closed = True
-            self.loop.stop()
+            if self._owns_loop:
+                self.loop.stop()
             if self._identity_file is not None:
                 self._identity_file.release()
 

@@ -1,0 +1,370 @@
+"""What one DHT node stores: values with expiration times, plain or as dictionaries of subkeys.
+
+The rules (SPEC.md §4) in one place:
+
+- Every value carries an expiration time; an expired value (or subkey) is never returned and is
+  purged lazily on access and by `remove_outdated()` (a heap, so a purge costs O(log n) per
+  expired record).
+- A store with a later expiration replaces an earlier one; a store whose expiration is earlier
+  than or equal to the stored one is refused (returns False) and changes nothing, so replicas
+  that see the same stores in any order converge (Kademlia §2.5 republishing stays idempotent).
+- A key may hold a dictionary of subkeys, each with its own value and expiration; the
+  dictionary's expiration is the latest of its subkeys'.
+- Plain value vs dictionary: the incoming record is compared with the stored record's overall
+  expiration. A plain value replaces a dictionary only if it expires later than every subkey;
+  a subkey (or a whole dictionary) replaces a plain value only if it expires later than it.
+  Ties keep what is stored.
+
+Keys are the 32-byte DHT keys (`DHTID.to_bytes()`), subkeys their serialized form
+(`swarm.dht.keys.serialize_subkey`), and values the serialized bytes exactly as they arrived,
+so a node can forward them (signatures included) untouched.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import msgpack
+
+_NEVER = -math.inf
+
+
+class ValueWithExpiration(NamedTuple):
+    """A value and the time (seconds since the epoch) after which it no longer exists.
+
+    `value` is serialized bytes for a plain value and a `DictionaryValue` for a dictionary.
+    """
+
+    value: Any
+    expiration_time: float
+
+
+class _ExpiringMap:
+    """A dict whose entries carry expiration times, with a lazy min-heap over them.
+
+    A heap entry (expiration, key) is live only while the entry's current expiration still
+    equals it; stale entries are skipped when popped and the heap is rebuilt when mostly stale.
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[bytes, ValueWithExpiration] = {}
+        self._heap: list[tuple[float, bytes]] = []
+
+    def _set(self, key: bytes, value: Any, expiration_time: float) -> None:
+        self._data[key] = ValueWithExpiration(value, expiration_time)
+        heapq.heappush(self._heap, (expiration_time, key))
+        if len(self._heap) > 2 * len(self._data) + 64:
+            self._heap = [(entry.expiration_time, k) for k, entry in self._data.items()]
+            heapq.heapify(self._heap)
+
+    def _is_live_heap_entry(self, expiration_time: float, key: bytes) -> bool:
+        entry = self._data.get(key)
+        return entry is not None and entry.expiration_time == expiration_time
+
+    def _pop_soonest(self) -> tuple[bytes, ValueWithExpiration] | None:
+        while self._heap:
+            expiration_time, key = heapq.heappop(self._heap)
+            if self._is_live_heap_entry(expiration_time, key):
+                return key, self._data.pop(key)
+        return None
+
+    def _soonest_expiration(self) -> float | None:
+        while self._heap and not self._is_live_heap_entry(*self._heap[0]):
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+    def _remove_outdated(self, now: float) -> None:
+        while self._heap and self._heap[0][0] <= now:
+            expiration_time, key = heapq.heappop(self._heap)
+            if self._is_live_heap_entry(expiration_time, key):
+                del self._data[key]
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+
+class DictionaryValue(_ExpiringMap):
+    """A dictionary value: serialized subkey -> `ValueWithExpiration` of serialized bytes.
+
+    Each subkey follows the store rule on its own; the dictionary expires with its latest
+    subkey (`latest_expiration_time`). It keeps expired subkeys until `remove_outdated(now)`;
+    `DHTLocalStorage` purges them before handing a dictionary out.
+    """
+
+    def __init__(self, items: Iterable[tuple[bytes, bytes, float]] = ()) -> None:
+        super().__init__()
+        self._latest = _NEVER
+        for subkey, value, expiration_time in items:
+            self.store(subkey, value, expiration_time)
+
+    @property
+    def latest_expiration_time(self) -> float:
+        """The latest expiration of any subkey (-inf when empty): the dictionary's expiration."""
+        return self._latest
+
+    def store(self, subkey: bytes, value: bytes, expiration_time: float) -> bool:
+        """Stores a subkey unless it already holds one expiring later or at the same time."""
+        _check_bytes(subkey=subkey, value=value)
+        _check_expiration(expiration_time)
+        current = self._data.get(subkey)
+        if current is not None and current.expiration_time >= expiration_time:
+            return False
+        self._set(subkey, value, expiration_time)
+        self._latest = max(self._latest, expiration_time)
+        return True
+
+    def get(self, subkey: bytes) -> ValueWithExpiration | None:
+        return self._data.get(subkey)
+
+    def items(self) -> Iterator[tuple[bytes, ValueWithExpiration]]:
+        return iter(list(self._data.items()))
+
+    def remove_outdated(self, now: float) -> None:
+        """Drops subkeys that expired at or before `now`."""
+        self._remove_outdated(now)
+        if not self._data:
+            self._latest = _NEVER
+
+    def copy(self) -> DictionaryValue:
+        return DictionaryValue((k, v.value, v.expiration_time) for k, v in self._data.items())
+
+    def packb(self) -> bytes:
+        """Serializes to msgpack `[[subkey, value, expiration_time], ...]` for the wire."""
+        return msgpack.packb(
+            [[k, v.value, float(v.expiration_time)] for k, v in self._data.items()], use_bin_type=True
+        )
+
+    @classmethod
+    def unpackb(cls, data: bytes) -> DictionaryValue:
+        """Parses `packb` output.
+
+        Raises:
+            ValueError: `data` is not a serialized dictionary value.
+        """
+        try:
+            rows = msgpack.unpackb(data, raw=False)
+        except (ValueError, TypeError) as e:  # msgpack's errors for bad input
+            raise ValueError(f"not a serialized dictionary value: {e}") from e
+        result = cls()
+        for row in rows if isinstance(rows, list) else [rows]:
+            if not (
+                isinstance(row, list)
+                and len(row) == 3
+                and isinstance(row[0], bytes)
+                and isinstance(row[1], bytes)
+                and isinstance(row[2], int | float)
+                and not isinstance(row[2], bool)
+            ):
+                raise ValueError(f"not a serialized dictionary value: bad row {row!r:.80}")
+            result.store(row[0], row[1], float(row[2]))
+        return result
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DictionaryValue):
+            return NotImplemented
+        return self._data == other._data
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"DictionaryValue({dict(self._data)!r})"
+
+
+class DHTLocalStorage(_ExpiringMap):
+    """The records this node is responsible for (Kademlia §2.3 STORE targets).
+
+    Args:
+        max_size: Most records (keys) to hold; when full, the record expiring soonest is
+            evicted to make room, and a new record expiring no later than it is refused.
+            None: unbounded.
+        clock: Time source.
+    """
+
+    def __init__(self, max_size: int | None = None, clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
+        if max_size is not None and max_size < 1:
+            raise ValueError(f"max_size must be >= 1 or None, got {max_size}")
+        self.max_size = max_size
+        self._clock = clock
+
+    def store(self, key: bytes, value: bytes, expiration_time: float, subkey: bytes | None = None) -> bool:
+        """Stores a plain value, or one subkey of a dictionary value.
+
+        Args:
+            key: The 32-byte DHT key.
+            value: The serialized value.
+            expiration_time: When the value stops existing.
+            subkey: The serialized subkey, or None (or empty bytes) for a plain value.
+
+        Returns:
+            True if stored; False if already expired or not newer than what is stored (see
+            the module docstring for plain-vs-dictionary), or refused for lack of space.
+        """
+        _check_bytes(key=key, value=value)
+        if subkey is not None and not isinstance(subkey, bytes):
+            raise TypeError(f"subkey must be bytes or None, got {type(subkey).__name__}")
+        _check_expiration(expiration_time)
+        now = self._clock()
+        if expiration_time <= now:
+            return False
+        current = self._live(key, now)
+        if not subkey:
+            if current is not None and current.expiration_time >= expiration_time:
+                return False
+            return self._put(key, value, expiration_time, is_new=current is None, now=now)
+        if current is None or not isinstance(current.value, DictionaryValue):
+            if current is not None and current.expiration_time >= expiration_time:
+                return False
+            dictionary = DictionaryValue([(subkey, value, expiration_time)])
+            return self._put(key, dictionary, expiration_time, is_new=current is None, now=now)
+        dictionary = current.value
+        if not dictionary.store(subkey, value, expiration_time):
+            return False
+        if dictionary.latest_expiration_time > current.expiration_time:
+            self._set(key, dictionary, dictionary.latest_expiration_time)
+        return True
+
+    def store_dictionary(self, key: bytes, dictionary: DictionaryValue) -> bool:
+        """Merges a whole dictionary value (for example, one received from another node).
+
+        A stored dictionary takes each subkey by the per-subkey rule; a stored plain value is
+        replaced by the dictionary only if the dictionary expires later.
+
+        Returns:
+            True if anything was stored.
+        """
+        _check_bytes(key=key)
+        if not isinstance(dictionary, DictionaryValue):
+            raise TypeError(f"dictionary must be a DictionaryValue, got {type(dictionary).__name__}")
+        now = self._clock()
+        incoming = dictionary.copy()
+        incoming.remove_outdated(now)
+        if not len(incoming):
+            return False
+        current = self._live(key, now)
+        if current is None or not isinstance(current.value, DictionaryValue):
+            if current is not None and current.expiration_time >= incoming.latest_expiration_time:
+                return False
+            return self._put(key, incoming, incoming.latest_expiration_time, is_new=current is None, now=now)
+        stored_any = False
+        for subkey, (value, expiration_time) in incoming.items():
+            stored_any = self.store(key, value, expiration_time, subkey=subkey) or stored_any
+        return stored_any
+
+    def get(self, key: bytes) -> ValueWithExpiration | None:
+        """The live record under `key`: bytes, or a `DictionaryValue` copy holding live subkeys only."""
+        now = self._clock()
+        current = self._live(key, now)
+        if current is None or not isinstance(current.value, DictionaryValue):
+            return current
+        return ValueWithExpiration(current.value.copy(), current.expiration_time)
+
+    def items(self) -> Iterator[tuple[bytes, ValueWithExpiration]]:
+        """Every live record, as `get` would return it (a snapshot)."""
+        now = self._clock()
+        self.remove_outdated()
+        for key in list(self._data):
+            record = self._live(key, now)
+            if record is None:
+                continue
+            if isinstance(record.value, DictionaryValue):
+                record = ValueWithExpiration(record.value.copy(), record.expiration_time)
+            yield key, record
+
+    def remove_outdated(self) -> None:
+        """Purges every record that has expired."""
+        self._remove_outdated(self._clock())
+
+    def _live(self, key: bytes, now: float) -> ValueWithExpiration | None:
+        """The stored record if it has not expired (purging it, or its expired subkeys, if so)."""
+        record = self._data.get(key)
+        if record is None:
+            return None
+        if record.expiration_time <= now:
+            del self._data[key]  # its heap entry goes stale and is skipped later
+            return None
+        if isinstance(record.value, DictionaryValue):
+            record.value.remove_outdated(now)
+        return record
+
+    def _put(self, key: bytes, value: Any, expiration_time: float, is_new: bool, now: float) -> bool:
+        if is_new and self.max_size is not None and len(self._data) >= self.max_size:
+            self._remove_outdated(now)
+            if len(self._data) >= self.max_size:
+                soonest = self._soonest_expiration()
+                if soonest is not None and soonest >= expiration_time:
+                    return False  # it would be the first to go
+                self._pop_soonest()
+        self._set(key, value, expiration_time)
+        return True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(records={len(self)}, max_size={self.max_size})"
+
+
+class CacheStorage(DHTLocalStorage):
+    """Values cached from lookups (Kademlia §2.3 caching), kept apart from `DHTLocalStorage`.
+
+    Same rules; bounded by default so caching can never crowd out the records this node is
+    responsible for. The caller picks a cached value's expiration (§2.3: shorter the farther
+    this node is from the key) and never republishes cached values.
+    """
+
+    def __init__(self, max_size: int | None = 10_000, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(max_size=max_size, clock=clock)
+
+
+def latest(a: ValueWithExpiration | None, b: ValueWithExpiration | None) -> ValueWithExpiration | None:
+    """The one of two results that expires later (`a` on a tie); None only if both are None."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return b if b.expiration_time > a.expiration_time else a
+
+
+def merge(a: ValueWithExpiration | None, b: ValueWithExpiration | None) -> ValueWithExpiration | None:
+    """Combines two nodes' answers for one key, by the same rules as `DHTLocalStorage`.
+
+    Two dictionaries merge subkey by subkey (the later expiration of each subkey wins);
+    otherwise the record expiring later wins, `a` on a tie. Neither input is modified.
+    """
+    if (
+        a is not None
+        and b is not None
+        and isinstance(a.value, DictionaryValue)
+        and isinstance(b.value, DictionaryValue)
+    ):
+        merged = a.value.copy()
+        for subkey, (value, expiration_time) in b.value.items():
+            merged.store(subkey, value, expiration_time)
+        return ValueWithExpiration(merged, merged.latest_expiration_time)
+    return latest(a, b)
+
+
+def merge_all(results: Iterable[ValueWithExpiration | None]) -> ValueWithExpiration | None:
+    """Folds `merge` over any number of answers (None for nodes that had nothing)."""
+    merged: ValueWithExpiration | None = None
+    for result in results:
+        merged = merge(merged, result)
+    return merged
+
+
+def _check_bytes(**values: object) -> None:
+    for name, value in values.items():
+        if not isinstance(value, bytes):
+            raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
+
+
+def _check_expiration(expiration_time: float) -> None:
+    if isinstance(expiration_time, bool) or not isinstance(expiration_time, int | float):
+        raise TypeError(f"expiration_time must be a number, got {type(expiration_time).__name__}")
+    if math.isnan(expiration_time):
+        raise ValueError("expiration_time is NaN")
