@@ -1,0 +1,388 @@
+"""ExpertBackend: one expert's module, optimizer and schemas, as a server hosts it.
+
+Experts are trained where they live: a backward call computes the gradients w.r.t. the
+inputs for the caller *and* applies the expert's own optimizer step to its parameters.
+
+Threading: `ExpertBackend.forward` and `ExpertBackend.backward` are called from ONE thread,
+the runtime's compute thread (`swarm.moe.runtime.Runtime`); they are not safe to call
+concurrently with each other. `state_dict` and `load_state_dict` may be called from any
+thread (e.g. a checkpoint saver): they take a lock that the parameter update in `backward`
+also holds, so a snapshot never sees a half-applied optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarm.core.errors import InvalidRequest, MoEError
+
+__all__ = ["ExpertBackend", "TensorSchema"]
+
+
+@dataclass(frozen=True)
+class TensorSchema:
+    """The shape (without the batch dimension) and dtype that one tensor argument must have.
+
+    Attributes:
+        shape_without_batch: the shape of one row, e.g. ``(1024,)`` for a ``(batch, 1024)`` input.
+        dtype: the exact dtype, e.g. ``torch.float32``.
+    """
+
+    shape_without_batch: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.shape_without_batch)
+        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+            raise ValueError(f"shape_without_batch must hold non-negative ints, got {shape!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+        object.__setattr__(self, "shape_without_batch", shape)
+
+    @classmethod
+    def like(cls, tensor: torch.Tensor) -> TensorSchema:
+        """Builds the schema of a batched sample tensor (its first dimension is the batch)."""
+        if tensor.dim() < 1:
+            raise ValueError("a sample tensor needs a leading batch dimension")
+        return cls(tuple(tensor.shape[1:]), tensor.dtype)
+
+    def validate(
+        self, tensor: Any, max_batch: int, *, check_finite: bool = True, what: str = "tensor"
+    ) -> None:
+        """Checks that `tensor` is a batch this schema accepts.
+
+        Args:
+            tensor: the candidate batch, shape ``(batch, *shape_without_batch)``.
+            max_batch: the largest batch size accepted.
+            check_finite: also reject NaN and infinite values (a full pass over the data).
+            what: how error messages name the tensor, e.g. ``"input 0 of ffn.0.0"``.
+
+        Raises:
+            InvalidRequest: not a tensor, wrong dtype or shape, an empty or too large batch,
+                or (with `check_finite`) NaN/Inf values.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidRequest(f"{what}: expected a tensor, got {type(tensor).__name__}")
+        if tensor.dtype != self.dtype:
+            raise InvalidRequest(
+                f"{what}: expected dtype {dtype_name(self.dtype)}, got {dtype_name(tensor.dtype)}"
+            )
+        expected = ("batch", *self.shape_without_batch)
+        if tensor.dim() != len(expected) or tuple(tensor.shape[1:]) != self.shape_without_batch:
+            raise InvalidRequest(
+                f"{what}: expected shape ({', '.join(map(str, expected))}), got {tuple(tensor.shape)}"
+            )
+        batch = tensor.shape[0]
+        if batch < 1:
+            raise InvalidRequest(f"{what}: the batch is empty")
+        if batch > max_batch:
+            raise InvalidRequest(f"{what}: batch of {batch} rows exceeds the limit of {max_batch}")
+        inexact = tensor.is_floating_point() or tensor.is_complex()
+        if check_finite and inexact and not bool(torch.isfinite(tensor).all()):
+            raise InvalidRequest(f"{what}: contains NaN or infinite values")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a msgpack-friendly form: ``{"shape": [...], "dtype": "float32"}``."""
+        return {"shape": list(self.shape_without_batch), "dtype": dtype_name(self.dtype)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorSchema:
+        """Parses the form `to_dict` produces.
+
+        Raises:
+            ValueError: the dict is malformed or names an unknown dtype.
+        """
+        try:
+            shape, name = data["shape"], data["dtype"]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed tensor schema {data!r}") from e
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {name!r} in tensor schema")  # noqa: TRY004 - bad value
+        if not isinstance(shape, (list, tuple)):
+            raise ValueError(f"malformed shape {shape!r} in tensor schema")  # noqa: TRY004 - bad value
+        return cls(tuple(shape), dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Returns the short name of a dtype, e.g. ``"float32"`` for ``torch.float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
+class ExpertBackend:
+    """Hosts one expert: runs forward passes and trains it on backward passes.
+
+    Args:
+        name: the expert's UID, used in messages and checkpoints.
+        module: the expert's network; called as ``module(*inputs)`` and returning a tensor
+            or a tuple of tensors, each with the batch as its first dimension.
+        optimizer: the expert's own optimizer over ``module``'s parameters; ``None`` for an
+            expert without trainable parameters.
+        scheduler: an optional learning-rate scheduler, stepped after each optimizer step.
+        args_schema: one schema per input tensor.
+        outputs_schema: one schema per output tensor.
+        max_batch_size: the largest batch `forward`/`backward` accept.
+        clip_grad_norm: if set, clip the parameters' gradient norm to this before each step.
+
+    Raises:
+        ValueError: an argument is invalid.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        *,
+        args_schema: Sequence[TensorSchema],
+        outputs_schema: Sequence[TensorSchema],
+        max_batch_size: int,
+        clip_grad_norm: float | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"expert name must be a non-empty str, got {name!r}")
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if scheduler is not None and optimizer is None:
+            raise ValueError("a scheduler needs an optimizer")
+        for label, schemas in (("args_schema", args_schema), ("outputs_schema", outputs_schema)):
+            if not schemas or not all(isinstance(s, TensorSchema) for s in schemas):
+                raise ValueError(f"{label} must be a non-empty sequence of TensorSchema")
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be positive or None, got {clip_grad_norm!r}")
+        self.name = name
+        self.module = module
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.args_schema = tuple(args_schema)
+        self.outputs_schema = tuple(outputs_schema)
+        self.max_batch_size = max_batch_size
+        self.clip_grad_norm = clip_grad_norm
+        self.updates = 0
+        """How many optimizer steps this expert has taken (saved in checkpoints)."""
+        self._state_lock = threading.Lock()
+
+    # ---- validation -------------------------------------------------------------------------
+
+    def validate_forward_inputs(self, inputs: Sequence[Any], *, check_finite: bool = True) -> None:
+        """Checks the arguments of a forward call (one task or a whole batch).
+
+        Raises:
+            InvalidRequest: wrong number of tensors, a tensor that fails its schema, or
+                tensors whose batch sizes differ.
+        """
+        self._validate(inputs, self.args_schema, "input", check_finite)
+
+    def validate_backward_inputs(self, inputs: Sequence[Any], *, check_finite: bool = True) -> None:
+        """Checks the arguments of a backward call: the inputs, then one gradient per output.
+
+        Raises:
+            InvalidRequest: as `validate_forward_inputs`, for inputs and gradients together.
+        """
+        self._validate(inputs, self.args_schema + self.outputs_schema, "argument", check_finite)
+
+    def _validate(
+        self, tensors: Sequence[Any], schemas: tuple[TensorSchema, ...], label: str, check_finite: bool
+    ) -> None:
+        if len(tensors) != len(schemas):
+            raise InvalidRequest(f"expert {self.name} expects {len(schemas)} tensors, got {len(tensors)}")
+        for i, (tensor, schema) in enumerate(zip(tensors, schemas)):
+            what = f"{label} {i} of expert {self.name}"
+            if i >= len(self.args_schema):
+                what = f"gradient {i - len(self.args_schema)} of expert {self.name}"
+            schema.validate(tensor, self.max_batch_size, check_finite=check_finite, what=what)
+        batches = {t.shape[0] for t in tensors}
+        if len(batches) > 1:
+            raise InvalidRequest(
+                f"expert {self.name}: all tensors must share the batch size, got {sorted(batches)}"
+            )
+
+    # ---- compute (compute thread only) --------------------------------------------------------
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Runs the expert on a batch, without building a graph.
+
+        Shapes and dtypes are checked here (cheaply); finiteness is the caller's to check
+        per task with `validate_forward_inputs`, so one bad task never fails a whole batch.
+
+        Args:
+            *inputs: one tensor per `args_schema` entry, sharing the batch size.
+
+        Returns:
+            One tensor per `outputs_schema` entry.
+
+        Raises:
+            InvalidRequest: the inputs do not match the schemas.
+            MoEError: the module returned outputs that do not match `outputs_schema`.
+        """
+        self.validate_forward_inputs(inputs, check_finite=False)
+        with torch.no_grad():
+            outputs = self._as_tuple(self.module(*inputs))
+        self._check_outputs(outputs, inputs[0].shape[0])
+        return outputs
+
+    def backward(self, *inputs_and_grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Returns the gradients w.r.t. the inputs, and trains the expert on them.
+
+        Recomputes the forward pass with gradients enabled, backpropagates the gradients of
+        the outputs, then (optionally) clips the parameters' gradient norm, takes one
+        optimizer step and one scheduler step, and clears the gradients. The recomputed
+        forward is assumed to equal the one the caller saw: experts should not use dropout.
+
+        Args:
+            *inputs_and_grads: the inputs (one per `args_schema` entry) followed by the
+                gradients of the loss w.r.t. the outputs (one per `outputs_schema` entry).
+
+        Returns:
+            One gradient per input, shaped like it (zeros for non-floating inputs and for
+            inputs the outputs do not depend on).
+
+        Raises:
+            InvalidRequest: the tensors do not match the schemas.
+            MoEError: the module returned outputs that do not match `outputs_schema`.
+        """
+        self.validate_backward_inputs(inputs_and_grads, check_finite=False)
+        num_inputs = len(self.args_schema)
+        inputs = [
+            x.detach().requires_grad_(x.is_floating_point() or x.is_complex())
+            for x in inputs_and_grads[:num_inputs]
+        ]
+        grad_outputs = inputs_and_grads[num_inputs:]
+        try:
+            with torch.enable_grad():
+                outputs = self._as_tuple(self.module(*inputs))
+                self._check_outputs(outputs, inputs[0].shape[0])
+                pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        except BaseException:
+            self.module.zero_grad(set_to_none=True)  # never let a failed call leak into the next step
+            raise
+        grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs)
+        self._apply_update()
+        return tuple(g.detach() for g in grads)
+
+    def _apply_update(self) -> None:
+        with self._state_lock:
+            if self.optimizer is not None:
+                if self.clip_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.module.zero_grad(set_to_none=True)
+            self.updates += 1
+
+    @staticmethod
+    def _as_tuple(outputs: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+
+    def _check_outputs(self, outputs: tuple[Any, ...], batch: int) -> None:
+        if len(outputs) != len(self.outputs_schema):
+            raise MoEError(
+                f"expert {self.name} returned {len(outputs)} outputs, its schema declares "
+                f"{len(self.outputs_schema)}"
+            )
+        for i, (out, schema) in enumerate(zip(outputs, self.outputs_schema)):
+            if (
+                not isinstance(out, torch.Tensor)
+                or out.dtype != schema.dtype
+                or tuple(out.shape) != (batch, *schema.shape_without_batch)
+            ):
+                got = (
+                    f"{dtype_name(out.dtype)} {tuple(out.shape)}"
+                    if isinstance(out, torch.Tensor)
+                    else type(out).__name__
+                )
+                raise MoEError(
+                    f"expert {self.name} output {i} is {got}, its schema declares "
+                    f"{dtype_name(schema.dtype)} {(batch, *schema.shape_without_batch)}"
+                )
+
+    # ---- description and state ----------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """Describes the expert for clients, in a msgpack-friendly dict.
+
+        Returns:
+            ``{"name", "class", "args_schema", "outputs_schema", "max_batch_size",
+            "num_parameters"}``; schemas are lists of `TensorSchema.to_dict` forms.
+        """
+        return {
+            "name": self.name,
+            "class": type(self.module).__name__,
+            "args_schema": [s.to_dict() for s in self.args_schema],
+            "outputs_schema": [s.to_dict() for s in self.outputs_schema],
+            "max_batch_size": self.max_batch_size,
+            "num_parameters": sum(p.numel() for p in self.module.parameters()),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns a consistent snapshot (a deep copy) of module, optimizer and scheduler state.
+
+        Safe to call from any thread while the compute thread trains the expert.
+        """
+        with self._state_lock:
+            return copy.deepcopy(
+                {
+                    "module": self.module.state_dict(),
+                    "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                    "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                    "updates": self.updates,
+                }
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the state `state_dict` returned; all of it or nothing.
+
+        Call it before the runtime serves this expert (not concurrently with `forward`).
+
+        Raises:
+            ValueError: the state is malformed or does not fit this expert (missing keys,
+                wrong shapes, an optimizer or scheduler state where none exists or vice
+                versa); the expert is left as it was.
+        """
+        if not isinstance(state, dict) or not {"module", "optimizer", "scheduler"} <= state.keys():
+            raise ValueError(f"expert {self.name}: state must have module, optimizer and scheduler")
+        for key, target in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
+            if (state[key] is None) != (target is None):
+                raise ValueError(
+                    f"expert {self.name}: the state {'lacks' if state[key] is None else 'has'} "
+                    f"{key} state but the expert {'has' if target is not None else 'has no'} {key}"
+                )
+        with self._state_lock:
+            backup = copy.deepcopy(
+                {
+                    "module": self.module.state_dict(),
+                    "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                    "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                }
+            )
+            try:
+                self._load(state)
+                self.updates = int(state.get("updates", 0))
+            except Exception as e:
+                self._load(backup)
+                raise ValueError(f"expert {self.name}: state does not fit: {e}") from e
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["module"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def __repr__(self) -> str:
+        return f"ExpertBackend({self.name!r}, {type(self.module).__name__}, updates={self.updates})"
