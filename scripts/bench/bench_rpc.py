@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""RPC benchmark (issue: foundation). One run reports, between two peer processes on loopback:
+
+  * small unary RPC round trip, p50/p99 (authenticated, through swarm's channel pool);
+  * tensor streaming throughput for a 256 MB float32 tensor (header + 1 MiB raw chunks,
+    received into a preallocated buffer), beside a raw uvloop TCP socket pair moving the
+    same bytes in the same run (the ceiling);
+  * peer start-up: launch of `python -m swarm` until its address line is printed.
+
+Usage: .venv/bin/python scripts/bench/bench_rpc.py [--mb 256] [--calls 2000] [--starts 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SINK = "/bench.Bench/Sink"
+PING = "/bench.Bench/Ping"
+
+
+def serve_peer() -> None:
+    from swarm.net.streaming import TensorReceiver
+    from swarm.peer import Peer
+
+    peer = Peer(listen="/ip4/127.0.0.1/tcp/0")
+
+    async def ping(request: bytes, ctx):
+        return request
+
+    async def sink(requests, ctx):
+        receiver = None
+        async for message in requests:
+            if receiver is None:
+                receiver = TensorReceiver(message, max_bytes=4 << 30)
+            else:
+                receiver.feed(message)
+        return str(receiver.total_bytes).encode()
+
+    peer.server.add_unary(PING, ping)
+    peer.server.add_stream_unary(SINK, sink)
+    print(peer.addrs[0], flush=True)
+    sys.stdin.read()
+    peer.shutdown()
+
+
+def client_peer(addr: str, mb: int, calls: int, rounds: int) -> None:
+    import torch
+
+    from swarm.net.streaming import tensors_to_messages
+    from swarm.peer import Peer
+
+    peer = Peer(client_mode=True)
+    tensor = torch.randn(mb * (1 << 20) // 4)
+
+    async def go() -> dict:
+        ch = peer.pool.get(addr)
+        await ch.unary(PING, b"x")
+        for _ in range(200):
+            await ch.unary(PING, b"x" * 32)
+        lat = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            await ch.unary(PING, b"x" * 32)
+            lat.append(time.perf_counter() - t0)
+        lat.sort()
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            await ch.stream_unary(SINK, tensors_to_messages([tensor]), timeout=120)
+            times.append(time.perf_counter() - t0)
+        return {"p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
+                "stream_s": statistics.median(times)}
+
+    print(json.dumps(peer.run(go())), flush=True)
+    peer.shutdown()
+
+
+def raw_server() -> None:
+    import uvloop
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            header = await reader.readexactly(8)
+            left = int.from_bytes(header, "big")
+            buf = bytearray(left)
+            view = memoryview(buf)
+            pos = 0
+            while pos < left:
+                chunk = await reader.read(min(1 << 20, left - pos))
+                if not chunk:
+                    break
+                view[pos:pos + len(chunk)] = chunk
+                pos += len(chunk)
+            writer.write(b"k")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        done.set()
+        server.close()
+
+    uvloop.run(main())
+
+
+def raw_client(port: int, mb: int, rounds: int) -> None:
+    import torch
+    import uvloop
+
+    data = torch.randn(mb * (1 << 20) // 4).numpy().view("uint8")
+
+    async def main() -> float:
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(len(data).to_bytes(8, "big"))
+            view = memoryview(data)
+            for off in range(0, len(data), 1 << 20):
+                writer.write(view[off:off + (1 << 20)])
+                await writer.drain()
+            await reader.readexactly(1)
+            writer.close()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    print(json.dumps({"stream_s": uvloop.run(main())}), flush=True)
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def measure_startup(starts: int) -> list[float]:
+    times = []
+    for _ in range(starts):
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0",
+                                 "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
+        line = proc.stdout.readline()
+        times.append(time.perf_counter() - t0)
+        assert line.startswith("/ip4/"), line
+        proc.terminate()
+        proc.wait(10)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", default="main")
+    parser.add_argument("--addr")
+    parser.add_argument("--mb", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--starts", type=int, default=5)
+    args = parser.parse_args()
+    if args.role == "server":
+        return serve_peer()
+    if args.role == "client":
+        return client_peer(args.addr, args.mb, args.calls, args.rounds)
+    if args.role == "raw-server":
+        return raw_server()
+    if args.role == "raw-client":
+        return raw_client(int(args.addr), args.mb, args.rounds)
+
+    server = spawn("--role", "server")
+    addr = server.stdout.readline().strip()
+    client = spawn("--role", "client", "--addr", addr, "--mb", str(args.mb), "--calls", str(args.calls),
+                   "--rounds", str(args.rounds))
+    grpc_result = json.loads(client.stdout.readline())
+    client.wait()
+    server.stdin.close()
+    server.wait()
+
+    raw = spawn("--role", "raw-server")
+    port = raw.stdout.readline().strip()
+    raw_client_proc = spawn("--role", "raw-client", "--addr", port, "--mb", str(args.mb), "--rounds", str(args.rounds))
+    raw_result = json.loads(raw_client_proc.stdout.readline())
+    raw_client_proc.wait()
+    raw.stdin.close()
+    raw.wait()
+
+    startup = measure_startup(args.starts)
+    nbytes = args.mb * (1 << 20)
+    grpc_gbs = nbytes / grpc_result["stream_s"] / 1e9
+    raw_gbs = nbytes / raw_result["stream_s"] / 1e9
+    print(f"unary RPC round trip p50: {grpc_result['p50_ms']:.3f} ms (goal <= 0.5 ms)")
+    print(f"unary RPC round trip p99: {grpc_result['p99_ms']:.3f} ms")
+    print(f"stream {args.mb} MB float32, swarm/grpc: {grpc_gbs:.2f} GB/s ({grpc_result['stream_s']:.3f} s)")
+    print(f"stream {args.mb} MB, raw uvloop TCP (baseline): {raw_gbs:.2f} GB/s ({raw_result['stream_s']:.3f} s)")
+    print(f"stream swarm/raw ratio: {grpc_gbs / raw_gbs:.0%} (goal >= 60%)")
+    print(f"peer start-up to addresses printed: median {statistics.median(startup):.2f} s, "
+          f"max {max(startup):.2f} s over {len(startup)} starts (goal <= 1.5 s)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
