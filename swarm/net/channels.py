@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 from swarm.core.errors import ConfigError, InvalidRequest, RPCError, Unauthenticated
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
+from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
 from swarm.net.auth import TicketSigner, check_handshake
 from swarm.net.errors import from_grpc_error
 from swarm.proto import peer_pb2
@@ -115,10 +116,17 @@ class PeerChannel:
         if callable_ is None:
             callable_ = self._unary[method] = self.channel.unary_unary(method)
         payload = request if isinstance(request, bytes) else request.SerializeToString()
+        stats = self.pool.metrics.method(method)  # metrics (issue #7)
+        started, ok = stats.start(), False  # metrics
+        stats.sent.value += len(payload)  # metrics
         try:
             data = await callable_(payload, timeout=timeout or self.pool.config.default_timeout, metadata=metadata)
+            stats.received.value += len(data)  # metrics
+            ok = True
         except grpc.aio.AioRpcError as e:
             raise from_grpc_error(e, self.peer_id or str(self.addr), method) from None
+        finally:
+            stats.finish(started, ok)  # metrics
         if response_type is None:
             return data
         try:
@@ -132,28 +140,42 @@ class PeerChannel:
     ) -> AsyncIterator[bytes]:
         """Bidirectional stream of raw-bytes messages; yields responses; errors become `RPCError`."""
         await self.verify()
+        stats = self.pool.metrics.method(method)  # metrics (issue #7)
+        started, ok = stats.start(), False  # metrics
         call = self.channel.stream_stream(method)(
-            requests, timeout=timeout or self.pool.config.default_timeout, metadata=self._metadata()
+            _counted(requests, stats), timeout=timeout or self.pool.config.default_timeout, metadata=self._metadata()
         )
+        received = stats.received  # metrics
         try:
             async for response in call:
+                received.value += len(response)  # metrics
                 yield response
+            ok = True
         except grpc.aio.AioRpcError as e:
             raise from_grpc_error(e, self.peer_id, method) from None
         finally:
             call.cancel()
+            stats.finish(started, ok)  # metrics
 
     async def stream_unary(
         self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None
     ) -> bytes:
         """Client-streaming call: many requests, one raw-bytes response."""
         await self.verify()
+        stats = self.pool.metrics.method(method)  # metrics (issue #7)
+        started, ok = stats.start(), False  # metrics
         try:
-            return await self.channel.stream_unary(method)(
-                requests, timeout=timeout or self.pool.config.default_timeout, metadata=self._metadata()
+            data = await self.channel.stream_unary(method)(
+                _counted(requests, stats), timeout=timeout or self.pool.config.default_timeout,
+                metadata=self._metadata(),
             )
+            stats.received.value += len(data)  # metrics
+            ok = True
+            return data
         except grpc.aio.AioRpcError as e:
             raise from_grpc_error(e, self.peer_id, method) from None
+        finally:
+            stats.finish(started, ok)  # metrics
 
     async def info(self, timeout: float | None = None) -> peer_pb2.PeerInfo:
         return await self.unary(INFO, peer_pb2.InfoRequest(), peer_pb2.PeerInfo, timeout)
@@ -171,6 +193,11 @@ class ChannelPool:
         self.config = config or ChannelConfig()
         self.signer = TicketSigner(identity)
         self._channels: dict[str, PeerChannel] = {}
+        self.metrics = RPCMetrics("client")  # metrics (issue #7)
+
+    def __len__(self) -> int:
+        """Channels open to other peers (metrics, issue #7: known peers when there is no DHT)."""
+        return len(self._channels)
 
     def get(self, addr: Multiaddr | str) -> PeerChannel:
         """Channel to the peer at `addr` (a multiaddr ending in /p2p/<PeerID>)."""
@@ -218,3 +245,24 @@ class ChannelPool:
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+
+
+def _counted(
+    requests: AsyncIterator[bytes] | Iterable[bytes], stats: MethodMetrics
+) -> AsyncIterator[bytes] | Iterable[bytes]:
+    """Counts sent bytes of a request stream (metrics, issue #7): one addition per message."""
+    sent = stats.sent
+    if hasattr(requests, "__aiter__"):
+        async def count_async() -> AsyncIterator[bytes]:
+            async for request in requests:  # type: ignore[union-attr]
+                sent.value += len(request)
+                yield request
+
+        return count_async()
+
+    def count_sync() -> Iterable[bytes]:
+        for request in requests:  # type: ignore[union-attr]
+            sent.value += len(request)
+            yield request
+
+    return count_sync()

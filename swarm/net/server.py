@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError, Message
 from swarm.core.errors import ConfigError, InvalidRequest, SwarmError, Unauthenticated
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
+from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
 from swarm.net.auth import TicketVerifier
 from swarm.net.errors import to_status
 
@@ -106,6 +107,7 @@ class RPCServer:
         self._dispatcher = _Dispatcher()
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.metrics = RPCMetrics("server")  # metrics (issue #7)
 
     # -- registration -------------------------------------------------------------------------
 
@@ -119,15 +121,24 @@ class RPCServer:
     ) -> None:
         """Registers `handler(request, ctx) -> response` for unary calls to `path`."""
 
+        stats = self.metrics.method(path)  # metrics (issue #7): bound once, incremented per call
+
         async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            started, ok = stats.start(), False  # metrics
+            stats.received.value += len(request)  # metrics
             try:
                 caller = self._caller(context, authenticated)
-                return _serialize(await handler(_decode(request_type, request), CallContext(caller, context)))
+                data = _serialize(await handler(_decode(request_type, request), CallContext(caller, context)))
+                stats.sent.value += len(data)  # metrics
+                ok = True
+                return data
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a dead server
                 await _abort(context, e, path)
                 raise AssertionError("unreachable") from None
+            finally:
+                stats.finish(started, ok)  # metrics
 
         self._dispatcher.handlers[path] = grpc.unary_unary_rpc_method_handler(behavior)
 
@@ -138,16 +149,24 @@ class RPCServer:
         the handler still receives an async iterator, holding the single request.
         """
 
+        stats = self.metrics.method(path)  # metrics (issue #7)
+
         async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            started, ok = stats.start(), False  # metrics
             try:
                 caller = self._caller(context, True)
-                source = requests if request_streaming else _single(requests)
+                source = _counted(requests, stats) if request_streaming else _single(requests, stats)
                 async for response in handler(source, CallContext(caller, context)):
-                    yield _serialize(response)
+                    data = _serialize(response)
+                    stats.sent.value += len(data)  # metrics
+                    yield data
+                ok = True
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # noqa: BLE001
                 await _abort(context, e, path)
+            finally:
+                stats.finish(started, ok)  # metrics
 
         factory = grpc.stream_stream_rpc_method_handler if request_streaming else grpc.unary_stream_rpc_method_handler
         self._dispatcher.handlers[path] = factory(behavior)
@@ -155,15 +174,23 @@ class RPCServer:
     def add_stream_unary(self, path: str, handler: Callable[[AsyncIterator[bytes], CallContext], Awaitable[Any]]) -> None:
         """Registers `handler(request_iterator, ctx) -> response` for client-streaming calls."""
 
+        stats = self.metrics.method(path)  # metrics (issue #7)
+
         async def behavior(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+            started, ok = stats.start(), False  # metrics
             try:
                 caller = self._caller(context, True)
-                return _serialize(await handler(requests, CallContext(caller, context)))
+                data = _serialize(await handler(_counted(requests, stats), CallContext(caller, context)))
+                stats.sent.value += len(data)  # metrics
+                ok = True
+                return data
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # noqa: BLE001
                 await _abort(context, e, path)
                 raise AssertionError("unreachable") from None
+            finally:
+                stats.finish(started, ok)  # metrics
 
         self._dispatcher.handlers[path] = grpc.stream_unary_rpc_method_handler(behavior)
 
@@ -203,8 +230,17 @@ class RPCServer:
             self._server = None
 
 
-async def _single(request: Any) -> AsyncIterator[Any]:
+async def _single(request: Any, stats: MethodMetrics) -> AsyncIterator[Any]:
+    stats.received.value += len(request)  # metrics (issue #7)
     yield request
+
+
+async def _counted(requests: AsyncIterator[bytes], stats: MethodMetrics) -> AsyncIterator[bytes]:
+    """Counts received bytes of a request stream (metrics, issue #7): one addition per message."""
+    received = stats.received
+    async for request in requests:
+        received.value += len(request)
+        yield request
 
 
 def reachable_addrs(listen: Multiaddr, port: int, peer_id: str, announce: list[Multiaddr]) -> list[str]:

@@ -1,0 +1,95 @@
+"""Prometheus metrics of a peer, served by `swarm-peer --metrics-port N` at ``http://host:N/metrics``.
+
+No dependency: metric families live in small registries (`swarm.metrics.registry`) rendered in
+the Prometheus text format (0.0.4) by a tiny HTTP responder on the peer's own event loop
+(`swarm.metrics.http`). Updating a metric is a few attribute increments and takes no lock.
+
+What a scrape shows (`swarm.metrics.exporter`):
+
+- ``swarm_peer_info{peer_id,version,role,client_mode}``, ``swarm_peer_start_time_seconds``;
+- ``swarm_known_peers{source="dht"|"channels"}`` (the DHT's routing table when the peer has a DHT,
+  else its open channels), ``swarm_open_channels``;
+- ``swarm_rpc_server_*`` and ``swarm_rpc_client_*``: ``calls_total{method,outcome}``,
+  ``latency_seconds{method}`` (histogram), ``received_bytes_total{method}``,
+  ``sent_bytes_total{method}``, ``in_flight`` — counted by `swarm.net.server` / `swarm.net.channels`;
+- ``swarm_averaging_rounds_total{outcome="succeeded"|"failed"}``,
+  ``swarm_expert_batches_total{expert}``, ``swarm_expert_queue_depth{expert}``: declared here,
+  updated by `swarm.averaging` and `swarm.moe` (see below);
+- ``process_resident_memory_bytes``, ``process_cpu_seconds_total``.
+
+API for subsystems (averaging, MoE, optim)::
+
+    from swarm.metrics import REGISTRY, AVERAGING_ROUNDS, EXPERT_BATCHES, EXPERT_QUEUE_DEPTH
+
+    AVERAGING_ROUNDS.labels(outcome="succeeded").inc()        # or outcome="failed"
+    EXPERT_BATCHES.labels(expert="ffn.0.1").inc()
+    EXPERT_QUEUE_DEPTH.labels(expert="ffn.0.1").set_function(lambda: pool.queued_tasks)
+
+    STEPS = REGISTRY.counter("swarm_optim_steps_total", "Optimizer steps taken", ("run",))
+    STEPS.labels(run="my-run").inc()
+    with REGISTRY.histogram("swarm_optim_step_seconds", "Step duration").time():
+        ...
+
+- ``REGISTRY.counter(name, help, labels=())``, ``.gauge(...)``, ``.histogram(..., buckets=...)``
+  get or create a family (the same name, kind and labels return the same family).
+- ``family.labels(*values)`` / ``family.labels(name=value)`` returns a child to bind once and
+  update on the hot path: ``inc()``; gauges also ``set()``, ``dec()``, ``set_function(fn)`` (read
+  at scrape time); histograms ``observe(seconds)`` and ``time()``. A family without labels takes
+  these calls directly.
+- `REGISTRY` is process-wide. `registry_for(peer)` is a registry for one peer only (use it where
+  one process runs several peers, as simulations do); both are rendered in that peer's scrape.
+  A name must live in only one of them.
+
+Updates from the event loop are exact; from several threads at once an increment can very
+rarely be lost (no locks on the hot path).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from swarm.metrics.registry import DEFAULT_BUCKETS, Counter, Gauge, Histogram, Registry
+from swarm.metrics.rpc import MethodMetrics, RPCMetrics
+
+if TYPE_CHECKING:
+    from swarm.metrics.http import MetricsServer
+
+__all__ = [
+    "AVERAGING_ROUNDS", "DEFAULT_BUCKETS", "EXPERT_BATCHES", "EXPERT_QUEUE_DEPTH", "REGISTRY", "Counter",
+    "Gauge", "Histogram", "MethodMetrics", "RPCMetrics", "Registry", "registry_for", "serve_metrics",
+]
+
+REGISTRY = Registry()
+"""Process-wide metrics, rendered in the scrape of every peer of the process."""
+
+AVERAGING_ROUNDS = REGISTRY.counter(
+    "swarm_averaging_rounds_total", "Averaging rounds this process took part in, by outcome", ("outcome",))
+for _outcome in ("succeeded", "failed"):
+    AVERAGING_ROUNDS.labels(_outcome)  # both series exist (at 0) before the first round
+
+EXPERT_BATCHES = REGISTRY.counter(
+    "swarm_expert_batches_total", "Batches an expert processed (forward or backward)", ("expert",))
+EXPERT_QUEUE_DEPTH = REGISTRY.gauge(
+    "swarm_expert_queue_depth", "Tasks waiting in an expert's queue", ("expert",))
+
+_PER_PEER: weakref.WeakKeyDictionary[Any, Registry] = weakref.WeakKeyDictionary()
+
+
+def registry_for(peer: Any) -> Registry:
+    """The registry of one peer (created on first use, dropped with the peer)."""
+    registry = _PER_PEER.get(peer)
+    if registry is None:
+        registry = _PER_PEER.setdefault(peer, Registry())
+    return registry
+
+
+def serve_metrics(peer: Any, port: int, host: str | None = None) -> MetricsServer:
+    """Serves `peer`'s metrics at ``http://host:port/metrics`` until it shuts down (port 0 picks one).
+
+    See `swarm.metrics.exporter.serve_metrics`; imported lazily so that `swarm.net` can use this
+    package without importing the HTTP side.
+    """
+    from swarm.metrics.exporter import serve_metrics as _serve
+
+    return _serve(peer, port, host)

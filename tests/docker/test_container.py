@@ -1,0 +1,266 @@
+"""The `swarm-peer` image, built from docker/Dockerfile and run with rootful podman.
+
+Containers on one podman network find each other the way docker/compose.yaml has them do: a
+bootstrap peer announced by name, an expert server joining through `swarm-join`, a one-shot
+`swarm-peer status` container asking them (through the DHT, once there is one); plus the health
+probe, metrics inside the container, graceful stop with checkpoints saved, and the identity
+surviving a restart on its volume.
+
+Opt-in (a cold build takes minutes): ``SWARM_CONTAINER_TESTS=1 ./scripts/test.sh tests/docker``.
+Needs root and podman (installed with apt by ../shared/tools/container-smoke.sh, whose steps build
+the image: a debootstrap stand-in for python:3.11-slim, then `podman build`). A CPU torch wheel
+in SWARM_WHEELS_DIR (default /opt/wheels) is handed to the build through docker/wheels/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Self
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SMOKE = REPO.parent / "shared" / "tools" / "container-smoke.sh"
+TAG = "localhost/swarm:test"
+WORK = Path(os.environ.get("TMPDIR", "/tmp")) / "swarm-container-smoke"
+WHEELS = Path(os.environ.get("SWARM_WHEELS_DIR", "/opt/wheels"))
+BUILD_TIMEOUT = 1500
+
+
+def _why_not() -> str | None:
+    if os.environ.get("SWARM_CONTAINER_TESTS") != "1":
+        return "container tests are opt-in (a cold image build takes minutes): set SWARM_CONTAINER_TESTS=1"
+    if not sys.platform.startswith("linux"):
+        return "podman containers need Linux"
+    if os.geteuid() != 0:
+        return "needs root: the image is built and run with rootful podman"
+    if not SMOKE.is_file():
+        return f"{SMOKE} not found (CI keeps shared/ beside the clone)"
+    if shutil.which("podman") is None and shutil.which("apt-get") is None:
+        return "podman is not installed and apt-get is not available to install it"
+    return None
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(BUILD_TIMEOUT + 300),
+    pytest.mark.skipif(_why_not() is not None, reason=_why_not() or ""),
+]
+
+
+def podman_env() -> dict[str, str]:
+    # the smoke script's containers.conf: runc (crun refuses hybrid cgroups) and explicit ulimits
+    return {**os.environ, "CONTAINERS_CONF": str(WORK / "containers.conf")}
+
+
+def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, env=podman_env(),
+                            check=False)
+    if check and result.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return result
+
+
+def _context(tmp: Path) -> Path:
+    """A copy of the repository as build context, with a local torch wheel in docker/wheels/."""
+    context = tmp / "context"
+    shutil.copytree(REPO, context, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", "demo-out", "*.whl"))
+    for wheel in sorted(WHEELS.glob("torch-*-cp311-cp311-*x86_64.whl")):
+        target = context / "docker" / "wheels" / wheel.name
+        try:
+            os.link(wheel, target)
+        except OSError:
+            shutil.copy2(wheel, target)
+    return context
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    context = _context(tmp_path_factory.mktemp("image"))
+    env = {**os.environ, "WORK": str(WORK), "TAG": TAG, "CONTEXT": str(context),
+           "DOCKERFILE": str(context / "docker" / "Dockerfile"),
+           "BUILDAH_FORMAT": "docker"}  # keeps HEALTHCHECK (the OCI format has none)
+    started = time.monotonic()
+    result = subprocess.run(["bash", str(SMOKE), "--help"], capture_output=True, text=True, env=env,
+                            timeout=BUILD_TIMEOUT, check=False)
+    took = time.monotonic() - started
+    print(f"\nimage {TAG}: built and smoke-run in {took:.0f} s", file=sys.stderr)
+    if result.returncode != 0:
+        if shutil.which("podman") is None:
+            pytest.skip(f"podman could not be installed: {result.stderr[-500:]}")
+        info = subprocess.run(["podman", "info"], capture_output=True, text=True, timeout=60, env=podman_env(),
+                              check=False)
+        if info.returncode != 0:
+            pytest.skip(f"podman cannot run here: {info.stderr[-500:]}")
+        raise AssertionError(f"image build failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    assert "--initial-peers" in result.stdout, result.stdout[-2000:]
+    return TAG
+
+
+@pytest.fixture
+def network(image: str) -> Iterator[str]:
+    name = f"swarm-test-{uuid.uuid4().hex[:8]}"
+    podman("network", "create", name)  # user networks resolve container names and aliases
+    yield name
+    podman("network", "rm", "-f", name, check=False)
+
+
+@pytest.fixture
+def volumes() -> Iterator[list[str]]:
+    made: list[str] = []
+    yield made
+    for volume in made:
+        podman("volume", "rm", "-f", volume, check=False)
+
+
+class Container:
+    """`podman run` attached: stdout lines are the peer's printed addresses; stop() is SIGTERM."""
+
+    def __init__(self, image: str, *args: str, network: str, alias: str | None = None,
+                 volume: str | None = None, env: dict[str, str] | None = None, entrypoint: str | None = None,
+                 expect_lines: int = 1, timeout: float = 60) -> None:
+        self.name = f"swarm-test-{alias or 'peer'}-{uuid.uuid4().hex[:6]}"
+        cmd = ["podman", "run", "--rm", "--name", self.name, "--network", network]
+        if alias:
+            cmd += ["--network-alias", alias]
+        if volume:
+            cmd += ["-v", f"{volume}:/data"]
+        for key, value in (env or {}).items():
+            cmd += ["-e", f"{key}={value}"]
+        if entrypoint:
+            cmd += ["--entrypoint", entrypoint]
+        self.proc = subprocess.Popen([*cmd, image, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=podman_env())
+        self.lines = self.read_lines(expect_lines, timeout)
+
+    def read_lines(self, count: int, timeout: float) -> list[str]:
+        lines: list[str] = []
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while len(lines) < count:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self.kill()
+                    raise TimeoutError(f"{self.name} printed {lines} in {timeout} s; stderr:\n{self.stderr()}")
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"{self.name} exited ({self.proc.wait()}); stderr:\n{self.stderr()}")
+                lines.append(line.rstrip("\n"))
+        return lines
+
+    def exec(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return podman("exec", self.name, *args, timeout=timeout, check=False)
+
+    def stop(self, grace: int = 20) -> int:
+        podman("stop", "-t", str(grace), self.name, check=False, timeout=grace + 30)
+        return self.proc.wait(grace + 30)
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None:
+            return "(still running)"
+        return self.proc.stderr.read() if self.proc.stderr else ""
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            podman("rm", "-f", "-t", "0", self.name, check=False)
+            self.proc.wait(30)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+
+
+def run_once(image: str, network: str, *args: str, entrypoint: str | None = None) -> subprocess.CompletedProcess:
+    extra = ["--entrypoint", entrypoint] if entrypoint else []
+    return podman("run", "--rm", "--network", network, *extra, image, *args, check=False)
+
+
+def peer_id(addr: str) -> str:
+    return addr.rsplit("/", 1)[1]
+
+
+def test_image_is_small_unprivileged_and_probes_itself(image: str):
+    inspect = json.loads(podman("image", "inspect", image).stdout)[0]
+    config = inspect["Config"]
+    assert config["User"] == "swarm" and config["Entrypoint"] == ["swarm-peer"]
+    assert "/data" in config["Volumes"]
+    assert {"SWARM_IDENTITY=/data/identity.key", "SWARM_CHECKPOINT_DIR=/data/checkpoints"} <= set(config["Env"])
+    healthcheck = inspect.get("Healthcheck") or config.get("Healthcheck")  # podman / docker
+    assert healthcheck["Test"][-5:] == ["swarm-peer", "status", "--self", "--timeout", "3"]
+    uid = podman("run", "--rm", "--entrypoint", "id", image, "-u").stdout.strip()
+    assert uid != "0"
+    print(f"\nimage size: {inspect['Size'] / 2**20:.0f} MiB", file=sys.stderr)
+    # the probe fails where no peer serves
+    result = podman("run", "--rm", "--entrypoint", "swarm-peer", image, "status", "--self", "--timeout", "2",
+                    check=False)
+    assert result.returncode == 1 and "unhealthy" in result.stderr, result.stderr
+
+
+def test_containers_find_each_other_by_name(image: str, network: str, volumes: list[str]):
+    volume, expert_volume = f"swarm-test-{uuid.uuid4().hex[:8]}", f"swarm-test-{uuid.uuid4().hex[:8]}"
+    volumes += [volume, expert_volume]
+    boot_env = {"SWARM_ANNOUNCE": "/dns4/bootstrap/tcp/31337", "SWARM_METRICS_PORT": "9477"}
+    with Container(image, network=network, alias="bootstrap", volume=volume, env=boot_env) as boot:
+        boot_addr = boot.lines[0]
+        assert boot_addr.startswith("/dns4/bootstrap/tcp/31337/p2p/12D3KooW"), boot.lines
+        health = podman("healthcheck", "run", boot.name, check=False)
+        assert health.returncode == 0, health.stdout + health.stderr
+
+        join_env = {"SWARM_BOOTSTRAP": "/dns4/bootstrap/tcp/31337", "SWARM_ANNOUNCE": "/dns4/expert/tcp/31337",
+                    "SWARM_EXPERTS": "ffn.[0:2].[0:2]", "SWARM_EXPERT_CLS": "ffn", "SWARM_HIDDEN_DIM": "64"}
+        with Container(image, network=network, alias="expert", env=join_env, entrypoint="swarm-join",
+                       volume=expert_volume, timeout=120) as second:
+            second_addr = second.lines[0]
+            assert second_addr.startswith("/dns4/expert/tcp/31337/p2p/12D3KooW"), second.lines
+
+            # the second container calls the first's Info
+            asked = second.exec("swarm-peer", "status", "--initial-peers", boot_addr, "--json")
+            assert asked.returncode == 0, asked.stderr
+            assert json.loads(asked.stdout)["peers"][0]["peer_id"] == peer_id(boot_addr)
+
+            # a third, one-shot container sees both; with a DHT, naming the bootstrap is enough
+            result = run_once(image, network, "status", "--initial-peers", boot_addr, "--prefix", "ffn.", "--json")
+            assert result.returncode == 0, result.stderr
+            view = json.loads(result.stdout)
+            if not view["dht"]:
+                result = run_once(image, network, "status", "--initial-peers", boot_addr, second_addr, "--json")
+                assert result.returncode == 0, result.stderr
+                view = json.loads(result.stdout)
+            else:
+                assert sorted(view["dht_experts"]["ffn."]) == ["ffn.0.0", "ffn.0.1", "ffn.1.0", "ffn.1.1"], view
+                assert set(view["dht_experts"]["ffn."].values()) == {second_addr}
+            assert {p["peer_id"] for p in view["peers"]} == {peer_id(boot_addr), peer_id(second_addr)}, view
+            print(f"\nstatus from a third container:\n{json.dumps(view, indent=1)}", file=sys.stderr)
+
+            scrape = boot.exec("python", "-c", "import urllib.request as u; "
+                               "print(u.urlopen('http://127.0.0.1:9477/metrics', timeout=5).read().decode())")
+            assert scrape.returncode == 0, scrape.stderr
+            assert 'swarm_rpc_server_calls_total{method="/swarm.Peer/Info",outcome="ok"}' in scrape.stdout
+
+            assert second.stop() == 0  # SIGTERM: clean exit
+            assert f"bootstrap peer is {boot_addr}" in second.stderr()
+        saved = podman("run", "--rm", "-v", f"{expert_volume}:/data", "--entrypoint", "ls", image, "/data/checkpoints")
+        assert saved.stdout.split(), "the expert server saved no checkpoint at shutdown"
+        assert boot.stop() == 0
+        assert "Traceback" not in boot.stderr()
+
+    # the identity lives on the volume: same PeerID after a restart
+    with Container(image, network=network, alias="bootstrap", volume=volume, env=boot_env) as again:
+        assert again.lines == [boot_addr]
+        assert again.stop() == 0
