@@ -18,6 +18,7 @@ _EXPORTS = {
     "ExpertServer": "swarm.moe",
     "RemoteExpert": "swarm.moe",
     "RemoteMixtureOfExperts": "swarm.moe",
+    "RemoteSwitchMixtureOfExperts": "swarm.moe",
     "Optimizer": "swarm.optim",
 }
 

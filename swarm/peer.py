@@ -74,6 +74,7 @@ class Peer:
         self.identity = identity or (self._identity_file.load_or_create() if self._identity_file else Identity.generate())
         self.peer_id = self.identity.peer_id
         self.addrs: list[str] = []
+        self.served_experts: list[str] = []  # filled by an ExpertServer; reported by Info
         self._server_config = server_config
         self.pool = ChannelPool(self.identity, channel_config)
         self.server: RPCServer | None = None
@@ -123,7 +124,8 @@ class Peer:
 
     def describe(self) -> peer_pb2.PeerInfo:
         return peer_pb2.PeerInfo(
-            peer_id=self.peer_id, version=__version__, addrs=self.addrs, role=self.role, client_mode=self.client_mode
+            peer_id=self.peer_id, version=__version__, addrs=self.addrs, role=self.role,
+            client_mode=self.client_mode, experts=self.served_experts,
         )
 
     def run(self, coro: Any, timeout: float | None = None) -> Any:

@@ -1,1 +1,52 @@
-"""swarm.moe"""
+"""Mixture-of-experts over the swarm: experts served by peers, called as differentiable layers.
+
+Server side: `ExpertServer` hosts experts (batching runtime, training on backward calls,
+checkpoints, DHT declarations). Client side: `RemoteExpert` (one expert), and
+`RemoteMixtureOfExperts` / `RemoteSwitchMixtureOfExperts` (layers that route each sample to
+its best live experts, found in the DHT by beam search).
+
+Names are resolved lazily, so importing a torch-free part (`swarm.moe.uids`, `swarm.moe.cli`'s
+option checks) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from swarm.moe.expert import RemoteExpert
+    from swarm.moe.mixture import RemoteMixtureOfExperts
+    from swarm.moe.server import ExpertServer
+    from swarm.moe.server_config import ExpertServerConfig
+    from swarm.moe.sources import ExpertSource, StaticExpertSource
+    from swarm.moe.switch import RemoteSwitchMixtureOfExperts
+
+_EXPORTS = {
+    "ExpertServer": "swarm.moe.server",
+    "ExpertServerConfig": "swarm.moe.server_config",
+    "ExpertSource": "swarm.moe.sources",
+    "RemoteExpert": "swarm.moe.expert",
+    "RemoteMixtureOfExperts": "swarm.moe.mixture",
+    "RemoteSwitchMixtureOfExperts": "swarm.moe.switch",
+    "StaticExpertSource": "swarm.moe.sources",
+}
+
+__all__ = [
+    "ExpertServer",
+    "ExpertServerConfig",
+    "ExpertSource",
+    "RemoteExpert",
+    "RemoteMixtureOfExperts",
+    "RemoteSwitchMixtureOfExperts",
+    "StaticExpertSource",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'swarm.moe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -15,104 +15,14 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from swarm.core.errors import InvalidRequest, MoEError
+from swarm.moe.schema import TensorSchema, dtype_name
 
 __all__ = ["ExpertBackend", "TensorSchema"]
-
-
-@dataclass(frozen=True)
-class TensorSchema:
-    """The shape (without the batch dimension) and dtype that one tensor argument must have.
-
-    Attributes:
-        shape_without_batch: the shape of one row, e.g. ``(1024,)`` for a ``(batch, 1024)`` input.
-        dtype: the exact dtype, e.g. ``torch.float32``.
-    """
-
-    shape_without_batch: tuple[int, ...]
-    dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        shape = tuple(self.shape_without_batch)
-        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
-            raise ValueError(f"shape_without_batch must hold non-negative ints, got {shape!r}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
-        object.__setattr__(self, "shape_without_batch", shape)
-
-    @classmethod
-    def like(cls, tensor: torch.Tensor) -> TensorSchema:
-        """Builds the schema of a batched sample tensor (its first dimension is the batch)."""
-        if tensor.dim() < 1:
-            raise ValueError("a sample tensor needs a leading batch dimension")
-        return cls(tuple(tensor.shape[1:]), tensor.dtype)
-
-    def validate(
-        self, tensor: Any, max_batch: int, *, check_finite: bool = True, what: str = "tensor"
-    ) -> None:
-        """Checks that `tensor` is a batch this schema accepts.
-
-        Args:
-            tensor: the candidate batch, shape ``(batch, *shape_without_batch)``.
-            max_batch: the largest batch size accepted.
-            check_finite: also reject NaN and infinite values (a full pass over the data).
-            what: how error messages name the tensor, e.g. ``"input 0 of ffn.0.0"``.
-
-        Raises:
-            InvalidRequest: not a tensor, wrong dtype or shape, an empty or too large batch,
-                or (with `check_finite`) NaN/Inf values.
-        """
-        if not isinstance(tensor, torch.Tensor):
-            raise InvalidRequest(f"{what}: expected a tensor, got {type(tensor).__name__}")
-        if tensor.dtype != self.dtype:
-            raise InvalidRequest(
-                f"{what}: expected dtype {dtype_name(self.dtype)}, got {dtype_name(tensor.dtype)}"
-            )
-        expected = ("batch", *self.shape_without_batch)
-        if tensor.dim() != len(expected) or tuple(tensor.shape[1:]) != self.shape_without_batch:
-            raise InvalidRequest(
-                f"{what}: expected shape ({', '.join(map(str, expected))}), got {tuple(tensor.shape)}"
-            )
-        batch = tensor.shape[0]
-        if batch < 1:
-            raise InvalidRequest(f"{what}: the batch is empty")
-        if batch > max_batch:
-            raise InvalidRequest(f"{what}: batch of {batch} rows exceeds the limit of {max_batch}")
-        inexact = tensor.is_floating_point() or tensor.is_complex()
-        if check_finite and inexact and not bool(torch.isfinite(tensor).all()):
-            raise InvalidRequest(f"{what}: contains NaN or infinite values")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Returns a msgpack-friendly form: ``{"shape": [...], "dtype": "float32"}``."""
-        return {"shape": list(self.shape_without_batch), "dtype": dtype_name(self.dtype)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TensorSchema:
-        """Parses the form `to_dict` produces.
-
-        Raises:
-            ValueError: the dict is malformed or names an unknown dtype.
-        """
-        try:
-            shape, name = data["shape"], data["dtype"]
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"malformed tensor schema {data!r}") from e
-        dtype = getattr(torch, name, None) if isinstance(name, str) else None
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {name!r} in tensor schema")  # noqa: TRY004 - bad value
-        if not isinstance(shape, (list, tuple)):
-            raise ValueError(f"malformed shape {shape!r} in tensor schema")  # noqa: TRY004 - bad value
-        return cls(tuple(shape), dtype)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Returns the short name of a dtype, e.g. ``"float32"`` for ``torch.float32``."""
-    return str(dtype).removeprefix("torch.")
 
 
 class ExpertBackend:
@@ -235,10 +145,9 @@ class ExpertBackend:
     def backward(self, *inputs_and_grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Returns the gradients w.r.t. the inputs, and trains the expert on them.
 
-        Recomputes the forward pass with gradients enabled, backpropagates the gradients of
-        the outputs, then (optionally) clips the parameters' gradient norm, takes one
-        optimizer step and one scheduler step, and clears the gradients. The recomputed
-        forward is assumed to equal the one the caller saw: experts should not use dropout.
+        Recomputes the forward pass with gradients enabled, then runs `backward_through`.
+        The recomputed forward is assumed to equal the one the caller saw: experts should not
+        use dropout.
 
         Args:
             *inputs_and_grads: the inputs (one per `args_schema` entry) followed by the
@@ -254,22 +163,50 @@ class ExpertBackend:
         """
         self.validate_backward_inputs(inputs_and_grads, check_finite=False)
         num_inputs = len(self.args_schema)
-        inputs = [
-            x.detach().requires_grad_(x.is_floating_point() or x.is_complex())
-            for x in inputs_and_grads[:num_inputs]
-        ]
-        grad_outputs = inputs_and_grads[num_inputs:]
+        leaves, outputs = self.forward_with_graph(*inputs_and_grads[:num_inputs])
+        return self.backward_through(leaves, outputs, inputs_and_grads[num_inputs:])
+
+    def forward_with_graph(
+        self, *inputs: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Runs the expert with autograd on, for a `backward_through` that follows.
+
+        Returns:
+            ``(leaves, outputs)``: the inputs as leaves requiring grad (where their dtype
+            allows) and the outputs, still attached to the graph.
+
+        Raises:
+            InvalidRequest, MoEError: as `forward`.
+        """
+        self.validate_forward_inputs(inputs, check_finite=False)
+        leaves = tuple(x.detach().requires_grad_(x.is_floating_point() or x.is_complex()) for x in inputs)
+        with torch.enable_grad():
+            outputs = self._as_tuple(self.module(*leaves))
+        self._check_outputs(outputs, leaves[0].shape[0])
+        return leaves, outputs
+
+    def backward_through(
+        self,
+        leaves: tuple[torch.Tensor, ...],
+        outputs: tuple[torch.Tensor, ...],
+        grad_outputs: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        """Backpropagates `grad_outputs` through a graph from `forward_with_graph`, then trains.
+
+        After the backward pass it (optionally) clips the parameters' gradient norm, takes one
+        optimizer step and one scheduler step, and clears the gradients. The graph is freed.
+
+        Returns:
+            One gradient per leaf (zeros where the outputs do not depend on it).
+        """
         try:
-            with torch.enable_grad():
-                outputs = self._as_tuple(self.module(*inputs))
-                self._check_outputs(outputs, inputs[0].shape[0])
-                pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         except BaseException:
             self.module.zero_grad(set_to_none=True)  # never let a failed call leak into the next step
             raise
-        grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs)
+        grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves)
         self._apply_update()
         return tuple(g.detach() for g in grads)
 

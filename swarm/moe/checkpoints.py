@@ -192,18 +192,35 @@ class CheckpointSaver:
         self.on_save = on_save
         self.saves = 0
         """How many complete saves have finished."""
+        self._saved_updates: dict[str, int] = {}  # what is on disk: each expert's update count
         self._save_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def load(self) -> list[str]:
         """Restores the experts that have checkpoints; returns their UIDs (see `load_experts`)."""
-        return load_experts(self.backends, self.checkpoint_dir)
+        restored = load_experts(self.backends, self.checkpoint_dir)
+        for backend in self.backends:
+            if backend.name in restored:
+                self._saved_updates[backend.name] = backend.updates
+        return restored
 
-    def save(self) -> list[Path]:
-        """Saves every expert now; returns the paths (see `save_experts`)."""
+    def save(self, only_changed: bool = False) -> list[Path]:
+        """Saves every expert now; returns the paths written (see `save_experts`).
+
+        Args:
+            only_changed: skip experts that took no optimizer step since they were last saved
+                or loaded by this saver (an expert with 16 GB of Adam state is not rewritten
+                every period while nobody trains it).
+        """
         with self._save_lock:  # the periodic thread and a final save never interleave
-            paths = save_experts(self.backends, self.checkpoint_dir)
+            paths = []
+            for backend in self.backends:
+                updates = backend.updates
+                if only_changed and self._saved_updates.get(backend.name) == updates:
+                    continue
+                paths.append(save_expert(backend, self.checkpoint_dir))
+                self._saved_updates[backend.name] = updates
             self.saves += 1
         if self.on_save is not None:
             self.on_save(paths)
@@ -225,7 +242,7 @@ class CheckpointSaver:
         self._thread.start()
 
     def stop(self, final_save: bool = True, timeout: float = 30.0) -> None:
-        """Stops the periodic thread (if any) and, by default, saves one last time.
+        """Stops the periodic thread (if any) and, by default, saves what changed one last time.
 
         Raises:
             CheckpointError: the final save failed.
@@ -234,11 +251,11 @@ class CheckpointSaver:
         if self._thread is not None:
             self._thread.join(timeout)
         if final_save:
-            self.save()
+            self.save(only_changed=True)
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
-                self.save()
+                self.save(only_changed=True)
             except Exception:  # keep trying on the next tick; the next save may succeed
                 logger.exception("periodic checkpoint of %d experts failed", len(self.backends))

@@ -19,7 +19,7 @@ one the caller saw.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,8 @@ from swarm.moe.uids import parse_uid
 __all__ = [
     "TRANSFORMER_SEQ_LEN",
     "ExpertClass",
+    "backend_for_module",
+    "default_optimizer",
     "get_expert_class",
     "known_expert_classes",
     "make_backend",
@@ -190,7 +192,8 @@ def _nop(hidden_dim: int) -> nn.Module:
     return NopExpert()
 
 
-def _default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer experts get unless told otherwise: Adam, lr 1e-3."""
     return torch.optim.Adam(params, lr=1e-3)
 
 
@@ -198,7 +201,7 @@ def make_backend(
     name: str,
     uid: str,
     hidden_dim: int,
-    optimizer_factory: OptimizerFactory = _default_optimizer,
+    optimizer_factory: OptimizerFactory = default_optimizer,
     max_batch_size: int = 4096,
     *,
     scheduler_factory: SchedulerFactory | None = None,
@@ -246,3 +249,54 @@ def make_backend(
         max_batch_size=max_batch_size,
         clip_grad_norm=clip_grad_norm,
     )
+
+
+def backend_for_module(
+    uid: str,
+    module: nn.Module | ExpertBackend,
+    optimizer_factory: OptimizerFactory = default_optimizer,
+    args_schema: Sequence[TensorSchema] | None = None,
+    max_batch_size: int = 4096,
+) -> ExpertBackend:
+    """Builds an `ExpertBackend` for a plain module (an `ExpertBackend` is checked and returned as is).
+
+    Args:
+        uid: the expert's UID.
+        module: the expert's network.
+        optimizer_factory: builds its optimizer from its trainable parameters (none: no optimizer).
+        args_schema: the input schemas; default: inferred from the module's first ``Linear``
+            or 1-d ``LayerNorm``, a float32 ``(batch, features)`` input.
+        max_batch_size: the largest batch the backend accepts.
+
+    Raises:
+        ValueError: an invalid UID, a backend registered under another UID, or an input
+            schema that cannot be inferred.
+        TypeError: `module` is neither a module nor a backend.
+    """
+    parse_uid(uid)
+    if isinstance(module, ExpertBackend):
+        if module.name != uid:
+            raise ValueError(f"backend {module.name!r} is registered under a different uid {uid!r}")
+        return module
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expert {uid}: expected an nn.Module or ExpertBackend, got {type(module).__name__}")
+    schemas = tuple(args_schema) if args_schema is not None else (_infer_input_schema(uid, module),)
+    sample = [torch.zeros((2, *s.shape_without_batch), dtype=s.dtype) for s in schemas]
+    with torch.no_grad():
+        outputs = module(*sample)
+    outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+    params = [p for p in module.parameters() if p.requires_grad]
+    return ExpertBackend(
+        uid, module, optimizer_factory(params) if params else None,
+        args_schema=schemas, outputs_schema=tuple(TensorSchema.like(o) for o in outputs),
+        max_batch_size=max_batch_size,
+    )
+
+
+def _infer_input_schema(uid: str, module: nn.Module) -> TensorSchema:
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            return TensorSchema((sub.in_features,), torch.float32)
+        if isinstance(sub, nn.LayerNorm) and len(sub.normalized_shape) == 1:
+            return TensorSchema(tuple(sub.normalized_shape), torch.float32)
+    raise ValueError(f"expert {uid}: cannot infer its input schema; pass args_schema=[TensorSchema(...)]")

@@ -233,3 +233,10 @@ def test_load_state_dict_is_all_or_nothing() -> None:
         a.load_state_dict(make_expert(scheduler=True).state_dict())
     with pytest.raises(ValueError, match="must have"):
         a.load_state_dict({"module": {}})
+
+
+def test_finite_check_accepts_large_values_whose_sum_overflows() -> None:
+    schema = TensorSchema((4,), torch.float32)
+    schema.validate(torch.full((2, 4), 3e38), max_batch=2)  # the sum overflows, every value is finite
+    with pytest.raises(InvalidRequest, match="NaN or infinite"):
+        schema.validate(torch.tensor([[3e38, 3e38, math.inf, -math.inf]]), max_batch=2)

@@ -161,3 +161,16 @@ def test_saver_saves_on_stop_and_periodically(tmp_path: Path) -> None:
     assert (tmp_path / "periodic" / "ffn.0.0.pt").exists()
     with pytest.raises(ValueError, match="interval"):
         CheckpointSaver(backends, tmp_path, interval=0)
+
+
+def test_saver_skips_experts_that_did_not_change(tmp_path: Path) -> None:
+    backends = build(seed=3)
+    saver = CheckpointSaver(backends, tmp_path)
+    assert len(saver.save(only_changed=True)) == 2  # never saved: both written
+    assert saver.save(only_changed=True) == []
+    train({"ffn.0.1": backends["ffn.0.1"]}, steps=1, seed=4)
+    assert saver.save(only_changed=True) == [checkpoint_path(tmp_path, "ffn.0.1")]
+    restored = CheckpointSaver(build(seed=5), tmp_path)
+    assert sorted(restored.load()) == UIDS
+    assert restored.save(only_changed=True) == []  # what was just loaded is what is on disk
+    assert len(restored.save()) == 2  # unless asked for everything

@@ -1,0 +1,260 @@
+"""MoE benchmark (issue #5). One run on loopback, expert servers as separate processes:
+
+  (a) one RemoteExpert ffn (hidden 1024), batch 256x1024 fp32: forward+backward calls/s, beside
+      the same module's forward+backward+optimizer step run locally in this process (the baseline);
+      goal: remote <= 1.25x local time (hivemind: ~2x);
+  (b) RemoteMixtureOfExperts over a 2x2 grid, k_best=4, batch 256: samples/s, beside the local
+      compute of the same four experts and gate; goals: >= 10x hivemind's ~60 samples/s,
+      <= 1.3x local compute;
+  (c) 8 concurrent clients (each its own peer) against one server, small batches: throughput
+      with batching vs without (max_batch_tasks=1).
+
+Local and remote calls alternate one by one and each ratio is the median of the per-pair
+ratios, because the machine is shared and its load moves within seconds. The local baseline
+uses as many torch threads as the server's compute thread. One line per figure.
+
+Usage: .venv/bin/python scripts/bench/bench_moe.py [--hidden-dim 1024] [--batch 256] [--pairs 12]
+         [--server-threads 1,2] [--clients 8] [--client-batch 32] [--seconds 8] [--only abc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Self
+
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def serve(args: argparse.Namespace) -> None:
+    import torch
+
+    from swarm.moe.hosted import BatchingConfig
+    from swarm.moe.server import ExpertServer, ExpertServerConfig
+    from swarm.peer import Peer
+
+    torch.manual_seed(0)
+    peer = Peer(listen="/ip4/127.0.0.1/tcp/0")
+    config = ExpertServerConfig(
+        batching=BatchingConfig(max_batch_tasks=args.max_batch_tasks), compute_threads=args.threads,
+        checkpoint_interval=None,
+    )
+    ExpertServer.from_pattern(peer, args.experts, "ffn", args.hidden_dim, config=config)
+    print(peer.addrs[0], flush=True)
+    sys.stdin.read()
+    peer.shutdown()
+
+
+class Server:
+    """A `--role server` process of this script; its address is `addr`."""
+
+    def __init__(self, experts: str, hidden_dim: int, threads: int, max_batch_tasks: int | None = None) -> None:
+        cmd = [sys.executable, __file__, "--role", "server", "--experts", experts, "--hidden-dim", str(hidden_dim),
+               "--threads", str(threads)]
+        if max_batch_tasks is not None:
+            cmd += ["--max-batch-tasks", str(max_batch_tasks)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.addr = self.proc.stdout.readline().strip()
+        if not self.addr.startswith("/ip4/"):
+            raise RuntimeError(f"server did not start: {self.addr!r}")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def paired(local: Callable[[], None], remote: Callable[[], None], pairs: int) -> tuple[float, float, float]:
+    """Times `local` and `remote` alternately, call by call, so both see the same load on a shared
+    machine; returns (median local s, median remote s, median of the per-pair remote/local ratios)."""
+    local()
+    remote()
+    local_times, remote_times = [], []
+    for _ in range(pairs):
+        for fn, times in ((local, local_times), (remote, remote_times)):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+    ratios = [r / loc for r, loc in zip(remote_times, local_times)]
+    return statistics.median(local_times), statistics.median(remote_times), statistics.median(ratios)
+
+
+def local_step_fn(modules: list, optimizers: list, x, grad) -> Callable[[], None]:
+    def step() -> None:
+        for module, optimizer in zip(modules, optimizers):
+            xx = x.detach().requires_grad_()
+            module(xx).backward(grad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def bench_expert(args: argparse.Namespace, client) -> None:
+    import torch
+
+    from swarm.moe import RemoteExpert
+    from swarm.moe.layers import FeedforwardExpert
+
+    hid, batch = args.hidden_dim, args.batch
+    x, grad = torch.randn(batch, hid), torch.randn(batch, hid)
+    local = FeedforwardExpert(hid)
+    local_step = local_step_fn([local], [torch.optim.Adam(local.parameters(), lr=1e-3)], x, grad)
+    for threads in args.server_threads:
+        torch.set_num_threads(threads)  # the local baseline gets the same compute threads as the server
+        with Server("ffn.0", hid, threads) as server:
+            expert = RemoteExpert(client, "ffn.0", server.addr, forward_timeout=120, backward_timeout=120)
+            loc, rem, ratio = paired(local_step, remote_step_fn(expert, x, grad), args.pairs)
+        print(f"(a) RemoteExpert ffn {batch}x{hid} fwd+bwd, torch threads={threads}: {1 / rem:.2f} calls/s "
+              f"({rem * 1e3:.0f} ms) vs local fwd+bwd+step {1 / loc:.2f} calls/s ({loc * 1e3:.0f} ms): "
+              f"remote/local time {ratio:.2f}x (goal <= 1.25x, hivemind ~2x)", flush=True)
+
+
+def remote_step_fn(expert, x, grad) -> Callable[[], None]:
+    def step() -> None:
+        expert(x.detach().requires_grad_()).backward(grad)
+
+    return step
+
+
+def bench_mixture(args: argparse.Namespace, client_factory) -> None:
+    import torch
+
+    from swarm.moe import RemoteMixtureOfExperts
+    from swarm.moe.layers import FeedforwardExpert
+
+    hid, batch = args.hidden_dim, args.batch
+    x, grad = torch.randn(batch, hid), torch.randn(batch, hid)
+    gate = torch.nn.Linear(hid, 4)
+    experts = [FeedforwardExpert(hid) for _ in range(4)]
+    optimizers = [torch.optim.Adam(e.parameters(), lr=1e-3) for e in experts]
+    gate_opt = torch.optim.Adam(gate.parameters(), lr=1e-3)
+
+    def local_step() -> None:  # the same work done in one process: gate, 4 experts on every sample, steps
+        xx = x.detach().requires_grad_()
+        scores = gate(xx).split([2, 2], dim=-1)
+        logits = torch.stack([scores[0][:, i] + scores[1][:, j] for i in range(2) for j in range(2)], 1)
+        weights = logits.softmax(dim=1)
+        y = sum(weights[:, e : e + 1] * experts[e](xx) for e in range(4))
+        y.backward(grad)
+        for opt in (*optimizers, gate_opt):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    threads = max(args.server_threads)
+    torch.set_num_threads(threads)
+    with Server("ffn.[0:2].[0:2]", hid, threads) as server:
+        client = client_factory(server.addr)
+        moe = RemoteMixtureOfExperts(client, in_features=hid, grid_size=(2, 2), uid_prefix="ffn.", k_best=4,
+                                     forward_timeout=120, backward_timeout=120, cache_ttl=60)
+        moe_opt = torch.optim.Adam(moe.parameters(), lr=1e-3)
+
+        def remote_step() -> None:
+            xx = x.detach().requires_grad_()
+            moe(xx).backward(grad)
+            moe_opt.step()
+            moe_opt.zero_grad(set_to_none=True)
+
+        loc, rem, ratio = paired(local_step, remote_step, args.pairs)
+        failures = moe.caller.failures
+        client.shutdown()
+    if failures:
+        print(f"(b) WARNING: {failures} expert calls failed or were late; the figure below is not comparable")
+    print(f"(b) RemoteMixtureOfExperts 2x2 k_best=4 batch {batch} hidden {hid}: {batch / rem:.0f} samples/s "
+          f"(goal >= 600, 10x hivemind's ~60), torch threads={threads}, vs local compute {batch / loc:.0f} samples/s: "
+          f"remote/local time {ratio:.2f}x (goal <= 1.3x)", flush=True)
+
+
+def bench_concurrent(args: argparse.Namespace, client_factory) -> None:
+
+    from swarm.moe import RemoteExpert
+
+    hid, batch = args.hidden_dim, args.client_batch
+    results = {}
+    for label, max_batch_tasks in (("with batching", None), ("without batching", 1)):
+        with Server("ffn.0", hid, max(args.server_threads), max_batch_tasks) as server:
+            clients = [client_factory(None) for _ in range(args.clients)]
+            experts = [RemoteExpert(c, "ffn.0", server.addr, forward_timeout=120, backward_timeout=120)
+                       for c in clients]
+            steps, elapsed = run_clients(experts, batch, hid, args.seconds)
+            for c in clients:
+                c.shutdown()
+        results[label] = steps * batch / elapsed
+        print(f"(c) {args.clients} concurrent clients, batch {batch} each, ffn hidden {hid}, {label}: "
+              f"{results[label]:.0f} samples/s fwd+bwd", flush=True)
+    print(f"(c) batching speed-up: {results['with batching'] / results['without batching']:.2f}x", flush=True)
+
+
+def run_clients(experts: list, batch: int, hid: int, seconds: float) -> tuple[int, float]:
+    """Each expert handle loops fwd+bwd in its own thread for `seconds`; returns (steps, elapsed)."""
+    import torch
+
+    done = [0] * len(experts)
+    start, stop = threading.Barrier(len(experts) + 1), threading.Event()
+
+    def work(i: int) -> None:
+        x, grad = torch.randn(batch, hid), torch.randn(batch, hid)
+        experts[i](x.detach().requires_grad_()).backward(grad)  # warms up the channel
+        start.wait()
+        while not stop.is_set():
+            experts[i](x.detach().requires_grad_()).backward(grad)
+            done[i] += 1
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(experts))]
+    for t in threads:
+        t.start()
+    start.wait()
+    began = time.perf_counter()
+    stop.wait(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    return sum(done), time.perf_counter() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", default="main")
+    parser.add_argument("--experts", default="ffn.0")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-batch-tasks", type=int)
+    parser.add_argument("--hidden-dim", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--pairs", type=int, default=12, help="local/remote call pairs per figure")
+    parser.add_argument("--server-threads", default="1,2")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--client-batch", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--only", default="abc", help="which figures to measure, e.g. 'a' or 'bc'")
+    args = parser.parse_args()
+    if args.role == "server":
+        return serve(args)
+    args.server_threads = [int(t) for t in args.server_threads.split(",")]
+
+    from swarm.peer import Peer
+
+    def client_factory(bootstrap: str | None) -> Peer:
+        return Peer(client_mode=True, initial_peers=[bootstrap] if bootstrap else [])
+
+    client = client_factory(None)
+    try:
+        if "a" in args.only:
+            bench_expert(args, client)
+        if "b" in args.only:
+            bench_mixture(args, client_factory)
+        if "c" in args.only:
+            bench_concurrent(args, client_factory)
+    finally:
+        client.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""What an expert server checks before it spends memory on a request.
+
+A request's first message declares its tensors (dtype, shape, bytes). `check_declared` holds that
+against the expert's schemas, so a wrong shape, a wrong dtype or an oversized batch is refused
+before a single byte of the tensors is allocated or read. `Admission` bounds how many requests
+are in flight and how many tensor bytes they hold together, so a burst of requests is queued
+within those bounds or refused with RESOURCE_EXHAUSTED, never allowed to exhaust memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
+
+from swarm.core.errors import InvalidRequest, ResourceExhausted
+from swarm.moe.schema import TensorSchema, dtype_name
+from swarm.proto import tensor_pb2
+
+__all__ = ["Admission", "check_declared"]
+
+
+def check_declared(
+    header: tensor_pb2.TensorBundleHeader, schemas: Sequence[TensorSchema], max_batch_size: int, what: str
+) -> int:
+    """Checks the tensors a request header declares against the schemas.
+
+    Args:
+        header: the request's header.
+        schemas: one schema per expected tensor.
+        max_batch_size: the most rows accepted.
+        what: names the request in messages, e.g. ``"forward of ffn.0.0"``.
+
+    Returns:
+        The number of tensor bytes the request will carry.
+
+    Raises:
+        InvalidRequest: wrong number of tensors, dtype, shape, or an empty or ragged batch.
+        ResourceExhausted: more rows than `max_batch_size`.
+    """
+    metas = header.tensors
+    if len(metas) != len(schemas):
+        raise InvalidRequest(f"{what}: expected {len(schemas)} tensors, got {len(metas)}")
+    rows: set[int] = set()
+    total = 0
+    for i, (meta, schema) in enumerate(zip(metas, schemas)):
+        shape = tuple(meta.shape)
+        expected = ("batch", *schema.shape_without_batch)
+        if meta.dtype != dtype_name(schema.dtype):
+            raise InvalidRequest(f"{what}: tensor {i} has dtype {meta.dtype}, expected {dtype_name(schema.dtype)}")
+        if len(shape) != len(expected) or shape[1:] != schema.shape_without_batch:
+            raise InvalidRequest(
+                f"{what}: tensor {i} has shape {shape}, expected ({', '.join(map(str, expected))})"
+            )
+        rows.add(shape[0])
+        total += meta.nbytes
+    if len(rows) != 1:
+        raise InvalidRequest(f"{what}: tensors disagree on the batch size: {sorted(rows)}")
+    (batch,) = rows
+    if batch < 1:
+        raise InvalidRequest(f"{what}: the batch is empty")
+    if batch > max_batch_size:
+        raise ResourceExhausted(f"{what}: batch of {batch} rows exceeds the limit of {max_batch_size}; split it")
+    return total
+
+
+class Admission:
+    """Counts requests in flight and the tensor bytes they hold; refuses past the limits.
+
+    Used from one event loop only (no locking).
+
+    Args:
+        max_requests: the most requests in flight at once.
+        max_bytes: the most tensor bytes held by requests in flight at once.
+    """
+
+    def __init__(self, max_requests: int, max_bytes: int) -> None:
+        if max_requests < 1 or max_bytes < 1:
+            raise ValueError("admission limits must be positive")
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self.requests = 0
+        self.bytes = 0
+        self.admitted = 0
+        """Requests admitted so far."""
+        self.refused = 0
+        """Requests refused so far because a limit was reached."""
+        self._idle: asyncio.Event | None = None
+
+    async def wait_idle(self) -> None:
+        """Returns once no request is in flight."""
+        while self.requests:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
+
+    @contextlib.contextmanager
+    def request(self, what: str) -> Iterator[None]:
+        """Holds one request slot for the duration of the block."""
+        if self.requests >= self.max_requests:
+            self.refused += 1
+            raise ResourceExhausted(
+                f"{what}: the server has {self.requests} requests in flight, its limit; retry later"
+            )
+        self.requests += 1
+        self.admitted += 1
+        try:
+            yield
+        finally:
+            self.requests -= 1
+            if not self.requests and self._idle is not None:
+                self._idle.set()
+
+    @contextlib.contextmanager
+    def reserve(self, nbytes: int, what: str) -> Iterator[None]:
+        """Holds `nbytes` of the byte budget for the duration of the block."""
+        if nbytes > self.max_bytes - self.bytes:
+            self.refused += 1
+            raise ResourceExhausted(
+                f"{what}: {nbytes} bytes would exceed the server's budget for requests in flight "
+                f"({self.bytes} of {self.max_bytes} bytes held); retry later"
+            )
+        self.bytes += nbytes
+        try:
+            yield
+        finally:
+            self.bytes -= nbytes

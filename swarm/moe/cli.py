@@ -1,0 +1,43 @@
+"""`swarm-peer --experts PATTERN`: serve experts from the daemon (SPEC.md §3).
+
+The options are checked before torch is imported, so a typo fails in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from swarm.core.errors import ConfigError
+from swarm.moe.uids import expand_pattern
+
+if TYPE_CHECKING:
+    from swarm.moe.server import ExpertServer
+
+
+def serve_experts(peer: Any, options: Any) -> ExpertServer:
+    """Serves the experts the daemon's options name; the server shuts down (and saves) with the peer.
+
+    Args:
+        peer: the daemon's `swarm.Peer`.
+        options: has ``experts`` (a pattern such as ``"ffn.[0:4].[0:4]"``), ``expert_cls``,
+            ``hidden_dim`` and ``checkpoint_dir`` (None: no checkpoints).
+
+    Returns:
+        The running server (attached to `peer`).
+
+    Raises:
+        ConfigError: a malformed pattern, an unknown expert class or an invalid hidden size.
+        CheckpointError: a checkpoint in ``checkpoint_dir`` exists but does not fit.
+    """
+    try:
+        expand_pattern(options.experts)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--experts: {e}") from None
+    from swarm.moe.server import ExpertServer
+
+    try:
+        return ExpertServer.from_pattern(
+            peer, options.experts, options.expert_cls, options.hidden_dim, checkpoint_dir=options.checkpoint_dir
+        )
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--experts {options.experts!r} --expert-cls {options.expert_cls!r}: {e}") from None

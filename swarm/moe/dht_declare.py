@@ -1,0 +1,214 @@
+"""Declaring experts in the DHT, and finding them there.
+
+A server serving expert ``ffn.3.1`` at address A stores, each with expiration now + T:
+
+- key ``ffn.``   subkey ``3`` -> ``["ffn.3.1", A]``  (something under ``ffn.3.`` is alive)
+- key ``ffn.3.`` subkey ``1`` -> ``["ffn.3.1", A]``
+- key ``ffn.3.1``            -> ``A``
+
+and re-announces every T/3 (`ExpertDeclarer`), so a client finds the live successors of any
+prefix with one DHT read (`get_successors`, the step of the beam search) and an expert whose
+server died disappears within T. Pairs (prefix, subkey) shared by several local experts are
+stored once per round. Values read back are checked: an entry that does not name an expert
+under its prefix is ignored, so a garbage writer cannot crash a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from swarm.core.loop import spawn
+from swarm.core.timeutil import get_dht_time
+from swarm.moe.sources import Successors, successor_coord
+from swarm.moe.uids import is_valid_prefix, is_valid_uid, parse_uid, uid_prefixes
+
+__all__ = ["DHTExpertSource", "ExpertDeclarer", "declarations", "declare_experts", "get_experts", "get_successors"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_PARALLEL = 64
+
+
+def declarations(uids: Iterable[str], addr: str) -> list[tuple[str, int | None, Any]]:
+    """The (key, subkey, value) records that declare `uids` served at `addr`, deduplicated."""
+    records: dict[tuple[str, int | None], Any] = {}
+    for uid in uids:
+        _, coords = parse_uid(uid)
+        for prefix, coord in zip(uid_prefixes(uid), coords):
+            records.setdefault((prefix, coord), [uid, addr])
+        records[(uid, None)] = addr
+    return [(key, subkey, value) for (key, subkey), value in records.items()]
+
+
+async def _bounded_gather(calls: list[Any]) -> list[Any]:
+    semaphore = asyncio.Semaphore(_MAX_PARALLEL)
+
+    async def one(call: Any) -> Any:
+        async with semaphore:
+            return await call
+
+    return await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+
+
+async def declare_experts(dht: Any, uids: Sequence[str], addr: str, expiration_time: float) -> int:
+    """Stores the declarations of `uids` at `addr` until `expiration_time` (one batched store).
+
+    Returns:
+        How many records the DHT accepted (failures are logged at debug level).
+    """
+    records = declarations(uids, addr)
+    if hasattr(dht, "astore_many"):
+        try:
+            results: list[Any] = await dht.astore_many(
+                [k for k, _, _ in records], [v for _, _, v in records], expiration_time, [s for _, s, _ in records]
+            )
+        except Exception as e:  # noqa: BLE001 - a refused or failed round is retried by the caller
+            logger.debug("declaring %d records failed: %s", len(records), e)
+            results = list(getattr(e, "results", []))
+    else:
+        results = await _bounded_gather(
+            [dht.astore(key, value, expiration_time, subkey=subkey) for key, subkey, value in records]
+        )
+        for (key, subkey, _), result in zip(records, results):
+            if isinstance(result, BaseException):
+                logger.debug("declaring %s[%s] failed: %s", key, subkey, result)
+    return sum(1 for r in results if r is True)
+
+
+async def _get_all(dht: Any, keys: list[str]) -> list[Any]:
+    """Each key's record (None, or an exception when that read failed), in one batched read if possible."""
+    if hasattr(dht, "aget_many"):
+        try:
+            found = await dht.aget_many(keys)
+        except Exception as e:  # noqa: BLE001 - reported per key below
+            return [e] * len(keys)
+        return [found.get(key) for key in keys]
+    return await _bounded_gather([dht.aget(key) for key in keys])
+
+
+def _alive(record: Any, now: float) -> bool:
+    expiration = getattr(record, "expiration_time", None)
+    return not isinstance(expiration, int | float) or expiration >= now
+
+
+async def get_successors(dht: Any, prefixes: Sequence[str]) -> dict[str, Successors]:
+    """Reads the live successors of each prefix (one batched DHT read for all of them).
+
+    Returns:
+        ``{prefix: {coordinate: (uid, address)}}``; ``{}`` for a prefix with no live successor.
+        Malformed prefixes are left out.
+    """
+    prefixes = [p for p in dict.fromkeys(prefixes) if is_valid_prefix(p)]
+    results = await _get_all(dht, prefixes)
+    now = get_dht_time()
+    found: dict[str, Successors] = {}
+    for prefix, record in zip(prefixes, results):
+        successors: Successors = {}
+        if isinstance(record, BaseException):
+            logger.debug("reading %s from the DHT failed: %s", prefix, record)
+        elif record is not None and hasattr(getattr(record, "value", None), "items"):
+            for subkey, entry in record.value.items():
+                value = getattr(entry, "value", None)
+                if not _alive(entry, now) or not isinstance(value, list | tuple) or len(value) != 2:
+                    continue
+                uid, addr = value
+                if (
+                    isinstance(uid, str)
+                    and isinstance(addr, str)
+                    and isinstance(subkey, int)
+                    and successor_coord(prefix, uid) == subkey
+                ):
+                    successors[subkey] = (uid, addr)
+        found[prefix] = successors
+    return found
+
+
+async def get_experts(dht: Any, uids: Sequence[str]) -> dict[str, str]:
+    """Reads the address of each live expert among `uids` (unknown, dead or malformed ones left out)."""
+    uids = [u for u in dict.fromkeys(uids) if is_valid_uid(u)]
+    results = await _get_all(dht, uids)
+    now = get_dht_time()
+    found: dict[str, str] = {}
+    for uid, record in zip(uids, results):
+        if isinstance(record, BaseException):
+            logger.debug("reading %s from the DHT failed: %s", uid, record)
+        elif record is not None and _alive(record, now) and isinstance(getattr(record, "value", None), str):
+            found[uid] = record.value
+    return found
+
+
+class DHTExpertSource:
+    """An `swarm.moe.sources.ExpertSource` backed by the DHT (`peer.dht`)."""
+
+    def __init__(self, dht: Any) -> None:
+        if dht is None:
+            raise ValueError("this peer has no DHT; pass an ExpertSource (e.g. StaticExpertSource) instead")
+        self.dht = dht
+
+    async def get_successors(self, prefixes: Sequence[str]) -> dict[str, Successors]:
+        return await get_successors(self.dht, prefixes)
+
+    async def get_experts(self, uids: Sequence[str]) -> dict[str, str]:
+        return await get_experts(self.dht, uids)
+
+
+class ExpertDeclarer:
+    """Re-announces a server's experts every `ttl / 3` seconds, each time valid for `ttl` seconds.
+
+    Args:
+        dht: the peer's DHT.
+        uids: the experts.
+        addr: the server's multiaddr (ending in /p2p/<PeerID>).
+        ttl: seconds a declaration stays valid without renewal.
+    """
+
+    def __init__(self, dht: Any, uids: Sequence[str], addr: str, ttl: float) -> None:
+        if not ttl > 0:
+            raise ValueError(f"ttl must be positive, got {ttl!r}")
+        self.dht = dht
+        self.uids = list(uids)
+        self.addr = addr
+        self.ttl = ttl
+        self.rounds = 0
+        """Completed declaration rounds."""
+        self._task: asyncio.Task[None] | None = None
+        self._round_done: asyncio.Condition | None = None
+
+    async def astart(self) -> None:
+        """Declares once (so clients can find the experts when this returns), then keeps declaring."""
+        await self._declare()
+        self._task = spawn(self._run(), name=f"moe-declare-{len(self.uids)}-experts")
+
+    async def _declare(self) -> None:
+        stored = await declare_experts(self.dht, self.uids, self.addr, get_dht_time() + self.ttl)
+        if stored == 0 and self.uids:
+            logger.warning("no DHT node accepted the declarations of %d experts; retrying", len(self.uids))
+        self.rounds += 1
+        if self._round_done is not None:
+            async with self._round_done:
+                self._round_done.notify_all()
+
+    async def wait_rounds(self, rounds: int) -> None:
+        """Returns once `rounds` declaration rounds have completed."""
+        if self._round_done is None:
+            self._round_done = asyncio.Condition()
+        async with self._round_done:
+            await self._round_done.wait_for(lambda: self.rounds >= rounds)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                await self._declare()
+            except Exception:
+                logger.warning("declaring experts in the DHT failed", exc_info=True)
+
+    async def aclose(self) -> None:
+        """Stops re-announcing (declarations expire on their own within `ttl`)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

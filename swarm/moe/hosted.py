@@ -1,0 +1,126 @@
+"""HostedExpert: one expert as a server runs it: its backend, its two task pools, its saved graphs.
+
+Requests reach the expert through two `TaskPool`s (forward, backward) served by the server's
+one `Runtime`, so concurrent callers are merged into batches. The batch functions here run on
+the compute thread and decide, per batch, whether a forward keeps its graph (it ran alone and
+carries a graph id) and whether a backward can reuse one (`swarm.moe.saved_graphs`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from swarm.moe.backend import ExpertBackend
+from swarm.moe.saved_graphs import SavedForward, SavedGraphs
+from swarm.moe.task_pool import TaskPool
+
+__all__ = ["BatchingConfig", "HostedExpert"]
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """How one expert's requests are merged into batches (see `swarm.moe.task_pool`).
+
+    Batching is opportunistic by default (``max_wait=0``): a request that finds the compute
+    thread idle runs at once, and requests that arrive while it is busy are merged into the next
+    batch, so batching costs a lone caller no latency and still merges concurrent callers.
+
+    Attributes:
+        max_wait: seconds a batch waits for more requests after its first one arrives.
+        min_batch_size: after `max_wait`, run only batches of at least this many rows...
+        min_batch_timeout: ...unless the first request has waited this long.
+        max_batch_tasks: the most requests merged into one batch; 1 disables batching.
+        max_queue_rows: the most rows waiting per pool; past it requests are refused
+            (ResourceExhausted). None: 16 x the expert's max batch size.
+        saved_graph_rows: the most rows of forward graphs kept per expert for the backward
+            that follows (0 disables; a backward then recomputes its forward).
+        saved_graph_ttl: seconds a kept graph waits for its backward.
+    """
+
+    max_wait: float = 0.0
+    min_batch_size: int = 1
+    min_batch_timeout: float = 0.05
+    max_batch_tasks: int | None = None
+    max_queue_rows: int | None = None
+    saved_graph_rows: int = 1024
+    saved_graph_ttl: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_wait <= self.min_batch_timeout:
+            raise ValueError("need 0 <= max_wait <= min_batch_timeout")
+        if self.min_batch_size < 1 or (self.max_batch_tasks is not None and self.max_batch_tasks < 1):
+            raise ValueError("min_batch_size and max_batch_tasks must be positive")
+        if self.saved_graph_rows < 0 or not self.saved_graph_ttl > 0:
+            raise ValueError("saved_graph_rows must be >= 0 and saved_graph_ttl > 0")
+
+
+class HostedExpert:
+    """One served expert. `forward` / `backward` are awaited on the server's event loop.
+
+    Args:
+        backend: the expert.
+        config: batching and graph-keeping settings.
+    """
+
+    def __init__(self, backend: ExpertBackend, config: BatchingConfig) -> None:
+        self.backend = backend
+        self.saved = SavedGraphs(min(config.saved_graph_rows, backend.max_batch_size), config.saved_graph_ttl)
+        self.forward_pool = self._pool(self._forward_batch, "forward", config)
+        self.backward_pool = self._pool(self._backward_batch, "backward", config)
+
+    def _pool(self, fn: Callable[..., tuple[torch.Tensor, ...]], kind: str, config: BatchingConfig) -> TaskPool:
+        limit = self.backend.max_batch_size
+        return TaskPool(
+            fn, f"{self.backend.name}.{kind}", min(config.min_batch_size, limit), limit, config.max_wait,
+            config.max_queue_rows, config.min_batch_timeout, max_batch_tasks=config.max_batch_tasks, pass_tags=True,
+        )
+
+    @property
+    def pools(self) -> tuple[TaskPool, TaskPool]:
+        return self.forward_pool, self.backward_pool
+
+    async def forward(self, inputs: Sequence[torch.Tensor], graph_key: Hashable | None) -> tuple[torch.Tensor, ...]:
+        """Queues a forward; `graph_key` asks to keep its graph for the backward that follows."""
+        return await self.forward_pool.submit(*inputs, tag=graph_key)
+
+    async def backward(
+        self, inputs_and_grads: Sequence[torch.Tensor], graph_key: Hashable | None
+    ) -> tuple[torch.Tensor, ...]:
+        """Queues a backward (and a training step); `graph_key` names a kept forward."""
+        return await self.backward_pool.submit(*inputs_and_grads, tag=graph_key)
+
+    # ---- compute thread ----------------------------------------------------------------------
+
+    def _forward_batch(self, *inputs: torch.Tensor, tags: list[Hashable | None]) -> tuple[torch.Tensor, ...]:
+        backend = self.backend
+        rows = inputs[0].shape[0]
+        key = tags[0] if len(tags) == 1 else None
+        if key is None or not self.saved.accepts(rows):
+            return backend.forward(*inputs)
+        leaves, outputs = backend.forward_with_graph(*inputs)
+        self.saved.put(key, SavedForward(leaves, outputs, backend.updates, rows, time.monotonic()))
+        return tuple(o.detach() for o in outputs)
+
+    def _backward_batch(self, *inputs_and_grads: torch.Tensor, tags: list[Hashable | None]) -> tuple[torch.Tensor, ...]:
+        backend = self.backend
+        num_inputs = len(backend.args_schema)
+        saved = None
+        if len(tags) == 1 and tags[0] is not None:
+            saved = self.saved.pop(tags[0])
+            inputs = inputs_and_grads[:num_inputs]
+            if saved is not None and not saved.matches(inputs, backend.updates):
+                saved = None
+            if saved is None:
+                self.saved.misses += 1
+        if saved is None:
+            grads = backend.backward(*inputs_and_grads)
+        else:
+            self.saved.hits += 1
+            backend.validate_backward_inputs(inputs_and_grads, check_finite=False)
+            grads = backend.backward_through(saved.inputs, saved.outputs, inputs_and_grads[num_inputs:])
+        self.saved.invalidate_before(backend.updates)  # graphs from before this step can never be used
+        return grads

@@ -1,0 +1,331 @@
+"""ExpertServer: hosts experts on a peer, trains them on the backward calls of remote clients.
+
+It registers three RPCs on the peer's gRPC server (proto/moe.proto): Forward and Backward
+(tensor streams, batched across callers by one `Runtime` compute thread) and Info (schemas).
+Each request is checked before it costs anything (`swarm.moe.admission`): the expert must be
+hosted (NOT_FOUND), the declared tensors must fit its schemas (INVALID_ARGUMENT) and its batch
+limit, and the server's bounds on requests and bytes in flight must allow it
+(RESOURCE_EXHAUSTED); then the received tensors are checked in full (NaN/Inf) per request, so
+one bad request never fails a batch. The experts are declared in the DHT when the peer has one
+(`swarm.moe.dht_declare`), checkpointed periodically and at shutdown, and restored at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarm.core.errors import ConfigError, InvalidRequest, NotFound, PeerUnreachable, SwarmError
+from swarm.moe.admission import Admission, check_declared
+from swarm.moe.backend import ExpertBackend
+from swarm.moe.checkpoints import CheckpointSaver
+from swarm.moe.dht_declare import ExpertDeclarer
+from swarm.moe.hosted import HostedExpert
+from swarm.moe.layers import OptimizerFactory, backend_for_module, default_optimizer, make_backend
+from swarm.moe.protocol import BACKWARD, FORWARD, INFO, ExpertInfo, parse_call_header
+from swarm.moe.runtime import Runtime
+from swarm.moe.schema import TensorSchema
+from swarm.moe.server_config import ExpertServerConfig
+from swarm.moe.task_pool import PoolStats
+from swarm.moe.uids import expand_pattern
+from swarm.net.server import CallContext
+from swarm.net.streaming import TensorReceiver, tensors_to_messages
+from swarm.proto import moe_pb2
+
+__all__ = ["ExpertServer", "ExpertServerConfig"]
+
+logger = logging.getLogger(__name__)
+
+_servers: weakref.WeakKeyDictionary[Any, ExpertServer] = weakref.WeakKeyDictionary()
+
+
+class ExpertServer:
+    """Serves experts from a peer; attaches to it, so `peer.shutdown()` stops it and saves checkpoints.
+
+    Example::
+
+        server = ExpertServer(peer, {"ffn.0.0": FeedforwardExpert(1024)},
+                              optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.01))
+        ...
+        server.shutdown()   # or peer.shutdown()
+
+    Args:
+        peer: a `swarm.Peer` that is not in client mode.
+        experts: ``{uid: module or ExpertBackend}``; UIDs like ``"ffn.0.3"``.
+        optimizer_factory: builds each module's optimizer from its trainable parameters
+            (default: Adam, lr 1e-3). Not used for `ExpertBackend` values (they have theirs).
+        args_schema: the input schemas of plain modules (default: inferred from the first
+            ``Linear``/``LayerNorm`` of the module, a float32 ``(batch, features)`` input).
+        checkpoint_dir: restore experts from here at start, save here periodically and at shutdown.
+        config: limits and periods.
+        declare: declare the experts in the peer's DHT (when it has one).
+        start: start serving now; with False, ``await server.astart()`` from an event loop.
+
+    Raises:
+        ConfigError: the peer cannot serve (client mode) or already hosts an ExpertServer.
+        ValueError: an invalid UID or schema, or a module whose input schema cannot be inferred.
+        CheckpointError: a checkpoint exists in `checkpoint_dir` but does not fit.
+    """
+
+    def __init__(
+        self,
+        peer: Any,
+        experts: Mapping[str, nn.Module | ExpertBackend],
+        optimizer_factory: OptimizerFactory | None = None,
+        *,
+        args_schema: Sequence[TensorSchema] | None = None,
+        checkpoint_dir: str | Path | None = None,
+        config: ExpertServerConfig | None = None,
+        declare: bool = True,
+        start: bool = True,
+    ) -> None:
+        if peer.server is None:
+            raise ConfigError("a client-mode peer cannot serve experts (it accepts no connections)")
+        if not experts:
+            raise ValueError("an ExpertServer needs at least one expert")
+        self.peer = peer
+        self.config = config or ExpertServerConfig()
+        factory = optimizer_factory or default_optimizer
+        self.backends: dict[str, ExpertBackend] = {
+            uid: backend_for_module(uid, expert, factory, args_schema, self.config.max_batch_size)
+            for uid, expert in experts.items()
+        }
+        self.checkpoints = (
+            CheckpointSaver(self.backends, checkpoint_dir, self.config.checkpoint_interval)
+            if checkpoint_dir is not None
+            else None
+        )
+        self.restored: list[str] = self.checkpoints.load() if self.checkpoints is not None else []
+        """UIDs restored from checkpoints at start."""
+        self.experts = {uid: HostedExpert(b, self.config.batching) for uid, b in self.backends.items()}
+        self.runtime = Runtime(
+            [pool for hosted in self.experts.values() for pool in hosted.pools], self.config.compute_threads
+        )
+        self.admission = Admission(self.config.max_inflight_requests, self.config.max_inflight_bytes)
+        self.declarer: ExpertDeclarer | None = None
+        self._declare = declare
+        self._started = False
+        self._closing = False
+        if start:
+            peer.run(self.astart())
+
+    @classmethod
+    def from_pattern(
+        cls,
+        peer: Any,
+        pattern: str,
+        expert_cls: str = "ffn",
+        hidden_dim: int = 1024,
+        optimizer_factory: OptimizerFactory | None = None,
+        *,
+        checkpoint_dir: str | Path | None = None,
+        config: ExpertServerConfig | None = None,
+        declare: bool = True,
+        start: bool = True,
+    ) -> ExpertServer:
+        """Serves every expert a pattern names, built from a registered class (`swarm.moe.layers`).
+
+        Args:
+            peer: the serving peer.
+            pattern: e.g. ``"ffn.[0:4].[0:4]"`` (16 experts).
+            expert_cls: ``"ffn"``, ``"transformer"``, ``"nop"`` or a registered class.
+            hidden_dim: the experts' hidden size.
+            optimizer_factory: as in the constructor.
+            checkpoint_dir, config, declare, start: as in the constructor.
+        """
+        config = config or ExpertServerConfig()
+        backends = {
+            uid: make_backend(
+                expert_cls, uid, hidden_dim, optimizer_factory or default_optimizer, config.max_batch_size
+            )
+            for uid in expand_pattern(pattern)
+        }
+        return cls(peer, backends, checkpoint_dir=checkpoint_dir, config=config, declare=declare, start=start)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def astart(self) -> None:
+        """Starts serving: registers the RPCs, starts the compute thread, declares the experts."""
+        if self.peer.loop.loop is not _running_loop():
+            return await self.peer.loop.wrap(self.astart())
+        if self._started:
+            return
+        if _servers.get(self.peer) is not None:
+            raise ConfigError("this peer already hosts an ExpertServer; give one server all its experts")
+        _servers[self.peer] = self
+        self._started = True
+        self.runtime.start()
+        if self.checkpoints is not None and self.config.checkpoint_interval is not None:
+            self.checkpoints.start()
+        server = self.peer.server
+        server.add_stream(FORWARD, self.rpc_forward)
+        server.add_stream(BACKWARD, self.rpc_backward)
+        server.add_unary(INFO, self.rpc_info, moe_pb2.ExpertInfoRequest)
+        self.peer.attach(self)
+        self.peer.served_experts = sorted(self.experts)
+        if self._declare and self.peer.dht is not None and self.peer.addrs:
+            self.declarer = ExpertDeclarer(self.peer.dht, list(self.experts), _public_addr(self.peer.addrs),
+                                           self.config.declare_ttl)
+            await self.declarer.astart()
+        elif self._declare:
+            logger.info("peer has no DHT: %d experts served but not declared", len(self.experts))
+        logger.info("serving %d experts (%s%s)", len(self.experts), next(iter(self.experts)),
+                    ", ..." if len(self.experts) > 1 else "")
+
+    async def ashutdown(self) -> None:
+        """Stops declaring, fails queued requests, stops the compute thread, saves checkpoints."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            if self.declarer is not None:
+                await self.declarer.aclose()
+            await asyncio.to_thread(self.runtime.shutdown, self.config.runtime_shutdown_timeout)
+            if self.checkpoints is not None:
+                await asyncio.to_thread(self.checkpoints.stop, True)
+        finally:
+            self.peer.served_experts = []
+            self.peer.detach(self)
+            if _servers.get(self.peer) is self:
+                del _servers[self.peer]
+
+    def shutdown(self) -> None:
+        """Blocking form of `ashutdown`."""
+        self.peer.run(self.ashutdown(), timeout=120)
+
+    # ---- RPCs ---------------------------------------------------------------------------------
+
+    def _hosted(self, uid: str, what: str) -> HostedExpert:
+        if self._closing:
+            raise PeerUnreachable(f"expert server {self.peer.peer_id} is shutting down")
+        hosted = self.experts.get(uid)
+        if hosted is None:
+            raise NotFound(f"{what}: expert {uid!r} is not hosted by {self.peer.peer_id}")
+        return hosted
+
+    @contextlib.asynccontextmanager
+    async def _request(
+        self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool
+    ) -> AsyncIterator[tuple[HostedExpert, list[torch.Tensor], Hashable | None]]:
+        """Admits one request, receives and checks its tensors; holds its slot and bytes until exit."""
+        stream = aiter(requests)
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                received = await self._receive(stream, ctx, backward, held)
+            except SwarmError:
+                # Read what the caller still sends before refusing: a call that ends while the caller
+                # is still writing reaches it as INTERNAL instead of the status that says why.
+                await _drain(stream, self.config.max_drain_bytes)
+                raise
+            yield received
+
+    async def _receive(
+        self, stream: AsyncIterator[bytes], ctx: CallContext, backward: bool, held: contextlib.AsyncExitStack
+    ) -> tuple[HostedExpert, list[torch.Tensor], Hashable | None]:
+        what = "backward" if backward else "forward"
+        held.enter_context(self.admission.request(what))
+        header_bytes = await anext(stream, None)
+        if header_bytes is None:
+            raise InvalidRequest(f"{what}: empty request stream")
+        call, header = parse_call_header(header_bytes)
+        hosted = self._hosted(call.uid, what)
+        backend = hosted.backend
+        what = f"{what} of {call.uid}"
+        schemas = backend.args_schema + (backend.outputs_schema if backward else ())
+        nbytes = check_declared(header, schemas, backend.max_batch_size, what)
+        held.enter_context(self.admission.reserve(nbytes, what))
+        receiver = TensorReceiver(header_bytes, max_bytes=nbytes)
+        while not receiver.complete:
+            chunk = await anext(stream, None)
+            if chunk is None:
+                break
+            receiver.feed(chunk)
+        tensors = receiver.result()
+        if backward:
+            backend.validate_backward_inputs(tensors, check_finite=self.config.check_finite)
+        else:
+            backend.validate_forward_inputs(tensors, check_finite=self.config.check_finite)
+        key = (ctx.peer_id, call.graph_id) if call.graph_id is not None else None
+        return hosted, tensors, key
+
+    async def rpc_forward(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+        """Forward: one bundle of inputs in, one bundle of outputs out."""
+        async with self._request(requests, ctx, backward=False) as (hosted, inputs, key):
+            outputs = await hosted.forward(inputs, key)
+            for message in tensors_to_messages(outputs):
+                yield message
+
+    async def rpc_backward(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+        """Backward: inputs and output gradients in, input gradients out; the expert takes a step."""
+        async with self._request(requests, ctx, backward=True) as (hosted, tensors, key):
+            grads = await hosted.backward(tensors, key)
+            for message in tensors_to_messages(grads):
+                yield message
+
+    async def rpc_info(self, request: moe_pb2.ExpertInfoRequest, ctx: CallContext) -> moe_pb2.ExpertInfo:
+        """Info: the schemas and limits of one hosted expert."""
+        return ExpertInfo.of(self._hosted(request.uid, "info").backend).to_proto()
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    async def await_idle(self) -> None:
+        """Returns once no Forward/Backward call is in flight (awaitable form of `wait_idle`)."""
+        if self.peer.loop.loop is not _running_loop():
+            return await self.peer.loop.wrap(self.await_idle())
+        await self.admission.wait_idle()
+
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Blocks until no Forward/Backward call is in flight (raises TimeoutError after `timeout`)."""
+        self.peer.run(self.await_idle(), timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics and tests: pools, requests in flight, refusals, kept graphs."""
+        pools: dict[str, PoolStats] = self.runtime.stats()
+        return {
+            "pools": pools,
+            "inflight_requests": self.admission.requests,
+            "inflight_bytes": self.admission.bytes,
+            "admitted": self.admission.admitted,
+            "refused": self.admission.refused,
+            "saved_graph_hits": sum(h.saved.hits for h in self.experts.values()),
+            "saved_graph_misses": sum(h.saved.misses for h in self.experts.values()),
+            "saved_graph_rows": sum(h.saved.rows for h in self.experts.values()),
+        }
+
+    def __repr__(self) -> str:
+        return f"ExpertServer({self.peer.peer_id}, {len(self.experts)} experts)"
+
+
+async def _drain(stream: AsyncIterator[bytes], limit: int) -> None:
+    """Reads and drops up to `limit` bytes of what is left of a request stream."""
+    drained = 0
+    try:
+        async for chunk in stream:
+            drained += len(chunk)
+            if drained > limit:
+                return
+    except Exception:  # noqa: BLE001 - the call may already be over; the refusal is what matters
+        return
+
+
+def _public_addr(addrs: Sequence[str]) -> str:
+    """The address to declare: the first that is not loopback, else the first."""
+    for addr in addrs:
+        if not addr.startswith(("/ip4/127.", "/ip6/::1/")):
+            return addr
+    return addrs[0]
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -1,0 +1,50 @@
+"""ExpertServerConfig: the limits and periods of an expert server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from swarm.core.errors import ConfigError
+from swarm.moe.hosted import BatchingConfig
+
+__all__ = ["ExpertServerConfig"]
+
+
+@dataclass(frozen=True)
+class ExpertServerConfig:
+    """Limits and periods of an `ExpertServer`.
+
+    Attributes:
+        max_batch_size: the most rows per request and per batch, for experts built by the server.
+        batching: how requests are merged into batches and forward graphs kept.
+        max_inflight_requests: Forward/Backward calls handled at once; past it, RESOURCE_EXHAUSTED.
+        max_inflight_bytes: tensor bytes held by requests in flight; past it, RESOURCE_EXHAUSTED.
+        check_finite: refuse inputs and gradients holding NaN or Inf.
+        declare_ttl: seconds a DHT declaration lives; re-announced every third of it.
+        checkpoint_interval: seconds between periodic checkpoints (None: only at shutdown).
+        compute_threads: torch intra-op threads of the compute thread (None: torch's default).
+        runtime_shutdown_timeout: seconds a running batch gets to finish at shutdown.
+        max_drain_bytes: how much of a refused request is still read (and dropped) so that the
+            caller sees the refusal's status; a caller that sends more sees a broken call.
+    """
+
+    max_batch_size: int = 4096
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    max_inflight_requests: int = 256
+    max_inflight_bytes: int = 1 << 30
+    check_finite: bool = True
+    declare_ttl: float = 60.0
+    checkpoint_interval: float | None = 300.0
+    compute_threads: int | None = None
+    runtime_shutdown_timeout: float = 5.0
+    max_drain_bytes: int = 128 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_inflight_requests < 1 or self.max_inflight_bytes < 1:
+            raise ConfigError("max_batch_size and in-flight limits must be positive")
+        if not self.declare_ttl > 0:
+            raise ConfigError("declare_ttl must be positive")
+        if self.checkpoint_interval is not None and not self.checkpoint_interval > 0:
+            raise ConfigError("checkpoint_interval must be positive or None")
+        if self.compute_threads is not None and self.compute_threads < 1:
+            raise ConfigError("compute_threads must be positive or None")

@@ -1,0 +1,125 @@
+"""Tests of swarm.moe.dht_declare: the records, reading them back (garbage ignored), the real DHT."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, NamedTuple
+
+import pytest
+from torch import nn
+
+from swarm.core.timeutil import get_dht_time
+from swarm.moe import ExpertServer
+from swarm.moe.dht_declare import (
+    DHTExpertSource,
+    ExpertDeclarer,
+    declarations,
+    get_experts,
+    get_successors,
+)
+
+pytestmark = pytest.mark.timeout(60)
+A = "/ip4/127.0.0.1/tcp/1/p2p/A"
+
+
+class Record(NamedTuple):
+    value: Any
+    expiration_time: float
+
+
+class DictDHT:
+    """A DHT stand-in holding whatever records a test puts in (no networking)."""
+
+    def __init__(self, records: dict[str, Record]) -> None:
+        self.records = records
+
+    async def aget(self, key: str, latest: bool = False) -> Record | None:
+        return self.records.get(key)
+
+
+def test_declarations_cover_every_prefix_once() -> None:
+    records = declarations(["ffn.0.0", "ffn.0.1", "ffn.1.0"], A)
+    assert sorted(records, key=str) == sorted(
+        [
+            ("ffn.", 0, ["ffn.0.0", A]),
+            ("ffn.", 1, ["ffn.1.0", A]),
+            ("ffn.0.", 0, ["ffn.0.0", A]),
+            ("ffn.0.", 1, ["ffn.0.1", A]),
+            ("ffn.1.", 0, ["ffn.1.0", A]),
+            ("ffn.0.0", None, A),
+            ("ffn.0.1", None, A),
+            ("ffn.1.0", None, A),
+        ],
+        key=str,
+    )
+
+
+def test_reading_back_ignores_garbage_and_expired_entries() -> None:
+    later, earlier = get_dht_time() + 60, get_dht_time() - 60
+    dht = DictDHT({
+        "ffn.": Record({
+            0: Record(["ffn.0.3", A], later),
+            1: Record(["ffn.2.0", A], later),       # names another coordinate
+            2: Record(["ffn.2.0", A], earlier),     # expired
+            3: Record("not a pair", later),
+            4: Record(["other.4.0", A], later),     # another grid
+            "x": Record(["ffn.0.0", A], later),     # subkey is not a coordinate
+            5: Record([5, A], later),
+        }, later),
+        "ffn.1.": Record("not a dictionary", later),
+        "ffn.0.3": Record(A, later),
+        "ffn.0.4": Record(["not", "an address"], later),
+        "ffn.0.5": Record(A, earlier),
+    })
+
+    async def main() -> None:
+        found = await get_successors(dht, ["ffn.", "ffn.1.", "ffn.7.", "not a prefix"])
+        assert found == {"ffn.": {0: ("ffn.0.3", A)}, "ffn.1.": {}, "ffn.7.": {}}
+        assert await get_experts(dht, ["ffn.0.3", "ffn.0.4", "ffn.0.5", "bad uid"]) == {"ffn.0.3": A}
+
+    asyncio.run(main())
+
+
+def test_servers_declare_and_clients_find_them_through_the_dht(make_peer) -> None:
+    first = make_peer()
+    second = make_peer(initial_peers=first.addrs)
+    ExpertServer(first, {"ffn.0.0": nn.Linear(4, 4), "ffn.0.1": nn.Linear(4, 4)})
+    ExpertServer(second, {"ffn.3.2": nn.Linear(4, 4)})
+    client = make_peer(initial_peers=first.addrs, client_mode=True)
+    source = DHTExpertSource(client.dht)
+
+    async def main() -> tuple[Any, Any]:
+        return (
+            await source.get_successors(["ffn.", "ffn.0.", "ffn.3."]),
+            await source.get_experts(["ffn.0.1", "ffn.3.2", "ffn.9.9"]),
+        )
+
+    successors, experts = client.run(main(), timeout=20)
+    assert successors == {
+        "ffn.": {0: ("ffn.0.0", first.addrs[0]), 3: ("ffn.3.2", second.addrs[0])},
+        "ffn.0.": {0: ("ffn.0.0", first.addrs[0]), 1: ("ffn.0.1", first.addrs[0])},
+        "ffn.3.": {2: ("ffn.3.2", second.addrs[0])},
+    }
+    assert experts == {"ffn.0.1": first.addrs[0], "ffn.3.2": second.addrs[0]}
+    record = client.dht.get("ffn.3.2")
+    assert record.expiration_time > get_dht_time() + 30  # declared for declare_ttl (60 s)
+
+
+def test_declarer_reannounces_every_third_of_its_ttl(make_peer) -> None:
+    peer = make_peer()
+    declarer = ExpertDeclarer(peer.dht, ["ffn.0"], peer.addrs[0], ttl=0.3)
+
+    async def main() -> float:
+        await declarer.astart()
+        first = (await peer.dht.aget("ffn.0")).expiration_time
+        started = time.monotonic()
+        await asyncio.wait_for(declarer.wait_rounds(3), 10)
+        assert time.monotonic() - started >= 2 * 0.1 * 0.9  # two periods of ttl/3
+        renewed = (await peer.dht.aget("ffn.0", latest=True)).expiration_time
+        await declarer.aclose()
+        return renewed - first
+
+    assert peer.run(main(), timeout=20) > 0
+    with pytest.raises(ValueError, match="ttl"):
+        ExpertDeclarer(peer.dht, ["ffn.0"], peer.addrs[0], ttl=0)
