@@ -1,1 +1,41 @@
-"""swarm.dht"""
+"""swarm's Kademlia DHT (SPEC.md §2 layer 4, §4): `peer.dht` is a `DHT`.
+
+One concept per module: `keys` (how user keys become DHT keys), `routing` (k-buckets, blacklist),
+`storage` (values with expiration), `validation` (owner signatures), `schema` (pydantic schemas,
+imported on first use so that peers without one never load pydantic), `protocol` (the
+Ping/Store/Find RPCs), `traversal` (the iterative lookup), `replication` (stores), `retrieval`
+(gets and caching), `node` (joining and upkeep), `coalescer` (bursts of single calls into
+batches), `dht` (the user-facing facade), `config`, and `faults` (link faults for tests and
+simulations).
+"""
+
+from typing import Any
+
+from swarm.dht.config import DHTConfig
+from swarm.dht.dht import DHT
+from swarm.dht.faults import FaultPlan, LinkFault
+from swarm.dht.node import DHTNode
+from swarm.dht.storage import ValueWithExpiration
+from swarm.dht.validation import CompositeValidator, RecordValidator, SignatureValidator, owner_marker
+
+__all__ = [
+    "DHT",
+    "CompositeValidator",
+    "DHTConfig",
+    "DHTNode",
+    "FaultPlan",
+    "LinkFault",
+    "RecordValidator",
+    "SchemaValidator",
+    "SignatureValidator",
+    "ValueWithExpiration",
+    "owner_marker",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SchemaValidator":
+        from swarm.dht.schema import SchemaValidator
+
+        return SchemaValidator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

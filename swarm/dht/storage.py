@@ -17,11 +17,16 @@ The rules (SPEC.md §4) in one place:
 
 Keys are the 32-byte DHT keys (`DHTID.to_bytes()`), subkeys their serialized form
 (`swarm.dht.keys.serialize_subkey`), and values the serialized bytes exactly as they arrived,
-so a node can forward them (signatures included) untouched.
+so a node can forward them (signatures included) untouched. Next to each record the storage
+keeps the serialized original key (`raw_key`, whose sha256 is the DHT key), which receivers
+need to check owner markers and schemas, so that replication and republication can forward it
+too, and when a store for the key last arrived (Kademlia §2.5: a node that received a store
+recently need not republish the record).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import time
@@ -65,11 +70,16 @@ class _ExpiringMap:
         entry = self._data.get(key)
         return entry is not None and entry.expiration_time == expiration_time
 
+    def _dropped(self, key: bytes) -> None:
+        """Called whenever an entry leaves the map (expired or evicted); for subclasses."""
+
     def _pop_soonest(self) -> tuple[bytes, ValueWithExpiration] | None:
         while self._heap:
             expiration_time, key = heapq.heappop(self._heap)
             if self._is_live_heap_entry(expiration_time, key):
-                return key, self._data.pop(key)
+                entry = self._data.pop(key)
+                self._dropped(key)
+                return key, entry
         return None
 
     def _soonest_expiration(self) -> float | None:
@@ -82,6 +92,7 @@ class _ExpiringMap:
             expiration_time, key = heapq.heappop(self._heap)
             if self._is_live_heap_entry(expiration_time, key):
                 del self._data[key]
+                self._dropped(key)
 
     def __len__(self) -> int:
         return len(self._data)
@@ -193,8 +204,17 @@ class DHTLocalStorage(_ExpiringMap):
             raise ValueError(f"max_size must be >= 1 or None, got {max_size}")
         self.max_size = max_size
         self._clock = clock
+        self._raw_keys: dict[bytes, bytes] = {}
+        self._received: dict[bytes, float] = {}
 
-    def store(self, key: bytes, value: bytes, expiration_time: float, subkey: bytes | None = None) -> bool:
+    def store(
+        self,
+        key: bytes,
+        value: bytes,
+        expiration_time: float,
+        subkey: bytes | None = None,
+        raw_key: bytes | None = None,
+    ) -> bool:
         """Stores a plain value, or one subkey of a dictionary value.
 
         Args:
@@ -202,15 +222,46 @@ class DHTLocalStorage(_ExpiringMap):
             value: The serialized value.
             expiration_time: When the value stops existing.
             subkey: The serialized subkey, or None (or empty bytes) for a plain value.
+            raw_key: The serialized original key (its sha256 is `key`), kept with the record
+                so it can be forwarded; None keeps what is already known.
 
         Returns:
             True if stored; False if already expired or not newer than what is stored (see
             the module docstring for plain-vs-dictionary), or refused for lack of space.
+
+        Raises:
+            ValueError: `raw_key` does not hash to `key`.
         """
         _check_bytes(key=key, value=value)
         if subkey is not None and not isinstance(subkey, bytes):
             raise TypeError(f"subkey must be bytes or None, got {type(subkey).__name__}")
         _check_expiration(expiration_time)
+        _check_raw_key(key, raw_key)
+        stored = self._store(key, value, expiration_time, subkey)
+        if stored:
+            self.mark_received(key, raw_key)
+        return stored
+
+    def mark_received(self, key: bytes, raw_key: bytes | None = None) -> None:
+        """Records that a store for `key` arrived now (stored or not: §2.5 republishing)."""
+        if key in self._data:
+            self._received[key] = self._clock()
+            if raw_key is not None:
+                self._raw_keys[key] = raw_key
+
+    def raw_key(self, key: bytes) -> bytes | None:
+        """The serialized original key of the record under `key`, if known."""
+        return self._raw_keys.get(key)
+
+    def last_received(self, key: bytes) -> float | None:
+        """When a store for `key` last arrived (None if there is no such record)."""
+        return self._received.get(key)
+
+    def _dropped(self, key: bytes) -> None:
+        self._raw_keys.pop(key, None)
+        self._received.pop(key, None)
+
+    def _store(self, key: bytes, value: bytes, expiration_time: float, subkey: bytes | None) -> bool:
         now = self._clock()
         if expiration_time <= now:
             return False
@@ -231,7 +282,7 @@ class DHTLocalStorage(_ExpiringMap):
             self._set(key, dictionary, dictionary.latest_expiration_time)
         return True
 
-    def store_dictionary(self, key: bytes, dictionary: DictionaryValue) -> bool:
+    def store_dictionary(self, key: bytes, dictionary: DictionaryValue, raw_key: bytes | None = None) -> bool:
         """Merges a whole dictionary value (for example, one received from another node).
 
         A stored dictionary takes each subkey by the per-subkey rule; a stored plain value is
@@ -243,6 +294,13 @@ class DHTLocalStorage(_ExpiringMap):
         _check_bytes(key=key)
         if not isinstance(dictionary, DictionaryValue):
             raise TypeError(f"dictionary must be a DictionaryValue, got {type(dictionary).__name__}")
+        _check_raw_key(key, raw_key)
+        stored = self._store_dictionary(key, dictionary)
+        if stored:
+            self.mark_received(key, raw_key)
+        return stored
+
+    def _store_dictionary(self, key: bytes, dictionary: DictionaryValue) -> bool:
         now = self._clock()
         incoming = dictionary.copy()
         incoming.remove_outdated(now)
@@ -255,7 +313,7 @@ class DHTLocalStorage(_ExpiringMap):
             return self._put(key, incoming, incoming.latest_expiration_time, is_new=current is None, now=now)
         stored_any = False
         for subkey, (value, expiration_time) in incoming.items():
-            stored_any = self.store(key, value, expiration_time, subkey=subkey) or stored_any
+            stored_any = self._store(key, value, expiration_time, subkey) or stored_any
         return stored_any
 
     def get(self, key: bytes) -> ValueWithExpiration | None:
@@ -289,6 +347,7 @@ class DHTLocalStorage(_ExpiringMap):
             return None
         if record.expiration_time <= now:
             del self._data[key]  # its heap entry goes stale and is skipped later
+            self._dropped(key)
             return None
         if isinstance(record.value, DictionaryValue):
             record.value.remove_outdated(now)
@@ -361,6 +420,15 @@ def _check_bytes(**values: object) -> None:
     for name, value in values.items():
         if not isinstance(value, bytes):
             raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
+
+
+def _check_raw_key(key: bytes, raw_key: bytes | None) -> None:
+    if raw_key is None:
+        return
+    if not isinstance(raw_key, bytes):
+        raise TypeError(f"raw_key must be bytes or None, got {type(raw_key).__name__}")
+    if hashlib.sha256(raw_key).digest() != key:
+        raise ValueError("raw_key does not hash to key")
 
 
 def _check_expiration(expiration_time: float) -> None:

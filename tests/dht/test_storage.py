@@ -235,3 +235,52 @@ def test_merge_combines_dictionaries_per_subkey_without_touching_inputs() -> Non
     )
     assert subkeys(everything) == subkeys(merged)
     assert merge_all([]) is None
+
+
+# --- original keys and arrival times (replication, republishing) ---------------------------------
+
+
+def test_storage_keeps_the_original_key_until_the_record_goes(storage: DHTLocalStorage, clock: FakeClock) -> None:
+    raw = msgpack.packb("key", use_bin_type=True)
+    assert storage.store(KEY, b"v", 200.0, raw_key=raw)
+    assert storage.raw_key(KEY) == raw and storage.last_received(KEY) == 100.0
+    clock.now = 150.0
+    assert storage.store(KEY, b"v2", 300.0)  # a store without it keeps the known one
+    assert storage.raw_key(KEY) == raw and storage.last_received(KEY) == 150.0
+    clock.now = 300.0
+    assert storage.get(KEY) is None
+    assert storage.raw_key(KEY) is None and storage.last_received(KEY) is None
+
+
+def test_raw_key_must_hash_to_the_key(storage: DHTLocalStorage) -> None:
+    with pytest.raises(ValueError, match="does not hash"):
+        storage.store(KEY, b"v", 200.0, raw_key=b"\xa5other")
+    with pytest.raises(TypeError):
+        storage.store(KEY, b"v", 200.0, raw_key="key")  # type: ignore[arg-type]
+
+
+def test_mark_received_records_refused_repeats(storage: DHTLocalStorage, clock: FakeClock) -> None:
+    storage.mark_received(KEY)  # nothing stored: nothing to mark
+    assert storage.last_received(KEY) is None
+    assert storage.store(KEY, b"v", 200.0)
+    clock.now = 120.0
+    assert not storage.store(KEY, b"v", 200.0)  # the same record again (republished by a peer)
+    storage.mark_received(KEY)
+    assert storage.last_received(KEY) == 120.0
+
+
+def test_evicted_and_purged_records_forget_their_original_keys(clock: FakeClock) -> None:
+    storage = DHTLocalStorage(max_size=1, clock=clock)
+    raw_a, raw_b = msgpack.packb("key", use_bin_type=True), msgpack.packb("other", use_bin_type=True)
+    assert storage.store(KEY, b"a", 150.0, raw_key=raw_a)
+    assert storage.store(OTHER, b"b", 200.0, raw_key=raw_b)  # evicts KEY
+    assert storage.raw_key(KEY) is None and storage.raw_key(OTHER) == raw_b
+    clock.now = 250.0
+    storage.remove_outdated()
+    assert storage.raw_key(OTHER) is None
+
+
+def test_store_dictionary_keeps_the_original_key(storage: DHTLocalStorage) -> None:
+    raw = msgpack.packb("key", use_bin_type=True)
+    assert storage.store_dictionary(KEY, DictionaryValue([(SUB_A, b"1", 200.0)]), raw_key=raw)
+    assert storage.raw_key(KEY) == raw

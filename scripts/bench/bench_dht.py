@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""DHT benchmark (issue #3). One run starts 16 `python -m swarm` daemons on loopback (one process
+each) and a client-mode peer in this process that keeps no records and no cache, so every
+operation it makes crosses the network. It reports, one line per figure:
+
+  * store and get latency from one node, p50/p95 (one operation at a time, awaitable API);
+  * baselines from the same run: one Ping round trip (a get's floor) and `num_replicas` parallel
+    Pings to distinct daemons (a store's floor: a store sends one request per replica);
+  * concurrent stores/s and gets/s with 500 operations in flight;
+  * join time of a new node (a full peer: server start, initial-peer ping, self-lookup), and of
+    a new daemon process from launch to its address line;
+  * memory per node: RSS of each DHT-only daemon after the run (and a check that none of them
+    loaded torch, read from /proc/<pid>/maps).
+
+Usage: .venv/bin/python scripts/bench/bench_dht.py [--nodes 16] [--ops 1000] [--concurrent-ops 5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+GOALS = {"store_p50": 2.0, "get_p50": 1.5, "stores_per_s": 1000, "gets_per_s": 2000, "rss_mb": 60}
+
+
+def start_daemon(initial: list[str]) -> subprocess.Popen:
+    args = [sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "WARNING"]
+    for addr in initial:
+        args += ["--initial-peers", addr]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def read_addr(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline().strip()
+    if not line.startswith("/ip4/"):
+        raise RuntimeError(f"daemon {proc.pid} did not start (exit {proc.poll()})")
+    return line
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def loaded_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any("torch" in line for line in f)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def latencies(dht, ops: int) -> tuple[list[float], list[float]]:
+    from swarm.core.timeutil import get_dht_time
+
+    expiration = get_dht_time() + 600
+    stores, gets = [], []
+    for i in range(ops):
+        t0 = time.perf_counter()
+        ok = await dht.astore(f"lat-{i}", {"i": i, "payload": "x" * 64}, expiration)
+        stores.append(time.perf_counter() - t0)
+        assert ok, i
+    for i in range(ops):
+        t0 = time.perf_counter()
+        found = await dht.aget(f"lat-{i}")
+        gets.append(time.perf_counter() - t0)
+        assert found is not None and found.value["i"] == i, i
+    return stores, gets
+
+
+async def throughput(dht, count: int, in_flight: int) -> tuple[float, float]:
+    from swarm.core.timeutil import get_dht_time
+
+    expiration = get_dht_time() + 600
+    limit = asyncio.Semaphore(in_flight)
+    failures = 0
+
+    async def one(operation) -> None:
+        nonlocal failures
+        async with limit:
+            if not await operation:
+                failures += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(dht.astore(f"tp-{i}", i, expiration)) for i in range(count)))
+    stores = count / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(dht.aget(f"tp-{i}")) for i in range(count)))
+    gets = count / (time.perf_counter() - t0)
+    if failures:
+        print(f"warning: {failures} of {2 * count} concurrent operations failed", flush=True)
+    return stores, gets
+
+
+async def ping_floor(peer, addrs: list[str], calls: int, fan_out: int = 1) -> list[float]:
+    """Round trips of `fan_out` parallel Pings to distinct daemons: what a get (1) and a store
+    (one request per replica) cannot beat."""
+    from swarm.core.multiaddr import Multiaddr
+    from swarm.dht.protocol import node_id_of
+    from swarm.dht.routing import NodeInfo
+
+    protocol = peer.dht.node.protocol
+    nodes = []
+    for text in addrs:
+        addr = Multiaddr.parse(text)
+        nodes.append(NodeInfo(node_id_of(addr.peer_id), addr.peer_id, str(addr)))
+    times = []
+    for i in range(calls):
+        targets = [nodes[(i + j) % len(nodes)] for j in range(fan_out)]
+        t0 = time.perf_counter()
+        assert all(await asyncio.gather(*(protocol.call_ping(node) for node in targets)))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=16)
+    parser.add_argument("--ops", type=int, default=1000, help="sequential stores, then gets, for latency")
+    parser.add_argument("--concurrent-ops", type=int, default=5000, help="stores, then gets, for throughput")
+    parser.add_argument("--in-flight", type=int, default=500)
+    parser.add_argument("--joins", type=int, default=5)
+    args = parser.parse_args()
+
+    from swarm.dht import DHTConfig
+    from swarm.peer import Peer
+
+    daemons = [start_daemon([])]
+    client = None
+    try:
+        addrs = [read_addr(daemons[0])]
+        rest = [start_daemon(addrs[:1]) for _ in range(args.nodes - 1)]
+        daemons += rest
+        addrs += [read_addr(p) for p in rest]
+        client = Peer(initial_peers=addrs, client_mode=True, dht_config=DHTConfig(cache_size=0))
+        dht = client.dht
+        client.run(dht.aget_many([f"warm-{i}" for i in range(200)]))  # channels and handshakes to all
+        floor = client.run(ping_floor(client, addrs, 500))
+        fan_floor = client.run(ping_floor(client, addrs, 500, fan_out=client.dht.config.num_replicas))
+        stores, gets = client.run(latencies(dht, args.ops))
+        stores_per_s, gets_per_s = client.run(throughput(dht, args.concurrent_ops, args.in_flight))
+
+        joins = []
+        for _ in range(args.joins):
+            t0 = time.perf_counter()
+            newcomer = Peer(initial_peers=[addrs[len(joins) % len(addrs)]])
+            joins.append(time.perf_counter() - t0)
+            newcomer.shutdown()
+        t0 = time.perf_counter()
+        late = start_daemon(addrs[:1])
+        read_addr(late)
+        daemon_join = time.perf_counter() - t0
+        late.terminate()
+        late.wait(10)
+
+        rss = [rss_mb(p.pid) for p in daemons]
+        torch_loaded = [p.pid for p in daemons if loaded_torch(p.pid)]
+    finally:
+        if client is not None:
+            client.shutdown()
+        for proc in daemons:
+            proc.terminate()
+        for proc in daemons:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    ms = 1e3
+    print(f"nodes: {args.nodes} daemons (one process each) + 1 client-mode peer issuing every operation, no cache")
+    print(f"baseline, one Ping round trip (a get's floor, same run): p50 {percentile(floor, .5) * ms:.3f} ms, "
+          f"p95 {percentile(floor, .95) * ms:.3f} ms")
+    print(f"baseline, {client.dht.config.num_replicas} parallel Pings to distinct daemons (a store's floor): "
+          f"p50 {percentile(fan_floor, .5) * ms:.3f} ms, p95 {percentile(fan_floor, .95) * ms:.3f} ms")
+    print(f"store latency p50: {percentile(stores, .5) * ms:.3f} ms (goal <= {GOALS['store_p50']} ms; hivemind ~19 ms)")
+    print(f"store latency p95: {percentile(stores, .95) * ms:.3f} ms")
+    print(f"get latency p50: {percentile(gets, .5) * ms:.3f} ms (goal <= {GOALS['get_p50']} ms; hivemind 3-5 ms)")
+    print(f"get latency p95: {percentile(gets, .95) * ms:.3f} ms")
+    print(f"concurrent stores, {args.in_flight} in flight: {stores_per_s:,.0f} /s "
+          f"(goal >= {GOALS['stores_per_s']:,}; hivemind ~50)")
+    print(f"concurrent gets, {args.in_flight} in flight: {gets_per_s:,.0f} /s "
+          f"(goal >= {GOALS['gets_per_s']:,}; hivemind ~200-350)")
+    print(f"join time of a new node (full peer, in process): median {statistics.median(joins) * ms:.1f} ms, "
+          f"max {max(joins) * ms:.1f} ms over {len(joins)} joins")
+    print(f"join time of a new daemon process (launch to address printed): {daemon_join * ms:.0f} ms")
+    print(f"memory per DHT-only daemon (RSS): median {statistics.median(rss):.1f} MB, max {max(rss):.1f} MB "
+          f"(goal <= {GOALS['rss_mb']} MB; hivemind ~99 MB)")
+    print(f"daemons that loaded torch: {len(torch_loaded)} of {len(daemons)} (must be 0)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

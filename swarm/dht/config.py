@@ -1,0 +1,90 @@
+"""`DHTConfig`: every knob of the DHT in one frozen, validated dataclass.
+
+Defaults follow Kademlia (k = 20, alpha = 3; Maymounkov & Mazières, IPTPS 2002, §2.3, §4) except
+where swarm's use differs: values live minutes rather than days, so buckets are refreshed and
+records republished every 10 minutes instead of hourly (§2.3, §2.5), and records are kept on
+`num_replicas` = 5 nodes rather than k, as hivemind does, because every replica costs a store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.core.errors import ConfigError
+from swarm.core.serialization import MAX_VALUE_BYTES
+from swarm.dht.faults import FaultPlan
+from swarm.dht.validation import RecordValidator
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    """Configuration of one DHT node.
+
+    Attributes:
+        bucket_size: k, the most contacts per k-bucket and the number of nearest nodes a find
+            returns and a `latest=True` get asks (§2.2, §2.3).
+        alpha: Requests in flight at once per key during a lookup (§2.3).
+        num_replicas: Nodes each record is stored on: the nearest to its key.
+        depth_modulo: b of the relaxed bucket-splitting rule (§4.2).
+        request_timeout: Deadline of each remote call, in seconds.
+        lookup_timeout: Deadline of a whole store or get, in seconds.
+        refresh_interval: Buckets not touched for this long are refreshed by a lookup of a random
+            ID in their range (§2.3); the refresh runs this often.
+        republish_interval: Records are sent again to the nodes currently nearest to their key
+            this often, unless a store for them arrived meanwhile (§2.5); records this node
+            originated are republished until they expire.
+        cache_size: Records kept from lookups (§2.3 caching); 0 disables the cache.
+        cache_nearest: Nodes, nearest first, that get a copy of a found value they lacked.
+        storage_size: Most records (keys) this node keeps for others, so that no writer can fill
+            its memory; past it, records expiring soonest make room. None: no limit.
+        max_value_bytes: Largest serialized value accepted (signature included).
+        max_keys_per_call: Most keys in one batched Find or Store request.
+        blacklist_base_time: Ban, in seconds, of a peer after its first failed call; each
+            further failure doubles it.
+        blacklist_max_time: Longest ban, in seconds.
+        validators: Extra record validators (a `SchemaValidator`, ...); owner signatures are
+            always checked (`SignatureValidator`).
+        fault_plan: Injected link faults (tests and simulations only).
+    """
+
+    bucket_size: int = 20
+    alpha: int = 3
+    num_replicas: int = 5
+    depth_modulo: int = 5
+    request_timeout: float = 3.0
+    lookup_timeout: float = 10.0
+    refresh_interval: float = 600.0
+    republish_interval: float = 600.0
+    cache_size: int = 10_000
+    cache_nearest: int = 1
+    storage_size: int | None = 100_000
+    max_value_bytes: int = MAX_VALUE_BYTES
+    max_keys_per_call: int = 128
+    blacklist_base_time: float = 5.0
+    blacklist_max_time: float = 600.0
+    validators: tuple[RecordValidator, ...] = ()
+    fault_plan: FaultPlan | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_size", "alpha", "num_replicas", "depth_modulo", "max_keys_per_call"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"DHTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout", "lookup_timeout", "refresh_interval", "republish_interval",
+                     "blacklist_base_time"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"DHTConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.blacklist_max_time < self.blacklist_base_time:
+            raise ConfigError("DHTConfig.blacklist_max_time must be >= blacklist_base_time")
+        if self.cache_size < 0 or self.cache_nearest < 0:
+            raise ConfigError("DHTConfig.cache_size and cache_nearest must be >= 0")
+        if self.storage_size is not None and self.storage_size < 1:
+            raise ConfigError(f"DHTConfig.storage_size must be >= 1 or None, got {self.storage_size}")
+        if self.max_value_bytes < 1:
+            raise ConfigError(f"DHTConfig.max_value_bytes must be >= 1, got {self.max_value_bytes}")
+        validators = tuple(self.validators)
+        for validator in validators:
+            if not isinstance(validator, RecordValidator):
+                raise ConfigError(f"DHTConfig.validators holds {validator!r}, not a RecordValidator")
+        object.__setattr__(self, "validators", validators)
+        if self.fault_plan is not None and not isinstance(self.fault_plan, FaultPlan):
+            raise ConfigError(f"DHTConfig.fault_plan must be a FaultPlan, got {self.fault_plan!r}")

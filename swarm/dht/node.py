@@ -1,0 +1,323 @@
+"""`DHTNode`: the policy of one Kademlia node (Maymounkov & Mazières, IPTPS 2002).
+
+What a node does with the protocol (`protocol.py`) and the lookup (`traversal.py`):
+
+- join (§2.3): contact the initial peers, look up its own ID, then refresh the buckets farther
+  than its nearest neighbour; fail with `DHTError` when no initial peer answers;
+- store: put records on the `num_replicas` nodes nearest to their keys (`replication.py`);
+- get: find values, the first valid one or the freshest, and cache them (`retrieval.py`);
+- keep up (§2.3, §2.5): refresh buckets nobody touched for `refresh_interval`, and republish
+  records nobody re-stored for `republish_interval`, plus those this node wrote itself.
+
+Records arrive here already signed and checked by the caller's validators (`dht.py`); values
+found on the network are checked again, since any node may lie.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarm.core.errors import DeadlineExceeded, DHTError, MultiaddrError, RPCError
+from swarm.core.loop import spawn
+from swarm.core.multiaddr import Multiaddr
+from swarm.core.timeutil import get_dht_time
+from swarm.dht.config import DHTConfig
+from swarm.dht.protocol import DHTProtocol, node_id_of
+from swarm.dht.replication import Replicator, StoreOutcome
+from swarm.dht.retrieval import Retriever
+from swarm.dht.routing import DHTID, Blacklist, NodeInfo, RoutingTable
+from swarm.dht.storage import CacheStorage, DHTLocalStorage, DictionaryValue, ValueWithExpiration
+from swarm.dht.traversal import LookupResult, Traversal
+from swarm.dht.validation import DHTRecord, RecordValidator
+from swarm.net.channels import ChannelPool
+from swarm.net.server import RPCServer
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class LookupStats:
+    """Counters of the lookups this node ran (for the simulation and for monitoring).
+
+    `hops` counts lookups by their number of sequential request steps; for a get that found a
+    value, the steps until the first node that returned it.
+    """
+
+    lookups: int = 0
+    found: int = 0
+    timed_out: int = 0
+    requests: int = 0
+    hops: Counter[int] = field(default_factory=Counter)
+
+    def record(self, hops: int, requests: int, found: bool = False, timed_out: bool = False) -> None:
+        self.lookups += 1
+        self.found += found
+        self.timed_out += timed_out
+        self.requests += requests
+        self.hops[hops] += 1
+
+
+class DHTNode:
+    """One Kademlia node on a peer's server and channels (see the module docstring).
+
+    Build it with `await DHTNode.create(...)`; `swarm.dht.DHT` wraps it for users.
+    """
+
+    def __init__(
+        self,
+        peer_id: str,
+        addrs: Sequence[str],
+        pool: ChannelPool,
+        config: DHTConfig,
+        validator: RecordValidator,
+    ) -> None:
+        self.config = config
+        self.peer_id = peer_id
+        self.node_id = node_id_of(peer_id)
+        self.client_mode = not addrs
+        self.validator = validator
+        self.routing_table = RoutingTable(self.node_id, config.bucket_size, config.depth_modulo)
+        self.blacklist = Blacklist(config.blacklist_base_time, 2.0, config.blacklist_max_time)
+        self.storage = DHTLocalStorage(max_size=config.storage_size)
+        self.cache = CacheStorage(max_size=config.cache_size) if config.cache_size else None
+        self.protocol = DHTProtocol(
+            peer_id, addrs, pool, self.routing_table, self.blacklist, self.storage, self.cache, validator, config
+        )
+        self.pool = pool
+        self.stats = LookupStats()
+        self.published: dict[tuple[bytes, bytes], DHTRecord] = {}
+        """Records this node wrote, republished until they expire (§2.5)."""
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.closed = False
+        self._replicator = Replicator(self)
+        self._retriever = Retriever(self)
+
+    @classmethod
+    async def create(
+        cls,
+        *,
+        peer_id: str,
+        addrs: Sequence[str],
+        pool: ChannelPool,
+        server: RPCServer | None,
+        config: DHTConfig,
+        validator: RecordValidator,
+        initial_peers: Sequence[Multiaddr] = (),
+    ) -> DHTNode:
+        """Starts serving the DHT on `server` (None: client mode) and joins through `initial_peers`.
+
+        Raises:
+            DHTError: Initial peers were given and none of them answered.
+        """
+        node = cls(peer_id, addrs if server is not None else (), pool, config, validator)
+        if server is not None:
+            node.protocol.register(server)
+        try:
+            await node.bootstrap(initial_peers)
+        except BaseException:
+            await node.shutdown()
+            raise
+        node.spawn(node._refresh_loop(), "dht-refresh")
+        node.spawn(node._republish_loop(), "dht-republish")
+        return node
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = spawn(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def shutdown(self) -> None:
+        """Stops background work (refresh, republish, pending cache stores, pings)."""
+        self.closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.protocol.close()
+
+    # -- joining (§2.3) ---------------------------------------------------------------------------
+
+    async def bootstrap(self, initial_peers: Sequence[Multiaddr]) -> None:
+        """Joins the DHT through any of `initial_peers` (§2.3).
+
+        Raises:
+            DHTError: None of them answered; the message says why for each.
+        """
+        peers = [addr for addr in initial_peers if addr.peer_id != self.peer_id]
+        if not peers:
+            return
+        errors = await asyncio.gather(*(self._contact(addr) for addr in peers))
+        if all(error is not None for error in errors):
+            reasons = "; ".join(f"{addr}: {error}" for addr, error in zip(peers, errors))
+            raise DHTError(f"could not join the DHT: none of the {len(peers)} initial peers answered ({reasons})")
+        down = sum(error is not None for error in errors)
+        if down:
+            logger.info("joined the DHT through %d of %d initial peers", len(peers) - down, len(peers))
+        await self.find_nearest_nodes([self.node_id])
+        self.spawn(self._refresh_far_buckets(), "dht-join-refresh")
+
+    async def _contact(self, addr: Multiaddr, attempts: int = 2) -> str | None:
+        """Pings an initial peer; None on success, else why it failed.
+
+        A peer that refuses the connection fails at once; one that is slow to answer gets a
+        second chance (a busy peer, a lost packet), so joining does not hinge on one request.
+        """
+        timeout = self.config.request_timeout
+        for attempt in range(attempts):
+            try:
+                peer_id = addr.peer_id
+                if peer_id is None:
+                    peer_id = (await asyncio.wait_for(self.pool.dial_unknown(addr), timeout)).peer_id
+                node = NodeInfo(node_id_of(peer_id), peer_id, str(addr.with_peer_id(peer_id)))
+                await self.protocol.call_ping(node, reraise=True)
+                return None
+            except DeadlineExceeded as e:
+                error = str(e)
+            except TimeoutError:
+                error = f"no answer within {timeout} s"
+            except (RPCError, MultiaddrError) as e:
+                return str(e)
+            if attempt + 1 < attempts:
+                logger.debug("initial peer %s is slow to answer (%s); trying again", addr, error)
+        return error
+
+    async def _refresh_far_buckets(self) -> None:
+        """§2.3: after joining, refresh every bucket farther away than the nearest neighbour."""
+        nearest = self.routing_table.get_nearest_neighbors(self.node_id, 1)
+        if not nearest:
+            return
+        closest = nearest[0].node_id ^ self.node_id
+        ids = [
+            DHTID.generate(bucket.lower, bucket.upper)
+            for bucket in self.routing_table.buckets
+            if not bucket.has_in_range(self.node_id) and (bucket.lower ^ self.node_id) > closest
+        ]
+        if ids:
+            await self.find_nearest_nodes(ids)
+
+    # -- lookups ------------------------------------------------------------------------------------
+
+    def _initial(self, query_ids: Sequence[DHTID]) -> dict[DHTID, list[NodeInfo]]:
+        k = self.config.bucket_size
+        return {query_id: self.routing_table.get_nearest_neighbors(query_id, k) for query_id in query_ids}
+
+    def lookup(
+        self, query_ids: Sequence[DHTID], ask: Any, beam_size: int, on_finished: Any, alpha: int | None = None,
+        hedge_after: float | None = None,
+    ) -> Traversal:
+        # §2.3: a node that fails to answer quickly frees its place among the alpha requests in
+        # flight, so a lost request does not stall the lookup (its answer still counts)
+        slow_after = min(self.config.request_timeout / 2, max(0.25, 5 * self.protocol.round_trip))
+        return Traversal(
+            self._initial(query_ids), ask, beam_size=beam_size, alpha=alpha or self.config.alpha,
+            max_keys_per_call=self.config.max_keys_per_call, exclude=(self.node_id,),
+            is_banned=self.blacklist.is_banned, on_finished=on_finished, hedge_after=hedge_after,
+            slow_after=slow_after,
+        )
+
+    async def find_nearest_nodes(
+        self, query_ids: Sequence[DHTID], beam_size: int | None = None, timeout: float | None = None
+    ) -> dict[DHTID, list[NodeInfo]]:
+        """The nodes nearest to each ID that answered, nearest first (§2.3 node lookup).
+
+        Args:
+            query_ids: Node or key IDs.
+            beam_size: How many nearest nodes must answer (default k).
+            timeout: Deadline of the whole lookup (default `lookup_timeout`).
+        """
+        beam = beam_size or self.config.bucket_size
+
+        async def ask(node: NodeInfo, keys: list[DHTID]) -> dict[DHTID, list[NodeInfo]] | None:
+            answers = await self.protocol.call_find(node, keys, nodes_only=True, count=beam)
+            return None if answers is None else {key: answer.nearest for key, answer in answers.items()}
+
+        def finished(results: list[tuple[DHTID, LookupResult]]) -> None:
+            for _, result in results:
+                self.stats.record(result.hops, result.requests, timed_out=result.timed_out)
+
+        traversal = self.lookup(list(dict.fromkeys(query_ids)), ask, beam, finished)
+        results = await traversal.run(self.config.lookup_timeout if timeout is None else timeout)
+        return {query_id: result.nearest for query_id, result in results.items()}
+
+    # -- store and get (replication.py, retrieval.py) ----------------------------------------------
+
+    async def store_many(
+        self,
+        records: Sequence[DHTRecord],
+        *,
+        timeout: float | None = None,
+        on_result: Callable[[int, StoreOutcome], None] | None = None,
+        republish: bool = True,
+    ) -> list[StoreOutcome]:
+        """Stores each record on the `num_replicas` nodes nearest to its key (`Replicator.store_many`)."""
+        return await self._replicator.store_many(records, timeout=timeout, on_result=on_result, republish=republish)
+
+    async def get_many(
+        self,
+        raw_keys: Sequence[bytes],
+        *,
+        latest: bool = False,
+        timeout: float | None = None,
+        on_result: Callable[[bytes, ValueWithExpiration | None], None] | None = None,
+    ) -> dict[bytes, ValueWithExpiration | None]:
+        """Finds the values of serialized keys (`Retriever.get_many`)."""
+        return await self._retriever.get_many(raw_keys, latest=latest, timeout=timeout, on_result=on_result)
+
+    # -- upkeep (§2.3 refresh, §2.5 republish) -----------------------------------------------------
+
+    async def _refresh_loop(self) -> None:
+        interval = self.config.refresh_interval
+        while True:
+            await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Looks up a random ID in every bucket nobody touched for `refresh_interval` (§2.3)."""
+        self.storage.remove_outdated()
+        if self.cache is not None:
+            self.cache.remove_outdated()
+        ids = self.routing_table.buckets_to_refresh(time.time(), self.config.refresh_interval)
+        if ids:
+            await self.find_nearest_nodes(ids)
+
+    async def _republish_loop(self) -> None:
+        interval = self.config.republish_interval
+        await asyncio.sleep(interval * random.uniform(0.5, 1.0))  # random phase: replicas take turns (§2.5)
+        while True:
+            await self.republish()
+            await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+
+    async def republish(self) -> list[StoreOutcome]:
+        """Sends records again to the nodes now nearest to their keys (§2.5).
+
+        Records a store arrived for within `republish_interval` are skipped (another node
+        republished them); records this node wrote itself are always sent until they expire.
+        """
+        now = get_dht_time()
+        cutoff = time.time() - self.config.republish_interval
+        records: dict[tuple[bytes, bytes], DHTRecord] = {}
+        for key, record in self.storage.items():
+            raw_key = self.storage.raw_key(key)
+            received = self.storage.last_received(key)
+            if raw_key is None or (received is not None and received > cutoff):
+                continue
+            if isinstance(record.value, DictionaryValue):
+                for subkey, (value, expiration_time) in record.value.items():
+                    records[key, subkey] = DHTRecord(key, subkey, value, expiration_time, raw_key)
+            else:
+                records[key, b""] = DHTRecord(key, b"", record.value, record.expiration_time, raw_key)
+        for ident, record in list(self.published.items()):
+            if record.expiration_time <= now:
+                del self.published[ident]
+            else:
+                records.setdefault(ident, record)
+        if not records:
+            return []
+        return await self.store_many(list(records.values()), republish=False)
