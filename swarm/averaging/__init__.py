@@ -1,1 +1,36 @@
-"""swarm.averaging"""
+"""swarm.averaging: fault-tolerant butterfly all-reduce over gRPC streams, matchmaking, state transfer.
+
+    avg = Averager(peer, tensors, prefix="run", target_group_size=4, initial_group=[...])
+    result = avg.step(timeout=30)     # AveragingResult, or raises AveragingError
+"""
+
+from swarm.averaging.agreement import Decision
+from swarm.averaging.allreduce import ButterflyAllReduce
+from swarm.averaging.averager import Averager, AveragerConfig, AveragingResult
+from swarm.averaging.config import AllReduceConfig
+from swarm.averaging.faults import Action, FaultPlan, FaultPoint
+from swarm.averaging.group import GroupInfo, MemberInfo
+from swarm.averaging.matchmaking import MatchmakingConfig, moshpit_group_key
+from swarm.averaging.parts import RoundFailed
+from swarm.averaging.state import State, StateServer, aload_state_from_peers, load_state_from_peers
+
+__all__ = [
+    "Action",
+    "AllReduceConfig",
+    "Averager",
+    "AveragerConfig",
+    "AveragingResult",
+    "ButterflyAllReduce",
+    "Decision",
+    "FaultPlan",
+    "FaultPoint",
+    "GroupInfo",
+    "MatchmakingConfig",
+    "MemberInfo",
+    "RoundFailed",
+    "State",
+    "StateServer",
+    "aload_state_from_peers",
+    "load_state_from_peers",
+    "moshpit_group_key",
+]

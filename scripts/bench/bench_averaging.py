@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""Benchmark: butterfly all-reduce of 100 MB float32 per peer, peers as separate processes on loopback.
+
+Prints one line per figure: seconds per round (median over rounds) for swarm's averager over
+gRPC (float32 and float16 on the wire), for a minimal raw-socket butterfly exchanging the same
+bytes (the ceiling, measured in the same run), and peak RSS per peer.
+
+    .venv/bin/python scripts/bench/bench_averaging.py [--peers 4 8] [--mbytes 100] [--rounds 7]
+
+A round's time is from the moment the last peer called `step` to the moment the last peer
+returned (peers run back to back, so this is the time a round costs the group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# --------------------------------------------------------------------------------------------
+# workers
+
+
+def swarm_worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from swarm.averaging import Averager, AveragerConfig
+    from swarm.peer import Peer
+
+    torch.set_num_threads(1)
+    if os.environ.get("BENCH_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s")
+        logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
+    peer = Peer()
+    baseline = _rss_mb()
+    print(json.dumps({"addr": peer.addrs[0]}), flush=True)
+    addrs = json.loads(sys.stdin.readline())["addrs"]
+    numel = args.mbytes * (1 << 20) // 4
+    tensors = [torch.randn(numel)]
+    if os.environ.get("BENCH_DEBUG"):
+        print(f"with tensors: rss {_rss_mb():.0f} MB (baseline {baseline:.0f})", file=sys.stderr, flush=True)
+    config = AveragerConfig(compression=args.compression)
+    avg = Averager(peer, tensors, initial_group=addrs, target_group_size=len(addrs), min_group_size=len(addrs),
+                   config=config)
+    profiler = None
+    if os.environ.get("BENCH_PROFILE") and args.index == 0:
+        import cProfile
+
+        profiler = cProfile.Profile()
+
+        async def toggle(on: bool) -> None:
+            profiler.enable() if on else profiler.disable()
+
+        peer.run(toggle(True))
+    times, failures = [], []
+    for _ in range(args.rounds + 1):
+        start = time.time()
+        try:
+            avg.step(timeout=60)
+        except Exception as e:  # noqa: BLE001 - reported, the benchmark goes on
+            failures.append(str(e))
+            continue
+        times.append((start, time.time()))
+        if os.environ.get("BENCH_DEBUG"):
+            print(f"rss {_rss_mb():.0f} MB, peak {_peak_mb():.0f} MB", file=sys.stderr, flush=True)
+    if profiler is not None:
+        import pstats
+
+        peer.run(toggle(False))
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    print(json.dumps({"times": times[1:], "baseline_mb": baseline, "peak_mb": _peak_mb(),
+                      "tensor_mb": numel * 4 / 2**20, "failures": failures}), flush=True)
+    sys.stdin.readline()
+    peer.shutdown()
+
+
+def raw_worker(args: argparse.Namespace) -> None:
+    """Butterfly over plain TCP: one connection per pair, recv_into preallocated buffers."""
+    import torch
+
+    torch.set_num_threads(1)
+    index, n = args.index, args.n
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(n)
+    print(json.dumps({"addr": f"127.0.0.1:{listener.getsockname()[1]}"}), flush=True)
+    addrs = json.loads(sys.stdin.readline())["addrs"]
+    numel = args.mbytes * (1 << 20) // 4
+    data = torch.randn(numel)
+    bounds = [numel * j // n for j in range(n + 1)]
+    own = bounds[index + 1] - bounds[index]
+    socks: dict[int, socket.socket] = {}
+    for j in range(n):  # lower index dials higher index
+        if j > index:
+            host, port = addrs[j].split(":")
+            s = socket.create_connection((host, int(port)))
+            s.sendall(index.to_bytes(4, "little"))
+            socks[j] = s
+    for _ in range(index):
+        s, _addr = listener.accept()
+        j = int.from_bytes(s.recv(4, socket.MSG_WAITALL), "little")
+        socks[j] = s
+    for s in socks.values():
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    slots = torch.empty((n, own))
+    result = torch.empty(numel)
+    chunk = 1 << 20
+
+    def send(s: socket.socket, t: torch.Tensor) -> None:
+        view = _bytes_view(t)
+        for off in range(0, len(view), chunk):
+            s.sendall(view[off:off + chunk])
+
+    def recv(s: socket.socket, t: torch.Tensor) -> None:
+        view = _bytes_view(t)
+        got = 0
+        while got < len(view):
+            got += s.recv_into(view[got:], min(chunk, len(view) - got))
+
+    times = []
+    for _ in range(args.rounds + 1):
+        barrier(socks, index)
+        start = time.time()
+        threads = [threading.Thread(target=send, args=(socks[j], data[bounds[j]:bounds[j + 1]])) for j in socks]
+        threads += [threading.Thread(target=recv, args=(socks[j], slots[j])) for j in socks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        acc = data[bounds[index]:bounds[index + 1]].clone()
+        for j in socks:
+            acc.add_(slots[j])
+        acc.div_(n)
+        threads = [threading.Thread(target=send, args=(socks[j], acc)) for j in socks]
+        threads += [threading.Thread(target=recv, args=(socks[j], result[bounds[j]:bounds[j + 1]])) for j in socks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        result[bounds[index]:bounds[index + 1]].copy_(acc)
+        data.copy_(result)
+        times.append((start, time.time()))
+    print(json.dumps({"times": times[1:], "peak_mb": _peak_mb()}), flush=True)
+    sys.stdin.readline()
+
+
+def _bytes_view(t):
+    import ctypes
+
+    size = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * size).from_address(t.data_ptr())).cast("B")
+
+
+def barrier(socks: dict[int, socket.socket], index: int) -> None:
+    """Every peer tells every other it is ready, then waits for all of them."""
+    for s in socks.values():
+        s.sendall(b"R")
+    for s in socks.values():
+        assert s.recv(1, socket.MSG_WAITALL) == b"R"
+
+
+# --------------------------------------------------------------------------------------------
+# driver
+
+
+def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0) -> list[dict]:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="33554432", MALLOC_TRIM_THRESHOLD_="1073741824",
+               PYTHONPATH=ROOT)
+    procs = []
+    for i in range(n):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--index", str(i), "--n", str(n),
+               "--mbytes", str(args.mbytes), "--rounds", str(args.rounds), "--compression", str(compression)]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+    try:
+        addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
+        for p in procs:
+            p.stdin.write(json.dumps({"addrs": addrs}) + "\n")
+            p.stdin.flush()
+        reports = [json.loads(p.stdout.readline()) for p in procs]
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+        for p in procs:
+            p.wait(30)
+        return reports
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def round_seconds(reports: list[dict]) -> float:
+    for r in reports:
+        for failure in r.get("failures", []):
+            print(f"  (a round failed: {failure})", flush=True)
+    rounds = min(len(r["times"]) for r in reports)
+    per_round = [
+        max(r["times"][k][1] for r in reports) - max(r["times"][k][0] for r in reports) for k in range(rounds)
+    ]
+    return statistics.median(per_round)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--peers", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--mbytes", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--worker", choices=["swarm", "raw"])
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--n", type=int, default=0)
+    parser.add_argument("--compression", type=int, default=0)
+    parser.add_argument("--skip-fp16", action="store_true")
+    args = parser.parse_args()
+    if args.worker == "swarm":
+        return swarm_worker(args)
+    if args.worker == "raw":
+        return raw_worker(args)
+    goals = {4: 0.4, 8: 0.8}
+    for n in args.peers:
+        raw = round_seconds(run_group("raw", n, args))
+        print(f"raw-socket butterfly  {n} peers, {args.mbytes} MB fp32: {raw:.3f} s/round (ceiling)", flush=True)
+        reports = run_group("swarm", n, args)
+        grpc = round_seconds(reports)
+        goal = goals.get(n)
+        print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32: {grpc:.3f} s/round"
+              f" ({100 * raw / grpc:.0f}% of raw-socket ceiling{f'; goal <= {goal} s' if goal else ''})", flush=True)
+        peak = max(r["peak_mb"] for r in reports)
+        base = max(r["baseline_mb"] for r in reports)
+        tensor = reports[0]["tensor_mb"]
+        print(f"swarm peak RSS        {n} peers: {peak:.0f} MB per peer = {peak / tensor:.2f}x the tensors "
+              f"({(peak - base) / tensor:.2f}x above the {base:.0f} MB of a peer holding nothing)", flush=True)
+        if not args.skip_fp16:
+            fp16 = round_seconds(run_group("swarm", n, args, compression=1))
+            print(f"swarm all-reduce      {n} peers, {args.mbytes} MB, float16 on the wire: {fp16:.3f} s/round",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Agreement on a round's contributors: reducers report, the leader decides once.
+
+Each reducer reports which senders' part arrived complete and finite (`Report`). The leader
+(`Coordinator`) waits for every reducer's report or its deadline, then makes the round's single
+`Decision`: the contributor set C is the intersection of the reported sets, or the round aborts
+(a reducer did not report: its part cannot be averaged; no contributor with weight is left).
+The decision travels as exact bytes with every averaged part, so a member can check that all
+parts it holds were reduced under the same decision; a member applies a round only when it holds
+every part, so every member that applies applies the mean over the same C (SPEC.md §4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from swarm.averaging.group import GroupInfo
+from swarm.proto import averaging_pb2
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a reducer saw of the senders of its part.
+
+    Attributes:
+        part: the reducer's part index.
+        ok: member indices of senders whose part arrived complete and finite.
+        failed: member index -> why that sender's part is unusable.
+    """
+
+    part: int
+    ok: frozenset[int]
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def to_proto(self, prefix: str, round_id: bytes) -> averaging_pb2.ReduceReport:
+        failed = sorted(self.failed.items())
+        return averaging_pb2.ReduceReport(
+            prefix=prefix, round_id=round_id, part=self.part, ok_senders=sorted(self.ok),
+            failed_senders=[i for i, _ in failed], failed_reasons=[r for _, r in failed],
+        )
+
+    @classmethod
+    def from_proto(cls, msg: averaging_pb2.ReduceReport) -> Report:
+        return cls(msg.part, frozenset(msg.ok_senders), dict(zip(msg.failed_senders, msg.failed_reasons)))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The leader's one decision for a round.
+
+    Attributes:
+        round_id: the round.
+        abort: True if the round fails for everyone.
+        reason: why it aborts (empty otherwise).
+        contributors: member indices whose data is in the mean (ascending).
+        weights: their weights, in the same order.
+        excluded: member index -> why its data is not in the mean (senders only).
+    """
+
+    round_id: bytes
+    abort: bool = False
+    reason: str = ""
+    contributors: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+    excluded: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def total_weight(self) -> float:
+        return float(sum(self.weights))
+
+    def weight_of(self, index: int) -> float:
+        return self.weights[self.contributors.index(index)]
+
+    def to_bytes(self) -> bytes:
+        excluded = sorted(self.excluded.items())
+        return averaging_pb2.Decision(
+            round_id=self.round_id, abort=self.abort, reason=self.reason, contributors=list(self.contributors),
+            weights=list(self.weights), excluded=[i for i, _ in excluded], excluded_reasons=[r for _, r in excluded],
+        ).SerializeToString(deterministic=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Decision:
+        msg = averaging_pb2.Decision.FromString(data)
+        return cls(
+            msg.round_id, msg.abort, msg.reason, tuple(msg.contributors), tuple(msg.weights),
+            dict(zip(msg.excluded, msg.excluded_reasons)),
+        )
+
+
+def decide(group: GroupInfo, reports: dict[int, Report]) -> Decision:
+    """The leader's rule: C = senders every reducer received complete and finite, with weight > 0.
+
+    Args:
+        group: the round's group.
+        reports: part index -> that reducer's report (missing parts: the reducer did not report).
+
+    Returns:
+        A commit decision over C, or an abort when a part has no report or C carries no weight.
+    """
+    n_parts = len(group.reducers)
+    missing = [p for p in range(n_parts) if p not in reports]
+    if missing:
+        who = ", ".join(group.members[group.reducers[p]].peer_id[-8:] for p in missing)
+        return Decision(group.round_id, abort=True, reason=f"reducer(s) {who} did not report (parts {missing})")
+    senders = [i for i in group.senders if group.members[i].weight > 0]
+    excluded: dict[int, str] = {}
+    contributors: list[int] = []
+    for i in senders:
+        reasons = [reports[p].failed.get(i, "no data") for p in range(n_parts) if i not in reports[p].ok]
+        if reasons:
+            excluded[i] = reasons[0]
+        else:
+            contributors.append(i)
+    if not contributors:
+        return Decision(group.round_id, abort=True, reason="no contributor's data arrived complete and finite",
+                        excluded=excluded)
+    weights = tuple(group.members[i].weight for i in contributors)
+    return Decision(group.round_id, contributors=tuple(contributors), weights=weights, excluded=excluded)
+
+
+class Coordinator:
+    """The leader's side of agreement for one round: collects reports, decides once, answers all.
+
+    Args:
+        group: the round's group.
+        report_deadline: loop time after which missing reports count as failed reducers.
+    """
+
+    def __init__(self, group: GroupInfo, report_deadline: float) -> None:
+        self.group = group
+        self.report_deadline = report_deadline
+        self.reports: dict[int, Report] = {}
+        self._all_reported = asyncio.Event()
+        self._decided: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        self._decider: asyncio.Task[None] | None = None
+        self.faults_hit = None  # set by the owner to a coroutine function (FaultPlan.hit)
+
+    @property
+    def decision(self) -> Decision | None:
+        return self._decided.result() if self._decided.done() else None
+
+    def start(self) -> None:
+        from swarm.core.loop import spawn
+
+        self._decider = spawn(self._decide_when_ready(), name=f"avg-decide-{self.group.round_id.hex()[:8]}")
+
+    async def submit(self, report: Report) -> Decision:
+        """Records one reducer's report and waits for the round's decision (long poll)."""
+        if not 0 <= report.part < len(self.group.reducers):
+            raise ValueError(f"no part {report.part} in this round")
+        if not self._decided.done():
+            self.reports.setdefault(report.part, report)
+            if len(self.reports) == len(self.group.reducers):
+                self._all_reported.set()
+        return await asyncio.shield(self._decided)
+
+    async def _decide_when_ready(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(self._all_reported.wait(), max(0.0, self.report_deadline - loop.time()))
+        except TimeoutError:
+            pass
+        try:
+            if self.faults_hit is not None:
+                from swarm.averaging.faults import FaultPoint
+
+                await self.faults_hit(FaultPoint.BEFORE_DECISION)
+            decision = decide(self.group, dict(self.reports))
+        except Exception as e:  # noqa: BLE001 - an injected fault or a bug: the round aborts
+            decision = Decision(self.group.round_id, abort=True, reason=f"leader failed to decide: {e}")
+        if not self._decided.done():
+            self._decided.set_result(decision)
+
+    def close(self) -> None:
+        if self._decider is not None:
+            self._decider.cancel()
+        if not self._decided.done():
+            self._decided.set_result(Decision(self.group.round_id, abort=True, reason="leader shut down"))
+
+
+def contributors_of(group: GroupInfo, decision: Decision) -> Sequence[str]:
+    return [group.members[i].peer_id for i in decision.contributors]

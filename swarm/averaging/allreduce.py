@@ -1,0 +1,331 @@
+"""Butterfly all-reduce, member side: send part j to reducer j, get the mean of part j back.
+
+One bidirectional stream per (member, reducer) pair carries the member's part out and the
+averaged part back (so client-mode members, which only dial out, take part). The member's own
+part is reduced locally. Results land in a buffer, never in the tensors, until every part is
+held under the same decision; only then are they written in place. A part whose reducer died
+while sending it back is fetched from another server-mode member that holds it; when no one
+does, the round fails for every member alike (see `agreement` and `reducer`).
+
+The protocol of a Reduce stream, sender -> reducer: `ReduceHeader`, the part's chunks, then a
+`SenderAck` once the sender holds the averaged part; the sender closes its side when it is done
+with the round. Reducer -> sender: `ResultHeader` (the decision's exact bytes, or abort), then
+the averaged part's chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import torch
+
+from swarm.averaging.agreement import Decision
+from swarm.averaging.config import AllReduceConfig
+from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
+from swarm.averaging.fetch import fetch_part, serve_part
+from swarm.averaging.group import GroupInfo
+from swarm.averaging.partition import FlatTensors, chunk_bounds
+from swarm.averaging.parts import Part, PartState, RoundFailed, plan_parts, scratch_numel
+from swarm.averaging.reducer import PartReducer, encode_failure_message
+from swarm.averaging.service import REDUCE
+from swarm.compression import Codec, CompressionError, get_codec
+from swarm.core.errors import InvalidRequest
+from swarm.core.loop import spawn
+from swarm.proto import averaging_pb2
+
+logger = logging.getLogger(__name__)
+
+
+
+class ButterflyAllReduce:
+    """One round of butterfly all-reduce on this member.
+
+    Args:
+        peer: the local `swarm.Peer` (its channel pool is used to dial reducers).
+        group: the round's group.
+        flat: this member's tensors as one flat vector (None for auxiliary members).
+        scratch: float32 buffer of at least `scratch_numel(group, my index)` elements.
+        config: timeouts and chunk size.
+        faults: fault plan.
+        timeout: seconds this round may take from now.
+        report: how this member's reducer reports to the leader (local call or RPC).
+    """
+
+    def __init__(
+        self, peer: Any, group: GroupInfo, flat: FlatTensors | None, scratch: torch.Tensor,
+        config: AllReduceConfig, faults: FaultPlan, timeout: float, report: Any,
+    ) -> None:
+        self.peer, self.group, self.flat, self.config, self.faults = peer, group, flat, config, faults
+        self.my_index = group.index_of(peer.peer_id)
+        self.me = group.members[self.my_index]
+        self.codec: Codec = get_codec(group.compression)
+        loop = asyncio.get_running_loop()
+        self.t0 = loop.time()
+        self.timeout = timeout
+        self.deadline = self.t0 + timeout
+        sizes, offsets = plan_parts(group)
+        self.my_part = group.part_of(self.my_index)
+        self.chunk_numel = self.codec.chunk_numel(config.chunk_bytes)
+        self.parts = [Part(j, offsets[j], sizes[j], r) for j, r in enumerate(group.reducers)]
+        self.reducer: PartReducer | None = None
+        if self.my_part is not None:
+            p = self.parts[self.my_part]
+            total = scratch_numel(group, self.my_index)
+            self.reducer = PartReducer(
+                group, self.my_index, self.my_part, p.start, p.size, flat, scratch[:total - p.size],
+                scratch[total - p.size:total], self.codec, config, faults, self.t0, timeout, report,
+            )
+        if self.me.is_sender:
+            pos = 0
+            for p in self.parts:
+                if p.index != self.my_part:
+                    p.values = scratch[pos:pos + p.size]
+                    pos += p.size
+        self.finished = asyncio.Event()   # this member is done with the round (its streams may close)
+        self.sent_chunks = 0
+        self.received_chunks = 0
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    @property
+    def round_tag(self) -> str:
+        return self.group.round_id.hex()[:8]
+
+    # -- running a round ---------------------------------------------------------------------
+
+    async def run(self) -> Decision:
+        """Runs the round; returns the decision whose mean is now in the tensors, or raises `RoundFailed`."""
+        try:
+            if self.reducer is not None:
+                self.reducer.start()
+            if self.me.is_sender:
+                await self.faults.hit(FaultPoint.BEFORE_REDUCE_SCATTER)
+                for p in self.parts:
+                    p.last_progress = self.t0
+                    if p.index == self.my_part:
+                        self._tasks.append(spawn(self._local_part(p), name=f"avg-local-{self.round_tag}"))
+                    else:
+                        p.exchange = spawn(self._exchange(p), name=f"avg-x-{self.round_tag}-p{p.index}")
+                        self._tasks.append(p.exchange)
+                decision = await self._gather()
+                logger.debug("round %s: all parts in after %.3f s", self.round_tag, asyncio.get_running_loop().time() - self.t0)
+                await self.faults.hit(FaultPoint.BEFORE_APPLY)
+                late = asyncio.get_running_loop().time() - self.deadline
+                if late > 0 and self.reducer is not None:
+                    # Past our deadline (stalled, e.g. SIGSTOP): the others may have given up on
+                    # the part we reduce. Apply only if every sender acknowledged holding it.
+                    wait = min(self.config.sender_timeout, max(0.0, 0.9 - late))
+                    if not await self.reducer.wait_acknowledged(wait):
+                        raise RoundFailed(self.group.round_id, "timed out: others may lack the part reduced here")
+                await asyncio.get_running_loop().run_in_executor(None, self._apply)
+                logger.debug("round %s: applied after %.3f s", self.round_tag, asyncio.get_running_loop().time() - self.t0)
+                return decision
+            # auxiliary member: only reduces; its outcome is its own part's outcome
+            assert self.reducer is not None
+            await self._wait(self.reducer.finished)
+            if self.reducer.aborted or self.reducer.decision is None:
+                raise RoundFailed(self.group.round_id, self.reducer.abort_reason or "timed out")
+            return self.reducer.decision
+        except FaultInjected as e:
+            raise RoundFailed(self.group.round_id, f"fault injected: {e}") from None
+        finally:
+            self.finished.set()
+
+    async def _wait(self, event: asyncio.Event) -> None:
+        remaining = self.deadline - asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(event.wait(), max(0.0, remaining))
+        except TimeoutError:
+            raise RoundFailed(self.group.round_id, "timed out") from None
+
+    async def _gather(self) -> Decision:
+        loop = asyncio.get_running_loop()
+        while True:
+            states = [p.state for p in self.parts]
+            aborted = [p for p in self.parts if p.state is PartState.ABORTED]
+            if aborted:
+                raise RoundFailed(self.group.round_id, aborted[0].reason)
+            lost = [p for p in self.parts if p.state is PartState.LOST]
+            if lost and all(s is not PartState.PENDING and s is not PartState.FAILED for s in states):
+                raise RoundFailed(self.group.round_id, f"part(s) {[p.index for p in lost]} lost: "
+                                  f"{lost[0].reason}")
+            if all(s is PartState.COMPLETE for s in states):
+                break
+            now = loop.time()
+            wake = self.deadline
+            decided = any(p.decision for p in self.parts)
+            for p in self.parts:
+                if p.fetch is not None or p.index == self.my_part:
+                    continue
+                if p.state is PartState.FAILED:
+                    p.fetch = spawn(fetch_part(self, p), name=f"avg-fetch-{self.round_tag}-p{p.index}")
+                    self._tasks.append(p.fetch)
+                elif p.state is PartState.PENDING and decided:
+                    # decided, but this part's stream stalls: its reducer may be gone. Ask the
+                    # holders too, yet keep waiting on the stream until the deadline: a stalled
+                    # reducer that resumes in time must not find us gone (agreement).
+                    if now - p.last_progress >= self.config.sender_timeout:
+                        p.fetch = spawn(fetch_part(self, p), name=f"avg-fetch-{self.round_tag}-p{p.index}")
+                        self._tasks.append(p.fetch)
+                    else:
+                        wake = min(wake, p.last_progress + self.config.sender_timeout)
+            remaining = self.deadline - loop.time()
+            if remaining <= 0:
+                missing = [p.index for p in self.parts if p.state is not PartState.COMPLETE]
+                raise RoundFailed(self.group.round_id, f"timed out waiting for part(s) {missing}")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), max(0.001, min(remaining, wake - now)))
+            except TimeoutError:
+                pass
+        decisions = {p.decision for p in self.parts}
+        if len(decisions) != 1:
+            raise RoundFailed(self.group.round_id, "parts were reduced under different decisions")
+        return Decision.from_bytes(decisions.pop())
+
+    def resolve(self, p: Part, state: PartState, reason: str = "", decision: bytes = b"") -> None:
+        if p.state in (PartState.COMPLETE, PartState.ABORTED, PartState.LOST):
+            return
+        if state is PartState.FAILED and p.state is PartState.FAILED:
+            return
+        if state is PartState.FAILED and p.fetch is not None and p.fetch.done():
+            p.fetch = None  # the last fetch ran while the stream still had hope: fetch again
+        p.state, p.reason = state, reason or p.reason
+        if decision:
+            p.decision = decision
+        if state is not PartState.FAILED:
+            p.resolved.set()
+        p.settled.set()
+        self._changed.set()
+
+    def _apply(self) -> None:
+        assert self.flat is not None
+        for p in self.parts:
+            if p.size == 0:
+                continue
+            if p.index == self.my_part:
+                assert self.reducer is not None
+                self.flat.write(p.start, self.reducer.result())
+            else:
+                assert p.values is not None
+                self.flat.write(p.start, p.values)
+        self.flat.commit()
+
+    async def _local_part(self, p: Part) -> None:
+        assert self.reducer is not None
+        try:
+            await self._wait(self.reducer.finished)
+        except RoundFailed:
+            self.resolve(p, PartState.ABORTED, "timed out")
+            return
+        if self.reducer.aborted or self.reducer.decision is None:
+            self.resolve(p, PartState.ABORTED, self.reducer.abort_reason)
+        else:
+            self.resolve(p, PartState.COMPLETE, decision=self.reducer.decision.to_bytes())
+
+    # -- the stream to one reducer -------------------------------------------------------------
+
+    async def _requests(self, p: Part, cancel: asyncio.Event) -> Any:
+        has_data = self.me.weight > 0 and p.size > 0
+        yield averaging_pb2.ReduceHeader(
+            prefix=self.group.prefix, round_id=self.group.round_id, part=p.index, sender=self.my_index,
+            numel=p.size, has_data=self.me.weight > 0,
+        ).SerializeToString()
+        if has_data:
+            assert self.flat is not None
+            for a, b in chunk_bounds(p.size, self.chunk_numel):
+                try:
+                    payload = self.codec.encode(self.flat.read(p.start + a, p.start + b))
+                except CompressionError as e:
+                    yield encode_failure_message(p.index, f"cannot encode: {e}")
+                    break
+                yield payload
+                self.sent_chunks += 1
+                try:
+                    await self.faults.hit(FaultPoint.AFTER_CHUNKS_SENT, self.sent_chunks)
+                except FaultInjected:
+                    cancel.set()
+                    await asyncio.Event().wait()  # the exchange cancels the call
+        await p.resolved.wait()
+        if p.state is PartState.COMPLETE:
+            yield averaging_pb2.SenderAck(part=p.index).SerializeToString()
+        await self.finished.wait()
+
+    async def _exchange(self, p: Part) -> None:
+        reducer = self.group.members[p.reducer]
+        cancel = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        try:
+            channel = self.peer.pool.get(reducer.addr)
+            stream = channel.stream(REDUCE, self._requests(p, cancel), timeout=max(0.01, self.deadline - loop.time()))
+            receiver = asyncio.ensure_future(self._receive(p, stream))
+            canceller = asyncio.ensure_future(cancel.wait())
+            try:
+                await asyncio.wait({receiver, canceller}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                canceller.cancel()
+                if not receiver.done():
+                    receiver.cancel()
+                    await asyncio.gather(receiver, return_exceptions=True)
+                elif not receiver.cancelled():
+                    receiver.exception()  # retrieved here, raised below
+            if receiver.cancelled():
+                raise FaultInjected("stream dropped by a fault")
+            receiver.result()
+            if p.state is PartState.PENDING:
+                self.resolve(p, PartState.FAILED, "stream ended early")
+        except asyncio.CancelledError:
+            if p.state is PartState.PENDING:
+                self.resolve(p, PartState.FAILED, "stream cancelled")
+            raise
+        except Exception as e:  # noqa: BLE001 - a reducer that died or stalled is an expected event
+            logger.debug("part %d stream from %s failed: %s", p.index, reducer.peer_id[-8:], e)
+            self.resolve(p, PartState.FAILED, f"stream from reducer {reducer.peer_id[-8:]} broke ({e})")
+
+    async def _receive(self, p: Part, stream: Any) -> None:
+        header: averaging_pb2.ResultHeader | None = None
+        bounds = chunk_bounds(p.size, self.chunk_numel)
+        i = 0
+        async for message in stream:
+            p.last_progress = asyncio.get_running_loop().time()
+            if header is None:
+                header = averaging_pb2.ResultHeader.FromString(message)
+                if header.decision and not p.decision:
+                    p.decision = header.decision  # known decided: a stall from here on is a lost reducer
+                    self._changed.set()
+                if header.abort:
+                    self.resolve(p, PartState.ABORTED, header.reason)
+                    return
+                if header.compression != self.codec.kind:
+                    raise InvalidRequest("reducer answered with another codec")
+                if self.reducer is not None:
+                    await self.reducer.slots_released.wait()  # results reuse the slots' memory
+                if not bounds:
+                    self.resolve(p, PartState.COMPLETE, decision=header.decision)
+                continue
+            if p.state is not PartState.PENDING:
+                return  # fetched from another member meanwhile
+            if i >= len(bounds):
+                raise InvalidRequest("reducer sent more chunks than its part holds")
+            a, b = bounds[i]
+            assert p.values is not None
+            self.codec.decode(message, p.values[a:b])
+            i += 1
+            self.received_chunks += 1
+            await self.faults.hit(FaultPoint.AFTER_RESULTS_RECEIVED, self.received_chunks)
+            if i == len(bounds):
+                self.resolve(p, PartState.COMPLETE, decision=header.decision)
+
+    def serve_fetch(self, part: int) -> Any:
+        """Streams part `part` as this member holds it, to a member that lost it (see `fetch`)."""
+        return serve_part(self, part)
+
+    def close(self) -> None:
+        """Cancels whatever still runs for this round (at release or shutdown)."""
+        self.finished.set()
+        for task in self._tasks:
+            task.cancel()
+        if self.reducer is not None:
+            self.reducer.close()

@@ -1,0 +1,278 @@
+"""`swarm.Averager`: average a list of tensors in place with a group of peers.
+
+    avg = swarm.Averager(peer, [p.data for p in model.parameters()], prefix="run", target_group_size=4)
+    result = avg.step(timeout=30)      # the tensors now hold the group's weighted mean
+    result.contributors, result.weights
+
+Each step finds a group (`matchmaking`), runs one butterfly all-reduce over it (`allreduce`),
+and either writes the mean of the agreed contributors into the tensors or raises
+`AveragingError` with the tensors untouched (SPEC.md §4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.averaging.agreement import Coordinator, Decision
+from swarm.averaging.allreduce import ButterflyAllReduce
+from swarm.averaging.buffers import ScratchPool
+from swarm.averaging.config import AllReduceConfig
+from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
+from swarm.averaging.group import GroupInfo, MemberInfo
+from swarm.averaging.matchmaking import DHTElection, Election, Matchmaking, MatchmakingConfig, StaticElection
+from swarm.averaging.partition import FlatTensors, schema_digest
+from swarm.averaging.parts import RoundFailed, scratch_numel
+from swarm.averaging.service import REPORT, AveragingService, RoundEntry
+from swarm.compression import CompressionType
+from swarm.core.errors import AveragingError, ConfigError
+from swarm.core.loop import spawn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AveragingResult:
+    """The outcome of a successful step, the same on every member that got one.
+
+    Attributes:
+        round_id: hex id of the round.
+        group: PeerIDs of the group's members, leader first.
+        contributors: PeerIDs whose tensors are in the mean.
+        weights: weight of each contributor.
+        excluded: PeerID -> why its tensors are not in the mean (stalled, died, non-finite, ...).
+    """
+
+    round_id: str
+    group: tuple[str, ...]
+    contributors: tuple[str, ...]
+    weights: dict[str, float]
+    excluded: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_decision(cls, group: GroupInfo, decision: Decision) -> AveragingResult:
+        ids = group.peer_ids
+        return cls(
+            round_id=group.round_id.hex(), group=ids,
+            contributors=tuple(ids[i] for i in decision.contributors),
+            weights={ids[i]: w for i, w in zip(decision.contributors, decision.weights)},
+            excluded={ids[i]: reason for i, reason in decision.excluded.items()},
+        )
+
+
+@dataclass(frozen=True)
+class AveragerConfig:
+    """Settings of an `Averager` beyond its constructor's main arguments.
+
+    Attributes:
+        allreduce: chunk size and the round's timeline.
+        matchmaking: group sizes and waits.
+        compression: wire codec for the tensors (a `swarm.compression.CompressionType`).
+        bandwidth: this peer's relative bandwidth; parts are sized in proportion to it.
+    """
+
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
+    compression: int = int(CompressionType.NONE)
+    bandwidth: float = 1.0
+
+    def __post_init__(self) -> None:
+        try:
+            CompressionType(self.compression)
+        except ValueError:
+            raise ConfigError(f"unknown compression type {self.compression}") from None
+        if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
+            raise ConfigError("bandwidth must be finite and >= 0")
+
+
+class Averager:
+    """Averages `tensors` in place with other peers, one group per `step`.
+
+    Args:
+        peer: the local `swarm.Peer`.
+        tensors: floating-point tensors averaged in place (any shapes; the same on every peer).
+            With `auxiliary=True` they only give the shapes and are never read or written.
+        prefix: names this averager; peers average with peers of the same prefix.
+        target_group_size: a group starts as soon as it has this many members.
+        min_group_size: fewest members a round may have.
+        initial_group: multiaddrs of the peers to average with (a "static group": the smallest
+            PeerID leads). Without it the group is found through the DHT (`peer.dht`).
+        auxiliary: this peer has no tensors and only helps reduce (needs a server).
+        group_key: which DHT group to look for (see `matchmaking.moshpit_group_key`).
+        config: further settings.
+        faults: a fault plan for tests.
+    """
+
+    def __init__(
+        self, peer: Any, tensors: Sequence[torch.Tensor], prefix: str = "run", target_group_size: int = 4,
+        min_group_size: int = 2, *, initial_group: Sequence[str] | None = None, auxiliary: bool = False,
+        group_key: str = "0", config: AveragerConfig | None = None, faults: FaultPlan | None = None,
+    ) -> None:
+        if not prefix or "/" in prefix:
+            raise ConfigError(f"prefix must be a non-empty name without '/', got {prefix!r}")
+        self.peer = peer
+        self.prefix = prefix
+        self.tensors = list(tensors)
+        self.auxiliary = auxiliary
+        if not self.tensors:
+            raise ConfigError("an averager needs tensors (an auxiliary one: tensors of the same shapes, never written)")
+        if auxiliary and peer.server is None:
+            raise ConfigError("an auxiliary averager must accept connections (not client mode)")
+        base = config or AveragerConfig()
+        mm = dataclasses.replace(base.matchmaking, target_group_size=target_group_size, min_group_size=min_group_size)
+        self.config = dataclasses.replace(base, matchmaking=mm)
+        self.faults = faults if faults is not None else FaultPlan()
+        self.numel = sum(t.numel() for t in self.tensors)
+        self.flat = None if auxiliary else FlatTensors(self.tensors)
+        self.schema = schema_digest(self.tensors)
+        self._scratch = ScratchPool()
+        self._lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        election: Election
+        if initial_group is not None:
+            election = StaticElection(initial_group)
+        else:
+            if getattr(peer, "dht", None) is None:
+                raise ConfigError("no DHT on this peer: pass initial_group=[multiaddrs] to average with")
+            election = DHTElection(peer.dht, prefix, group_key)
+        self.service = AveragingService.of(peer)
+        self.matchmaking = Matchmaking(
+            peer, prefix, self.schema, self.numel, election, self.config.matchmaking,
+            self.config.compression, self.config.allreduce.chunk_bytes,
+        )
+        peer.attach(self)
+
+    # -- public API --------------------------------------------------------------------------
+
+    def step(self, timeout: float = 30.0, weight: float = 1.0, group_key: str | None = None) -> AveragingResult:
+        """Averages the tensors with one group, in place.
+
+        Args:
+            timeout: seconds for the whole step (finding a group and averaging).
+            weight: this peer's weight in the mean (e.g. its number of samples); 0 only listens.
+            group_key: DHT group to look for in this step (e.g. `moshpit_group_key(round, coords)`);
+                None keeps the current one. Ignored for a static group.
+
+        Returns:
+            The round's group, contributors and weights (the same on every member).
+
+        Raises:
+            AveragingError: no group formed, or the round failed; the tensors are untouched.
+        """
+        return self.peer.run(self.astep(timeout, weight, group_key), timeout=timeout + 5.0)
+
+    async def astep(self, timeout: float = 30.0, weight: float = 1.0, group_key: str | None = None) -> AveragingResult:
+        """Awaitable form of `step`, for code already inside an event loop."""
+        return await self.peer.loop.wrap(self._step(timeout, weight, group_key))
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self.peer.run(self.ashutdown(), timeout=10)
+
+    async def ashutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.matchmaking.close()
+        for task in list(self._background):
+            task.cancel()
+        self.peer.detach(self)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    async def _step(self, timeout: float, weight: float, group_key: str | None = None) -> AveragingResult:
+        if self._closed:
+            raise AveragingError("this averager was shut down")
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number, got {timeout}")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be finite and >= 0, got {weight}")
+        async with self._lock:
+            if group_key is not None and isinstance(self._election, DHTElection):
+                self._election.group_key = group_key
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            try:
+                await self.faults.hit(FaultPoint.BEFORE_MATCHMAKING)
+                me = MemberInfo(
+                    self.peer.peer_id, self.peer.addrs[0] if self.peer.addrs else "",
+                    0.0 if self.auxiliary else weight, self.config.bandwidth, self.peer.server is None, self.auxiliary,
+                )
+                group = await self.matchmaking.form_group(me, timeout)
+                return await self._run_round(group, deadline)
+            except FaultInjected as e:
+                raise AveragingError(f"averaging step failed: {e}") from None
+            finally:
+                self.faults.round_index += 1
+
+    async def _run_round(self, group: GroupInfo, deadline: float) -> AveragingResult:
+        loop = asyncio.get_running_loop()
+        my_index = group.index_of(self.peer.peer_id)
+        timeout = min(group.timeout, deadline - loop.time())
+        if timeout <= 0:
+            raise RoundFailed(group.round_id, "no time left for the all-reduce")
+        cfg = self.config.allreduce
+        t0 = loop.time()
+        coordinator: Coordinator | None = None
+        if my_index == 0:
+            coordinator = Coordinator(group, t0 + cfg.decide_at * timeout)
+            coordinator.faults_hit = self.faults.hit
+            coordinator.start()
+            report = coordinator.submit
+        else:
+            report = self._remote_report(group, t0 + cfg.give_up_decision * timeout)
+        if self.flat is not None:
+            self.flat.refresh()
+        scratch = await self._scratch.acquire(scratch_numel(group, my_index))
+        end = t0 + timeout  # waiting for the buffer does not move the round's end
+        allreduce = ButterflyAllReduce(self.peer, group, self.flat, scratch, cfg, self.faults, end - loop.time(), report)
+        self.service.register(group.prefix, group.round_id, RoundEntry(allreduce, coordinator))
+        try:
+            decision = await allreduce.run()
+        finally:
+            task = spawn(self._release(group, allreduce, coordinator, scratch, end + cfg.linger),
+                         name=f"avg-release-{group.round_id.hex()[:8]}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return AveragingResult.from_decision(group, decision)
+
+    def _remote_report(self, group: GroupInfo, give_up: float) -> Any:
+        async def report(r: Any) -> Decision:
+            loop = asyncio.get_running_loop()
+            channel = self.peer.pool.get(group.leader.addr)
+            data = await channel.unary(REPORT, r.to_proto(group.prefix, group.round_id), None,
+                                       timeout=max(0.01, give_up - loop.time()))
+            return Decision.from_bytes(data)
+
+        return report
+
+    async def _release(
+        self, group: GroupInfo, allreduce: ButterflyAllReduce, coordinator: Coordinator | None,
+        scratch: torch.Tensor, until: float,
+    ) -> None:
+        """Keeps the round's results reachable until every stream to this peer closed (nobody can
+        still fetch from us) or the linger ran out, then frees its buffer for the next round."""
+        loop = asyncio.get_running_loop()
+        try:
+            if allreduce.reducer is not None:
+                # a sender that has not connected yet (late, or dead) holds the round until `until`
+                try:
+                    await asyncio.wait_for(allreduce.reducer.streams_closed.wait(), max(0.0, until - loop.time()))
+                except TimeoutError:
+                    pass
+            if coordinator is not None and coordinator.decision is None:
+                await asyncio.sleep(max(0.0, until - loop.time()))
+        finally:
+            self.service.unregister(group.prefix, group.round_id)
+            allreduce.close()
+            if coordinator is not None:
+                coordinator.close()
+            self._scratch.release(scratch)

@@ -1,0 +1,432 @@
+"""The reducer of one part: receives every sender's part, averages it, streams the mean back.
+
+Pipelined: each ~1 MiB chunk is decoded into that sender's slot of the part as it arrives and
+added (times the sender's weight) into a running sum, so reduction overlaps the transfer. The
+slots let the reducer recompute the sum over exactly the agreed contributors when the running
+sum holds someone else (a sender that died half-way, or sent NaN): the decision, not the order
+of arrival, fixes what is in the mean.
+
+Life of a part (see `agreement`): collect until every sender is done, stalled past
+`sender_timeout`, or the report time; freeze (late chunks are ignored); report the complete and
+finite senders to the leader and wait for its decision (long poll); average over the decision's
+contributors; stream the mean back on every sender's stream, with the decision in the header.
+Server-mode members get the last message of the part before client-mode members do, and only
+once they acknowledged it: whoever holds a part can then always be reached by a member who lost
+it (`allreduce` fetches lost parts from server-mode members only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.averaging.agreement import Decision, Report
+from swarm.averaging.config import AllReduceConfig
+from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
+from swarm.averaging.group import GroupInfo
+from swarm.averaging.partition import FlatTensors, chunk_bounds
+from swarm.compression import Codec, CompressionError, has_nonfinite
+from swarm.core.errors import InvalidRequest
+from swarm.core.loop import spawn
+from swarm.proto import averaging_pb2
+
+logger = logging.getLogger(__name__)
+
+ReportFn = Callable[[Report], Awaitable[Decision]]
+
+
+@dataclass
+class _Sender:
+    index: int
+    weight: float
+    has_data: bool = True
+    slot: torch.Tensor | None = None
+    complete: bool = False
+    failed: str = ""
+    added: bool = False
+    streaming: bool = False
+    acked: bool = False
+    ended: bool = False       # its stream closed (cleanly: it is done with the round)
+    broken: bool = False
+    client_mode: bool = False
+    last_progress: float = 0.0
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # acked, or its stream ended
+
+    @property
+    def done(self) -> bool:
+        return self.complete or bool(self.failed)
+
+
+class PartReducer:
+    """Reduces part `part` of the round's flat vector on this peer.
+
+    Args:
+        group: the round's group.
+        my_index: this peer's index in the group.
+        start: offset of the part in the flat vector; `size` its length.
+        flat: this member's own tensors (None for auxiliary members).
+        slots: a float32 buffer of at least (number of remote senders) * size elements.
+        accumulator: a float32 buffer of `size` elements for the running sum, then the mean.
+        codec: the wire codec.
+        config: timeouts.
+        faults: fault plan.
+        t0: loop time when the round started here; `timeout` its length in seconds.
+        report: sends a report to the leader and returns its decision.
+    """
+
+    def __init__(
+        self, group: GroupInfo, my_index: int, part: int, start: int, size: int, flat: FlatTensors | None,
+        slots: torch.Tensor, accumulator: torch.Tensor, codec: Codec, config: AllReduceConfig, faults: FaultPlan,
+        t0: float,
+        timeout: float, report: ReportFn,
+    ) -> None:
+        self.group, self.my_index, self.part, self.offset, self.size = group, my_index, part, start, size
+        self.flat, self.codec, self.config, self.faults = flat, codec, config, faults
+        self.t0, self.timeout, self._report = t0, timeout, report
+        self.chunks = chunk_bounds(size, codec.chunk_numel(config.chunk_bytes))
+        self.sum = accumulator[:size]
+        self.senders: dict[int, _Sender] = {}
+        slot_index = 0
+        for i in group.senders:
+            member = group.members[i]
+            sender = _Sender(i, member.weight, client_mode=member.client_mode, last_progress=t0)
+            if i != my_index:
+                sender.slot = slots[slot_index * size:(slot_index + 1) * size]
+                slot_index += 1
+            self.senders[i] = sender
+        self.frozen = False
+        self.received_chunks = 0
+        self.sent_chunks = 0
+        self._changed = asyncio.Event()
+        self.decision: Decision | None = None
+        self.abort_reason = ""
+        self.finished = asyncio.Event()        # mean ready, or aborted
+        self.slots_released = asyncio.Event()  # the slots may now hold this member's results
+        self.streams_closed = asyncio.Event()  # every remote sender closed its stream cleanly
+        self._acked = asyncio.Event()
+        self._payloads: list[bytes | None] = []
+        self._payload_takers: list[int] = []
+        self._task: asyncio.Task[None] | None = None
+        self._streams: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        me = self.senders.get(self.my_index)
+        if me is not None and self.flat is not None and me.weight > 0 and self.size:
+            torch.mul(self.flat.read(self.offset, self.offset + self.size), me.weight, out=self.sum)
+            me.added = True
+        else:
+            self.sum.zero_()
+        if me is not None:
+            me.has_data = me.weight > 0
+            me.complete = True
+            me.settled.set()
+        if all(i == self.my_index for i in self.senders):
+            self.streams_closed.set()
+        self._task = spawn(self._run(), name=f"avg-reduce-{self.group.round_id.hex()[:8]}-p{self.part}")
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self.abort_reason)
+
+    def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        for task in self._streams:
+            task.cancel()
+        if not self.finished.is_set():
+            self._abort("the peer is shutting down")
+
+    def _abort(self, reason: str) -> None:
+        if not self.finished.is_set():
+            self.abort_reason = reason or "aborted"
+            self.finished.set()
+            self.slots_released.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await self._collect(loop)
+            self.frozen = True
+            report = self._make_report()
+            logger.debug("part %d: reporting after %.3f s", self.part, loop.time() - self.t0)
+            await self.faults.hit(FaultPoint.BEFORE_REPORT)
+            give_up = self.t0 + self.config.give_up_decision * self.timeout
+            try:
+                decision = await asyncio.wait_for(self._report(report), max(0.01, give_up - loop.time()))
+            except TimeoutError:
+                self._abort(f"part {self.part}: no decision from the leader in time")
+                return
+            except Exception as e:  # noqa: BLE001 - leader unreachable: this part cannot finish
+                self._abort(f"part {self.part}: leader unreachable ({type(e).__name__}: {e})")
+                return
+            if decision.abort:
+                self._abort(decision.reason)
+                return
+            logger.debug("part %d: decided after %.3f s", self.part, loop.time() - self.t0)
+            await self._average(decision)
+            logger.debug("part %d: averaged after %.3f s", self.part, loop.time() - self.t0)
+            await self.faults.hit(FaultPoint.BEFORE_ALL_GATHER)
+            self.decision = decision
+            self.finished.set()
+        except asyncio.CancelledError:
+            self._abort("cancelled")
+            raise
+        except Exception as e:
+            logger.debug("reducer of part %d failed", self.part, exc_info=True)
+            self._abort(f"part {self.part}: reducer failed ({type(e).__name__}: {e})")
+            if not isinstance(e, ConnectionError):
+                raise
+
+    async def _collect(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Waits until every sender is done, stalled, or the report time has come."""
+        report_at = self.t0 + self.config.report_at * self.timeout
+        while True:
+            now = loop.time()
+            pending = [s for s in self.senders.values() if not s.done]
+            for s in pending:
+                if now - s.last_progress >= self.config.sender_timeout:
+                    s.failed = "stalled" if s.streaming else "never connected"
+            pending = [s for s in pending if not s.done]
+            if not pending or now >= report_at:
+                for s in pending:
+                    s.failed = "too late"
+                return
+            wake = min([report_at] + [s.last_progress + self.config.sender_timeout for s in pending])
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), max(0.001, wake - now))
+            except TimeoutError:
+                pass
+
+    def _data_of(self, sender: _Sender) -> torch.Tensor:
+        if sender.index == self.my_index:
+            assert self.flat is not None
+            return self.flat.read(self.offset, self.offset + self.size)
+        assert sender.slot is not None
+        return sender.slot
+
+    def _make_report(self) -> Report:
+        ok = {s.index for s in self.senders.values() if s.complete and s.has_data and s.weight > 0}
+        failed = {s.index: s.failed for s in self.senders.values() if s.failed}
+        if self.size and not math.isfinite(float(self.sum.sum())):
+            # rare: find who sent NaN/inf (or values whose weighted sum overflows)
+            for i in sorted(ok):
+                if has_nonfinite(self._data_of(self.senders[i])):
+                    ok.discard(i)
+                    failed[i] = "non-finite values"
+        return Report(self.part, frozenset(ok), failed)
+
+    async def _average(self, decision: Decision) -> None:
+        contributors = set(decision.contributors)
+        added = {s.index for s in self.senders.values() if s.added}
+        fast = added == contributors and all(self.senders[i].complete for i in contributors)
+        weights = dict(zip(decision.contributors, decision.weights))
+        total = decision.total_weight
+
+        def compute() -> None:
+            if not fast:
+                self.sum.zero_()
+                for i in sorted(contributors):
+                    self.sum.add_(self._data_of(self.senders[i]), alpha=weights[i])
+            self.sum.div_(total)
+
+        loop = asyncio.get_running_loop()
+        if self.size:
+            await loop.run_in_executor(None, compute)
+        self.slots_released.set()  # on the loop: asyncio events are not thread-safe
+        n = len(self.chunks)
+        self._payload_takers = [0] * n
+        if self.codec.kind == 0:
+            self._payloads = [None] * n
+        else:
+            # lossy codec: encode once, and keep what the others will decode as our own copy
+            def encode_all() -> list[bytes | None]:
+                out: list[bytes | None] = []
+                for a, b in self.chunks:
+                    payload = self.codec.encode(self.sum[a:b])
+                    self.codec.decode(payload, self.sum[a:b])
+                    out.append(payload)
+                return out
+
+            self._payloads = await loop.run_in_executor(None, encode_all)
+
+    async def wait_acknowledged(self, timeout: float) -> bool:
+        """Waits until every sender that streamed to us acknowledged our averaged part."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            if all(s.acked for s in self.senders.values() if s.index != self.my_index and s.streaming):
+                return True
+            if loop.time() >= end:
+                return False
+            self._acked.clear()
+            try:
+                await asyncio.wait_for(self._acked.wait(), max(0.001, end - loop.time()))
+            except TimeoutError:
+                pass
+
+    def stream_tasks(self) -> list[asyncio.Task[None]]:
+        """The readers of the senders' streams (done once each sender closed its side)."""
+        return list(self._streams)
+
+    def result(self) -> torch.Tensor:
+        """The averaged part (valid once `finished` is set and not aborted)."""
+        return self.sum
+
+    def _payload(self, i: int, takers: int) -> bytes:
+        payload = self._payloads[i]
+        if payload is None:
+            a, b = self.chunks[i]
+            payload = self.codec.encode(self.sum[a:b])
+            self._payloads[i] = payload
+        self._payload_takers[i] += 1
+        if self._payload_takers[i] >= takers and self.codec.kind == 0:
+            self._payloads[i] = None  # every stream has it: re-encode on a rare extra request
+        return payload
+
+    # -- a sender's stream -------------------------------------------------------------------
+
+    async def rpc_reduce(
+        self, header: averaging_pb2.ReduceHeader, requests: AsyncIterator[bytes], caller: str
+    ) -> AsyncIterator[bytes]:
+        """Serves one sender's stream: reads its part, then yields the result header and chunks."""
+        sender = self.senders.get(header.sender)
+        if sender is None or header.sender == self.my_index:
+            raise InvalidRequest(f"member {header.sender} does not send to this reducer")
+        if self.group.members[header.sender].peer_id != caller:
+            raise InvalidRequest("the stream's sender index does not match the caller")
+        if header.part != self.part or header.numel != self.size:
+            raise InvalidRequest(f"part {header.part} of {header.numel} does not match part {self.part} of {self.size}")
+        if sender.streaming:
+            raise InvalidRequest("a second stream from the same sender")
+        sender.streaming = True
+        sender.has_data = header.has_data and sender.weight > 0
+        loop = asyncio.get_running_loop()
+        sender.last_progress = loop.time()
+        reader = spawn(self._read(sender, requests), name=f"avg-read-p{self.part}-s{header.sender}")
+        self._streams.append(reader)
+        deadline = self.t0 + self.timeout
+        finished = asyncio.ensure_future(self.finished.wait())
+        try:
+            while not finished.done():
+                await asyncio.wait({finished, reader}, timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if sender.broken:
+                    raise FaultInjected(f"stream from member {header.sender} dropped")
+                if loop.time() >= deadline:
+                    return
+                if reader.done():  # the sender closed its side: wait for the outcome only
+                    await asyncio.wait({finished}, timeout=max(0.0, deadline - loop.time()))
+                    if not finished.done():
+                        return
+        finally:
+            finished.cancel()
+        if self.aborted:
+            yield averaging_pb2.ResultHeader(abort=True, reason=self.abort_reason, part=self.part).SerializeToString()
+            return
+        assert self.decision is not None
+        result_header = averaging_pb2.ResultHeader(
+            decision=self.decision.to_bytes(), part=self.part, compression=int(self.codec.kind)
+        ).SerializeToString()
+        n = len(self.chunks)
+        takers = sum(1 for s in self.senders.values() if s.streaming)
+        if n == 0 and sender.client_mode:
+            await self._wait_server_acks(deadline)
+        yield result_header
+        for i in range(n):
+            if i == n - 1 and sender.client_mode:
+                await self._wait_server_acks(deadline)
+            if sender.broken:
+                raise FaultInjected(f"stream from member {header.sender} dropped")
+            yield self._payload(i, takers)
+            self.sent_chunks += 1
+            await self.faults.hit(FaultPoint.DURING_ALL_GATHER, self.sent_chunks)
+        # keep the call open until the sender holds every part and closes its side
+        await asyncio.wait({reader}, timeout=max(0.0, deadline + self.config.linger - loop.time()))
+
+    async def _wait_server_acks(self, deadline: float) -> None:
+        """Before a client-mode member may complete the part, every server-mode sender acknowledged
+        it (or dropped out), so a member that lost the part can fetch it from a server-mode one."""
+        loop = asyncio.get_running_loop()
+        waits = [s.settled.wait() for s in self.senders.values() if not s.client_mode and s.streaming]
+        if not waits:
+            return
+        limit = min(deadline, loop.time() + self.config.sender_timeout) - loop.time()
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), max(0.0, limit))
+        except TimeoutError:
+            logger.debug("part %d: a server-mode member did not acknowledge in time", self.part)
+
+    async def _read(self, sender: _Sender, requests: AsyncIterator[bytes]) -> None:
+        loop = asyncio.get_running_loop()
+        it = requests.__aiter__()
+        try:
+            if sender.has_data:
+                for a, b in self.chunks:
+                    message = await it.__anext__()
+                    if self.frozen or sender.failed:
+                        continue  # reported already: late data is not in this round
+                    if not message or message[0] != self.codec.kind:
+                        sender.failed = _control_reason(message) or "malformed chunk"
+                        self._changed.set()
+                        return
+                    if len(message) != self.codec.encoded_size(b - a):
+                        sender.failed = "malformed chunk"
+                        self._changed.set()
+                        return
+                    assert sender.slot is not None
+                    slot = sender.slot[a:b]
+                    try:
+                        self.codec.decode(message, slot)
+                    except (CompressionError, ValueError, TypeError) as e:
+                        sender.failed = f"malformed chunk: {e}"
+                        self._changed.set()
+                        return
+                    self.sum[a:b].add_(slot, alpha=sender.weight)
+                    sender.added = True
+                    sender.last_progress = loop.time()
+                    self.received_chunks += 1
+                    await self.faults.hit(FaultPoint.AFTER_CHUNKS_RECEIVED, self.received_chunks)
+            if not self.frozen and not sender.failed:
+                sender.complete = True
+                self._changed.set()
+            async for message in it:  # the acknowledgement, then the sender closes its side
+                averaging_pb2.SenderAck.FromString(message)
+                sender.acked = True
+                sender.settled.set()
+                self._acked.set()
+            sender.ended = True
+        except StopAsyncIteration:
+            if not sender.done:
+                sender.failed = "stream ended early"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken stream is an expected event
+            if not sender.done:
+                sender.failed = f"stream broken ({type(e).__name__})"
+            sender.broken = isinstance(e, FaultInjected)
+        finally:
+            sender.settled.set()
+            self._changed.set()
+            if all(s.ended for s in self.senders.values() if s.index != self.my_index):
+                self.streams_closed.set()
+
+
+def _control_reason(message: bytes) -> str:
+    try:
+        ack = averaging_pb2.SenderAck.FromString(message)
+    except Exception:  # noqa: BLE001
+        return ""
+    return ack.reason
+
+
+def encode_failure_message(part: int, reason: str) -> bytes:
+    """What a sender puts on its stream instead of a chunk it cannot encode (NaN under a lossy codec)."""
+    return averaging_pb2.SenderAck(part=part, reason=reason).SerializeToString()

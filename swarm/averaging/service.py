@@ -1,0 +1,169 @@
+"""The averaging RPCs of one peer, routed to the round (or averager) they are for.
+
+One `AveragingService` per peer hosts, for every averager on it (keyed by prefix):
+
+- ``Reduce``  (bidi stream): a sender's part in, the averaged part out (`reducer`);
+- ``Report``  (unary, long poll): a reducer's report in, the leader's decision out (`agreement`);
+- ``Fetch``   (server stream): a member that lost a part gets it from one that holds it;
+- ``Join``    (unary, long poll): matchmaking (`matchmaking`);
+- ``State``   (server stream): state transfer to newcomers (`state`).
+
+A stream for a round this peer has not registered yet (its own copy of the group is still on
+the way) waits for it a little; a finished round answers NOT_FOUND at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.averaging.agreement import Coordinator, Report
+from swarm.core.errors import InvalidRequest, NotFound
+from swarm.net.server import CallContext
+from swarm.proto import averaging_pb2
+
+REDUCE = "/swarm.Averaging/Reduce"
+REPORT = "/swarm.Averaging/Report"
+FETCH = "/swarm.Averaging/Fetch"
+JOIN = "/swarm.Averaging/Join"
+STATE = "/swarm.Averaging/State"
+
+_services: weakref.WeakKeyDictionary[Any, AveragingService] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class RoundEntry:
+    """What this peer runs for one round: its member side (with its reducer) and, if it leads, the coordinator."""
+
+    allreduce: Any  # ButterflyAllReduce
+    coordinator: Coordinator | None = None
+
+
+class AveragingService:
+    """Routes averaging RPCs on one peer. Get it with `AveragingService.of(peer)`."""
+
+    def __init__(self, peer: Any, join_grace: float = 5.0) -> None:
+        self.peer = peer
+        self.join_grace = join_grace
+        self.rounds: dict[tuple[str, bytes], RoundEntry] = {}
+        self._waiters: dict[tuple[str, bytes], asyncio.Future[RoundEntry]] = {}
+        self._finished: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self.join_handlers: dict[str, Callable[[averaging_pb2.JoinRequest, CallContext], Awaitable[Any]]] = {}
+        self.state_handlers: dict[str, Callable[[averaging_pb2.StateRequest, CallContext], AsyncIterator[bytes]]] = {}
+        server = peer.server
+        if server is not None:
+            server.add_stream(REDUCE, self.rpc_reduce)
+            server.add_unary(REPORT, self.rpc_report, averaging_pb2.ReduceReport)
+            server.add_stream(FETCH, self.rpc_fetch, request_streaming=False)
+            server.add_unary(JOIN, self.rpc_join, averaging_pb2.JoinRequest)
+            server.add_stream(STATE, self.rpc_state, request_streaming=False)
+
+    @classmethod
+    def of(cls, peer: Any) -> AveragingService:
+        """The peer's service, created (and its RPCs registered) on first use."""
+        service = _services.get(peer)
+        if service is None:
+            service = _services[peer] = cls(peer)
+        return service
+
+    # -- round registry ----------------------------------------------------------------------
+
+    def register(self, prefix: str, round_id: bytes, entry: RoundEntry) -> None:
+        key = (prefix, round_id)
+        self.rounds[key] = entry
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(entry)
+
+    def unregister(self, prefix: str, round_id: bytes) -> None:
+        key = (prefix, round_id)
+        self.rounds.pop(key, None)
+        self._finished[key] = None
+        while len(self._finished) > 1024:
+            self._finished.popitem(last=False)
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(NotFound("round finished"))
+
+    async def _entry(self, prefix: str, round_id: bytes, ctx: CallContext) -> RoundEntry:
+        key = (prefix, round_id)
+        entry = self.rounds.get(key)
+        if entry is not None:
+            return entry
+        if key in self._finished:
+            raise NotFound(f"round {round_id.hex()[:12]} of {prefix!r} is over here")
+        waiter = self._waiters.get(key)
+        if waiter is None:
+            waiter = self._waiters[key] = asyncio.get_running_loop().create_future()
+        remaining = ctx.time_remaining()
+        limit = self.join_grace if remaining is None else min(self.join_grace, remaining)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), limit)
+        except TimeoutError:
+            if self._waiters.get(key) is waiter and not waiter.done():
+                del self._waiters[key]  # nobody registered it: forget (a later caller waits anew)
+                waiter.cancel()
+            raise NotFound(f"round {round_id.hex()[:12]} of {prefix!r} is unknown here") from None
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    async def rpc_reduce(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+        it = requests.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            raise InvalidRequest("empty Reduce stream") from None
+        header = averaging_pb2.ReduceHeader.FromString(first)
+        entry = await self._entry(header.prefix, header.round_id, ctx)
+        reducer = entry.allreduce.reducer
+        if reducer is None:
+            raise InvalidRequest("this member reduces no part (client mode)")
+        async for message in reducer.rpc_reduce(header, it, ctx.peer_id):
+            yield message
+
+    async def rpc_report(self, request: averaging_pb2.ReduceReport, ctx: CallContext) -> bytes:
+        entry = await self._entry(request.prefix, request.round_id, ctx)
+        coordinator = entry.coordinator
+        if coordinator is None:
+            raise InvalidRequest("this peer does not lead that round")
+        group = coordinator.group
+        expected = group.members[group.reducers[request.part]].peer_id if 0 <= request.part < len(group.reducers) else None
+        if expected != ctx.peer_id:
+            raise InvalidRequest("only a part's reducer may report on it")
+        decision = await coordinator.submit(Report.from_proto(request))
+        return decision.to_bytes()
+
+    async def rpc_fetch(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+        request = None
+        async for message in requests:
+            request = averaging_pb2.FetchRequest.FromString(message)
+        if request is None:
+            raise InvalidRequest("empty Fetch request")
+        entry = await self._entry(request.prefix, request.round_id, ctx)
+        group = entry.allreduce.group
+        if ctx.peer_id not in group.peer_ids:
+            raise InvalidRequest("only members of a round may fetch its parts")
+        async for message in entry.allreduce.serve_fetch(request.part):
+            yield message
+
+    async def rpc_join(self, request: averaging_pb2.JoinRequest, ctx: CallContext) -> Any:
+        handler = self.join_handlers.get(request.prefix)
+        if handler is None:
+            return averaging_pb2.JoinResponse(accepted=False, reason=f"no averager for {request.prefix!r} here")
+        return await handler(request, ctx)
+
+    async def rpc_state(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+        request = None
+        async for message in requests:
+            request = averaging_pb2.StateRequest.FromString(message)
+        if request is None:
+            raise InvalidRequest("empty State request")
+        handler = self.state_handlers.get(request.prefix)
+        if handler is None:
+            raise NotFound(f"no state for {request.prefix!r} here")
+        async for message in handler(request, ctx):
+            yield message

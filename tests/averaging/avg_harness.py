@@ -1,0 +1,148 @@
+"""Runs averaging peers as real processes (tests/averaging/worker.py) and collects their JSON lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Worker:
+    """One peer process; `events` receives its stdout JSON lines."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.index = config["index"]
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
+        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER, json.dumps(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.stderr, text=True, env=env,
+        )
+        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.addr = ""
+        self.peer_id = ""
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.strip()
+            if line.startswith("{"):
+                self.events.put(json.loads(line))
+        self.events.put(None)
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def next_event(self, timeout: float) -> dict[str, Any] | None:
+        """The next line, or None if the process ended; raises TimeoutError when it says nothing."""
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"worker {self.index} said nothing for {timeout} s:\n{self.log()}") from None
+
+    def log(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()[-4000:]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.send({"cmd": "exit"})
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGCONT)
+                self.proc.kill()
+                self.proc.wait(5)
+        self.stderr.close()
+
+
+class ProcessGroup:
+    """N worker processes averaging as one static group."""
+
+    def __init__(self, configs: list[dict[str, Any]], min_size: int = 2) -> None:
+        self.workers = [Worker(c) for c in configs]
+        try:
+            for w in self.workers:
+                ready = w.next_event(60)
+                assert ready is not None and ready["event"] == "ready", w.log()
+                w.addr, w.peer_id = ready["addr"], ready["peer_id"]
+            addrs = [w.addr for w in self.workers if w.addr]
+            indices = {w.peer_id: w.index for w in self.workers}
+            for w in self.workers:
+                w.send({"cmd": "group", "addrs": addrs, "indices": indices, "size": len(self.workers),
+                        "min_size": min_size})
+        except BaseException:
+            self.close()
+            raise
+
+    def round(self, r: int, timeout: float, skip: set[int] = frozenset()) -> dict[int, dict[str, Any] | None]:
+        """Starts round r on every live worker; returns index -> result (None: the process died).
+        Workers in `skip` are started but their answer is not awaited (a stopped peer)."""
+        live = [w for w in self.workers if w.proc.poll() is None]
+        for w in live:
+            w.send({"cmd": "round", "round": r, "timeout": timeout})
+        results: dict[int, dict[str, Any] | None] = {}
+        limit = time.monotonic() + timeout + 30
+        for w in live:
+            if w.index in skip:
+                continue
+            try:
+                results[w.index] = w.next_event(max(0.1, limit - time.monotonic()))
+            except TimeoutError:
+                results[w.index] = {"event": "silent"}
+        return results
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+    def __enter__(self) -> ProcessGroup:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_agreement(results: dict[int, dict[str, Any] | None], timeout: float, tol: float = 1e-5) -> str:
+    """SPEC §4 for one round: survivors all hold the same exact mean of the same contributors, or
+    all raised, with their tensors untouched; each within timeout + 1 s. Returns "ok" or "failed"."""
+    survivors = {i: r for i, r in results.items() if r is not None and r.get("event") == "result"}
+    assert survivors, f"no survivor reported: {results}"
+    for i, r in survivors.items():
+        assert r["seconds"] <= timeout + 1.0, f"peer {i} took {r['seconds']:.2f} s (timeout {timeout})"
+    oks = [r for r in survivors.values() if r["ok"]]
+    if oks:
+        assert len(oks) == len(survivors), f"some survivors applied the round and some failed: {survivors}"
+        assert len({r["digest"] for r in oks if r["digest"] != "aux"}) <= 1, f"survivors differ: {survivors}"
+        assert len({tuple(r["contributors"]) for r in oks}) == 1, survivors
+        assert len({r["round_id"] for r in oks}) == 1, survivors
+        for i, r in survivors.items():
+            assert r["max_err"] <= tol, f"peer {i} is {r['max_err']} away from the contributors' mean"
+        return "ok"
+    for i, r in survivors.items():
+        assert r["error"] in ("RoundFailed", "AveragingError"), r
+        assert r["untouched"], f"peer {i} raised but its tensors changed"
+    assert len({r["round_id"] for r in survivors.values()}) == 1, f"survivors failed in different rounds: {survivors}"
+    return "failed"

@@ -1,0 +1,174 @@
+"""Matchmaking: leader election (static and DHT), group formation, Moshpit group keys.
+
+The DHT is a tiny in-memory stand-in with the API `swarm.dht` offers on `peer.dht`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig
+from swarm.averaging.matchmaking import moshpit_group_key, moshpit_next_coords
+from swarm.core.errors import AveragingError
+from swarm.core.timeutil import get_dht_time
+from swarm.peer import Peer
+
+
+@dataclass
+class ValueWithExpiration:
+    value: Any
+    expiration_time: float
+
+
+class FakeDHT:
+    """In-memory `astore`/`aget` with subkeys and expirations, shared by several peers."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[Any, ValueWithExpiration]] = {}
+        self.lock = threading.Lock()
+
+    async def astore(self, key: str, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        with self.lock:
+            entries = self.data.setdefault(key, {})
+            old = entries.get(subkey)
+            if old is not None and old.expiration_time > expiration_time and value is not None:
+                return False
+            entries[subkey] = ValueWithExpiration(value, expiration_time)
+            return True
+
+    async def aget(self, key: str, latest: bool = False) -> ValueWithExpiration | None:
+        now = get_dht_time()
+        with self.lock:
+            entries = {k: v for k, v in self.data.get(key, {}).items() if v.expiration_time > now}
+        if not entries:
+            return None
+        return ValueWithExpiration(entries, max(v.expiration_time for v in entries.values()))
+
+
+def test_moshpit_group_keys_mix_peers_across_rounds():
+    grid = (4, 4)
+    coords = {(x, y): [x, y] for x in range(4) for y in range(4)}
+    # round 0 averages along dimension 0: peers sharing y group together, 4 groups of 4
+    groups: dict[str, list] = {}
+    for c, xy in coords.items():
+        groups.setdefault(moshpit_group_key(0, xy), []).append(c)
+    assert len(groups) == 4 and all(len(g) == 4 for g in groups.values())
+    # after the round each takes its index in the group as its new x: the next round's groups
+    # (along dimension 1) each hold peers from different round-0 groups
+    new = {c: moshpit_next_coords(0, xy, i, grid) for g in groups.values() for i, c in enumerate(sorted(g))}
+    groups1: dict[str, list] = {}
+    for c, xy in new.items():
+        groups1.setdefault(moshpit_group_key(1, xy), []).append(c)
+    assert all(len({c[1] for c in g}) == 4 for g in groups1.values())
+
+
+def _run_steps(avgs: list[Averager], timeout: float) -> list[Any]:
+    out: list[Any] = [None] * len(avgs)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = avgs[i].step(timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(avgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_dht_matchmaking_forms_a_group_and_averages():
+    dht = FakeDHT()
+    peers = [Peer() for _ in range(3)] + [Peer(client_mode=True)]
+    try:
+        for p in peers:
+            p.dht = dht
+        tensors = [[torch.full((100,), float(i))] for i in range(4)]
+        config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.2))
+        avgs = [Averager(p, t, prefix="mm", target_group_size=4, config=config) for p, t in zip(peers, tensors)]
+        results = _run_steps(avgs, timeout=10)
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert len({r.round_id for r in results}) == 1 and len(results[0].group) == 4
+        assert peers[3].peer_id != results[0].group[0]  # a client-mode peer never leads
+        for t in tensors:
+            assert torch.allclose(t[0], torch.full((100,), 1.5))
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_dht_matchmaking_skips_a_dead_leader_and_starts_with_min_group_size():
+    dht = FakeDHT()
+    peers = [Peer() for _ in range(3)]
+    try:
+        for p in peers:
+            p.dht = dht
+        # a dead peer declared itself first: it would lead, but cannot be reached
+        dead = Peer()
+        dead_addr, dead_id = dead.addrs[0], dead.peer_id
+        dead.shutdown()
+        asyncio.run(dht.astore("mm.group.0", {"addr": dead_addr, "client_mode": False},
+                               expiration_time=get_dht_time() + 1.0, subkey=dead_id))
+        tensors = [[torch.full((10,), float(i))] for i in range(3)]
+        config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.2))
+        avgs = [Averager(p, t, prefix="mm", target_group_size=5, min_group_size=3, config=config)
+                for p, t in zip(peers, tensors)]
+        results = _run_steps(avgs, timeout=10)
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert dead_id not in results[0].group and len(results[0].group) == 3
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_no_group_within_the_timeout_raises_and_leaves_tensors_alone():
+    with Peer() as a:
+        a.dht = FakeDHT()
+        t = torch.ones(5)
+        avg = Averager(a, [t], prefix="alone", target_group_size=2, min_group_size=2)
+        with pytest.raises(AveragingError, match="no averaging group"):
+            avg.step(timeout=1.0)
+        assert torch.equal(t, torch.ones(5))
+
+
+@pytest.mark.timeout(30)
+def test_static_group_refuses_peers_with_other_tensors():
+    with Peer() as a, Peer() as b:
+        addrs = [a.addrs[0], b.addrs[0]]
+        avg_a = Averager(a, [torch.zeros(4)], initial_group=addrs, target_group_size=2)
+        avg_b = Averager(b, [torch.zeros(5)], initial_group=addrs, target_group_size=2)
+        results = _run_steps([avg_a, avg_b], timeout=2.0)
+        assert all(isinstance(r, AveragingError) for r in results), results
+
+
+@pytest.mark.timeout(90)
+def test_real_dht_matchmaking_with_real_peers():
+    """Integration: peers find each other through `swarm.dht` (peer.dht), no addresses given."""
+    pytest.importorskip("swarm.dht.node")
+    first = Peer()
+    peers = [first] + [Peer(initial_peers=first.addrs) for _ in range(2)] + [
+        Peer(initial_peers=first.addrs, client_mode=True)]
+    try:
+        assert all(p.dht is not None for p in peers)
+        tensors = [[torch.full((1000,), float(i))] for i in range(4)]
+        config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.5))
+        avgs = [Averager(p, t, prefix="dhtmm", target_group_size=4, config=config) for p, t in zip(peers, tensors)]
+        for _ in range(2):
+            results = _run_steps(avgs, timeout=15)
+            assert all(not isinstance(r, Exception) for r in results), results
+            assert len({r.round_id for r in results}) == 1 and len(results[0].group) == 4
+            for t in tensors:
+                assert torch.allclose(t[0], torch.full((1000,), 1.5))
+    finally:
+        for p in reversed(peers):
+            p.shutdown()
