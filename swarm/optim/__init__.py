@@ -1,1 +1,8 @@
-"""swarm.optim"""
+"""Collaborative training on top of averaging: `swarm.Optimizer` and its configuration (SPEC.md §3)."""
+
+from swarm.optim.config import CollaborationConfig, DiLoCoConfig
+from swarm.optim.optimizer import Optimizer, RoundOutcome, StepOutcome
+from swarm.optim.progress import PeerProgress, SwarmProgress
+
+__all__ = ["CollaborationConfig", "DiLoCoConfig", "Optimizer", "PeerProgress", "RoundOutcome", "StepOutcome",
+           "SwarmProgress"]

@@ -1,0 +1,237 @@
+#!/usr/bin/env python
+"""Benchmark: collaborative training of the demo model, peers as separate processes on loopback.
+
+Two figures, each against a baseline measured in the same run:
+
+1. bytes: bytes each peer sends for averaging, and wall time, until the held-out loss reaches
+   `--target-loss`, with per-step gradient averaging (every local batch is a collective step,
+   float32 on the wire) vs DiLoCo (H local Adam steps, then an outer Nesterov step on the
+   8-bit-compressed averaged pseudo-gradient). Target (SPEC.md §6): DiLoCo sends >= 50x fewer.
+2. throughput (SPEC.md §6): `--swarm-peers` trainers in large-batch mode on this box vs one plain
+   PyTorch process (all cores) training the same model on the same data for the same wall time:
+   samples per second and held-out loss at the end. Target: >= 0.7x, loss within 10%.
+
+    .venv/bin/python scripts/bench/bench_training.py [--only bytes|throughput] [--target-loss 2.6]
+
+The model is the demo's byte-level transformer (`swarm.demo.model`) with its mixture layer held
+locally (`LocalExperts`), so that only the optimizer's traffic is counted; bytes are the tensor
+bytes a peer puts on the wire in the butterfly all-reduce (2 (n-1)/n of the averaged vector per
+round, at the wire size of the chosen compression).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+BATCH = 16
+HELD_OUT = 64
+
+
+# -- worker side ----------------------------------------------------------------------------------
+
+
+def _setup(threads: int) -> tuple[Any, Any, Any]:
+    import torch
+
+    from swarm.demo.data import ByteDataset, load_corpus
+    from swarm.demo.model import ByteLM, LocalExperts, ModelConfig
+
+    torch.set_num_threads(threads)
+    config = ModelConfig()
+    torch.manual_seed(0)
+    model = ByteLM(config, LocalExperts(config))
+    train, held_out = ByteDataset.split(load_corpus(), config.context)
+    return model, train, held_out.batch(HELD_OUT, torch.Generator().manual_seed(12345))
+
+
+def _evaluate(model: Any, held_out: Any) -> float:
+    import torch
+
+    with torch.no_grad():
+        return float(model.loss(*held_out))
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    model, train, held_out = _setup(args.threads)
+    gen = torch.Generator().manual_seed(1000 + args.index)
+    adam = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
+    if args.mode == "plain":
+        started = time.monotonic()
+        samples = 0
+        while time.monotonic() - started < args.max_seconds:
+            x, y = train.batch(BATCH, gen)
+            adam.zero_grad()
+            model.loss(x, y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            adam.step()
+            samples += BATCH
+        elapsed = time.monotonic() - started
+        print(json.dumps({"samples_per_s": samples / elapsed, "loss": _evaluate(model, held_out)}), flush=True)
+        return
+
+    import swarm
+    from swarm.compression import CompressionType
+    from swarm.optim import CollaborationConfig, DiLoCoConfig
+
+    peer = swarm.Peer(listen="/ip4/127.0.0.1/tcp/0", initial_peers=args.initial_peers)
+    print(peer.addrs[0], flush=True)
+    collaboration = CollaborationConfig(
+        target_batch_size=args.target_batch_size, report_period=0.1 if args.mode == "step" else 0.5,
+        min_refresh_period=0.02, max_refresh_period=1.0, averaging_timeout=20.0, matchmaking_window=0.5)
+    diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType.UNIFORM_8BIT) \
+        if args.mode == "diloco" else None
+    opt = swarm.Optimizer(peer, run_id=f"bench-{args.mode}", params=model.parameters(), optimizer=adam,
+                          batch_size_per_step=BATCH, config=collaboration, diloco=diloco)
+    if not opt.wait_for_peers(args.peers, timeout=120):
+        raise SystemExit("the other peers did not show up")
+    started = time.monotonic()
+    samples, reached, loss = 0, None, None
+    stop_at = started + args.max_seconds
+    while time.monotonic() < stop_at:
+        x, y = train.batch(BATCH, gen)
+        model.loss(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out = opt.step()
+        opt.zero_grad()
+        samples += BATCH
+        evaluate_now = out.stepped and args.target_loss and opt.epoch % args.eval_every == 0
+        if evaluate_now:
+            # every peer holds the same parameters here, so every peer stops at the same epoch
+            loss = _evaluate(model, held_out)
+            if loss <= args.target_loss:
+                reached = time.monotonic() - started
+                break
+    elapsed = time.monotonic() - started
+    result = {"index": args.index, "mode": args.mode, "seconds": reached if reached is not None else elapsed,
+              "reached": reached is not None, "bytes_sent": opt.bytes_sent, "samples": samples,
+              "samples_per_s": samples / elapsed, "epochs": opt.epoch, "loss": loss,
+              "final_loss": _evaluate(model, held_out),
+              "failed_rounds": sum(1 for r in opt.history if not r.ok)}
+    print(json.dumps(result), flush=True)
+    opt.shutdown()
+    peer.shutdown()
+
+
+# -- coordinator side -----------------------------------------------------------------------------
+
+
+def run_workers(mode: str, peers: int, extra: list[str], timeout: float) -> list[dict[str, Any]]:
+    """Starts `peers` worker processes (each after the first bootstraps from it); returns their results."""
+    base = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode, "--peers", str(peers), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([*base, "--index", "0"], stdout=subprocess.PIPE, text=True, env=env)
+    procs = [first]
+    try:
+        addr = first.stdout.readline().strip() if mode != "plain" else ""
+        if mode != "plain" and not addr.startswith("/"):
+            raise RuntimeError(f"worker 0 did not start ({first.wait()})")
+        for i in range(1, peers):
+            procs.append(subprocess.Popen([*base, "--index", str(i), "--initial-peers", addr],
+                                          stdout=subprocess.PIPE, text=True, env=env))
+        results = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"a {mode} worker failed ({proc.returncode})")
+            results.append(json.loads(lines[-1]))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def bench_bytes(args: argparse.Namespace) -> None:
+    common = ["--target-loss", str(args.target_loss), "--max-seconds", str(args.max_seconds), "--threads", "1"]
+    step = run_workers("step", args.peers, [*common, "--target-batch-size", str(BATCH * args.peers),
+                                            "--eval-every", "5"], args.max_seconds + 180)
+    diloco = run_workers("diloco", args.peers, [*common, "--local-steps", str(args.local_steps),
+                                                "--eval-every", "1"], args.max_seconds + 180)
+    for name, results in (("per-step averaging", step), ("diloco", diloco)):
+        r = results[0]
+        status = "reached" if all(x["reached"] for x in results) else "NOT reached"
+        print(f"{name:<19} {args.peers} peers: {status} held-out loss <= {args.target_loss} in "
+              f"{r['seconds']:.1f} s, {r['epochs']} collective steps, {r['samples']} samples per peer, "
+              f"{statistics.mean(x['bytes_sent'] for x in results) / 1e6:.2f} MB sent per peer, "
+              f"failed rounds {sum(x['failed_rounds'] for x in results)}", flush=True)
+    step_bytes = statistics.mean(x["bytes_sent"] for x in step)
+    diloco_bytes = statistics.mean(x["bytes_sent"] for x in diloco)
+    both = all(x["reached"] for x in step + diloco)
+    ratio = step_bytes / max(diloco_bytes, 1)
+    print(f"bytes to reach loss {args.target_loss}: DiLoCo (H={args.local_steps}, 8-bit) sends {ratio:.0f}x fewer "
+          f"bytes per peer than per-step averaging (target >= 50x){'' if both else ' [a run missed the target]'}; "
+          f"wall time {diloco[0]['seconds']:.1f} s vs {step[0]['seconds']:.1f} s", flush=True)
+
+
+def bench_throughput(args: argparse.Namespace) -> None:
+    seconds = str(args.throughput_seconds)
+    # the baseline is the better of one thread and all cores (OpenMP threads suffer on a busy box)
+    plains = [(threads, run_workers("plain", 1, ["--max-seconds", seconds, "--threads", str(threads)],
+                                    args.throughput_seconds + 120)[0])
+              for threads in sorted({1, os.cpu_count() or 1})]
+    for threads, result in plains:
+        print(f"one plain process, {threads} thread(s): {result['samples_per_s']:.1f} samples/s, held-out loss "
+              f"{result['loss']:.3f} after {args.throughput_seconds} s", flush=True)
+    threads, plain = max(plains, key=lambda tr: tr[1]["samples_per_s"])
+    swarm_results = run_workers("swarm", args.swarm_peers, [
+        "--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(args.swarm_target_batch)],
+        args.throughput_seconds + 180)
+    total = sum(r["samples_per_s"] for r in swarm_results)
+    loss = swarm_results[0]["final_loss"]
+    print(f"{args.swarm_peers} swarm trainers (target batch {args.swarm_target_batch}): {total:.1f} samples/s in all, "
+          f"held-out loss {loss:.3f} after {args.throughput_seconds} s, "
+          f"{swarm_results[0]['epochs']} collective steps", flush=True)
+    print(f"throughput: {args.swarm_peers} trainers reach {total / plain['samples_per_s']:.2f}x one plain process "
+          f"({threads} thread(s)) "
+          f"(target >= 0.7x; hivemind 0.14-0.17x); held-out loss {loss / plain['loss']:.2f}x the plain process's "
+          f"(target within 1.10x)", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=["bytes", "throughput"], default=None)
+    parser.add_argument("--peers", type=int, default=2, help="peers in the bytes figure")
+    parser.add_argument("--target-loss", type=float, default=2.6, help="held-out loss to reach (nats per byte)")
+    parser.add_argument("--local-steps", type=int, default=50, help="DiLoCo's H")
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="give up a run after this long")
+    parser.add_argument("--throughput-seconds", type=int, default=60)
+    parser.add_argument("--swarm-peers", type=int, default=4)
+    parser.add_argument("--swarm-target-batch", type=int, default=256)
+    # worker options
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=["step", "diloco", "plain", "swarm"], help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--target-batch-size", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--eval-every", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--lr", type=float, default=3e-3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        if args.mode != "diloco" and args.target_batch_size is None:
+            args.target_batch_size = BATCH
+        if args.mode in ("swarm", "plain"):
+            args.target_loss = 0.0
+        worker(args)
+        return
+    if args.only in (None, "bytes"):
+        bench_bytes(args)
+    if args.only in (None, "throughput"):
+        bench_throughput(args)
+
+
+if __name__ == "__main__":
+    main()

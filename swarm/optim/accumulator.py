@@ -1,0 +1,67 @@
+"""Local gradient accumulation between collective steps.
+
+A trainer's loss is a mean over its batch, so one backward pass leaves the mean gradient of `b`
+samples in `param.grad`. Accumulating `b * grad` and the sample count `n` gives, after any number
+of batches, the local mean `sum / n`; averaging those means across peers with weights `n` gives
+exactly the mean gradient of every sample the swarm processed, as if one process had seen the
+whole target batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class GradientAccumulator:
+    """Sums of `batch_size * grad` per parameter, the sample count, and a buffer for their mean.
+
+    Args:
+        params: the parameters whose gradients are accumulated (their `.grad` may be None:
+            a parameter that took no part in a batch contributes zeros).
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = list(params)
+        self.sums = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params]
+        self.means = [torch.zeros_like(s) for s in self.sums]
+        self.samples = 0
+        self.steps = 0
+
+    def add(self, batch_size: int) -> None:
+        """Adds the current `.grad` of every parameter, weighted by `batch_size`."""
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        with torch.no_grad():
+            for p, acc in zip(self.params, self.sums):
+                if p.grad is not None:
+                    acc.add_(p.grad, alpha=float(batch_size))
+        self.samples += batch_size
+        self.steps += 1
+
+    def compute_means(self) -> list[torch.Tensor]:
+        """Writes the local mean gradient into `means` (the buffers the averager works on)."""
+        scale = 1.0 / max(self.samples, 1)
+        with torch.no_grad():
+            for acc, mean in zip(self.sums, self.means):
+                torch.mul(acc, scale, out=mean)
+        return self.means
+
+    def apply_means_to_grads(self) -> None:
+        """Copies `means` into each parameter's `.grad` (allocating it where it is None)."""
+        with torch.no_grad():
+            for p, mean in zip(self.params, self.means):
+                if p.grad is None:
+                    p.grad = mean.clone()
+                else:
+                    p.grad.copy_(mean)
+
+    def reset(self) -> int:
+        """Forgets what was accumulated; returns how many samples that was."""
+        discarded = self.samples
+        for acc in self.sums:
+            acc.zero_()
+        self.samples = 0
+        self.steps = 0
+        return discarded

@@ -1,0 +1,119 @@
+"""What the optimizer needs from averaging, and its binding to `swarm.Averager`.
+
+The optimizer asks one thing of a round: average these tensors in place with this weight,
+within this timeout, and say how many peers took part, or raise `AveragingError` (the same
+error on every member, SPEC.md §4). `AveragerLike` states that; `SwarmAverager` adapts
+`swarm.Averager` to it. Another group-forming strategy (a static group, a test double) plugs
+in through `Optimizer(averager_factory=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from swarm.compression import CompressionType, get_codec
+from swarm.optim.config import CollaborationConfig
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """The part of a round's result the optimizer uses.
+
+    Attributes:
+        group_size: members of the group.
+        contributors: members whose tensors are in the mean.
+        bytes_sent: bytes this peer sent in the round (0 when unknown).
+    """
+
+    group_size: int
+    contributors: int
+    bytes_sent: int = 0
+
+
+class AveragerLike(Protocol):
+    """Averages a fixed list of tensors in place with the other members of a group."""
+
+    async def astep(self, weight: float, timeout: float, expected_size: int, group_key: str) -> RoundResult:
+        """Runs one round; raises `swarm.core.errors.AveragingError` when it fails.
+
+        Args:
+            weight: this peer's weight in the mean (its sample count).
+            timeout: seconds the whole round may take.
+            expected_size: how many peers the progress records say will join (a hint: a
+                round may start once that many are present instead of waiting longer).
+            group_key: names the round (the epoch): only peers about to take the same step
+                may group together.
+        """
+        ...
+
+
+class SwarmAverager:
+    """`AveragerLike` over `swarm.Averager`.
+
+    Args:
+        averager: the `swarm.Averager` of this peer over the averaged buffers.
+        wire_bytes_per_element: bytes one element takes on the wire with the chosen compression.
+    """
+
+    def __init__(self, averager: Any, wire_bytes_per_element: float) -> None:
+        self.averager = averager
+        self.numel = sum(t.numel() for t in averager.tensors)
+        self.wire_bytes_per_element = wire_bytes_per_element
+        self.bytes_sent = 0
+
+    async def astep(self, weight: float, timeout: float, expected_size: int, group_key: str) -> RoundResult:
+        self._expect(expected_size, group_key)
+        result = await self.averager.astep(timeout=timeout, weight=weight)
+        group = len(result.group)
+        sent = self._estimate_bytes_sent(group)
+        self.bytes_sent += sent
+        return RoundResult(group, len(result.contributors), sent)
+
+    def _expect(self, expected_size: int, group_key: str) -> None:
+        # swarm.Averager fixes its group key and target group size at construction; both are
+        # per-round facts here, so they go into its matchmaking settings (asked of #4 as step()
+        # arguments). The group key keeps peers of different epochs apart (and keeps stale
+        # declarations of the previous round out of this one); the expected size lets a round
+        # start as soon as every peer the progress records name is in.
+        matchmaking = getattr(self.averager, "matchmaking", None)
+        election = getattr(matchmaking, "election", None)
+        if election is not None and hasattr(election, "group_key"):
+            election.group_key = group_key
+        config = getattr(matchmaking, "config", None)
+        if config is None:
+            return
+        size = max(config.min_group_size, min(expected_size, self.averager.config.matchmaking.target_group_size))
+        if size != config.target_group_size:
+            matchmaking.config = dataclasses.replace(config, target_group_size=size)
+
+    def _estimate_bytes_sent(self, group_size: int) -> int:
+        # butterfly all-reduce: a member sends the (n-1)/n of the vector it does not reduce, and
+        # sends back the averaged part it reduced to the n-1 others: 2 (n-1)/n of the vector
+        if group_size <= 1:
+            return 0
+        return int(2 * (group_size - 1) / group_size * self.numel * self.wire_bytes_per_element)
+
+    async def ashutdown(self) -> None:
+        await self.averager.ashutdown()
+
+
+def make_swarm_averager(peer: Any, tensors: Sequence[torch.Tensor], prefix: str, config: CollaborationConfig,
+                        compression: CompressionType) -> SwarmAverager:
+    """A `swarm.Averager` of `peer` over `tensors`, grouping peers under `prefix`."""
+    from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig
+
+    numel = sum(t.numel() for t in tensors)
+    settings = AveragerConfig(
+        matchmaking=MatchmakingConfig(target_group_size=config.target_group_size, min_group_size=2,
+                                      join_window=config.matchmaking_window),
+        compression=int(compression),
+    )
+    averager = Averager(peer, list(tensors), prefix=prefix, target_group_size=config.target_group_size,
+                        min_group_size=2, config=settings)
+    wire = get_codec(compression).encoded_size(max(numel, 1)) / max(numel, 1)
+    return SwarmAverager(averager, wire)

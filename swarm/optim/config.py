@@ -1,0 +1,110 @@
+"""Configuration of collaborative training: one frozen dataclass per mode, validated on construction.
+
+`CollaborationConfig` holds what every mode shares (how progress is reported in the DHT, how
+long averaging and state downloads may take, how groups form). `DiLoCoConfig` switches the
+optimizer to the low-communication mode of DiLoCo (Douillard et al., 2023, §2): H local inner
+steps, then an outer Nesterov step on the averaged pseudo-gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from swarm.compression import CompressionType
+from swarm.core.errors import ConfigError
+
+
+def _positive(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CollaborationConfig:
+    """How a peer takes part in collaborative training.
+
+    Attributes:
+        target_batch_size: samples the whole swarm accumulates before one collective step
+            (large-batch mode). In DiLoCo mode it is unused and may be None.
+        target_group_size: most peers averaging together in one group; set it at least to
+            the number of peers that should stay identical.
+        averaging_timeout: seconds one averaging round (matchmaking and all-reduce) may take
+            before it fails for every member; a dead peer never stalls the others past it.
+        matchmaking_window: once two peers are in a group, how long its leader waits for more
+            (peers notice that the swarm is ready within about `report_period` of each other).
+        max_failed_rounds: consecutive failed rounds after which a peer gives up averaging its
+            current gradients, discards them and re-synchronizes its state (large-batch mode).
+        report_period: least seconds between two progress reports of this peer to the DHT.
+        min_refresh_period: least seconds between two reads of the swarm's progress.
+        max_refresh_period: most seconds between two reads of the swarm's progress.
+        progress_expiration: seconds a progress report lives; a peer that stops reporting
+            (it died) stops counting after this long.
+        state_timeout: seconds a state download (parameters, optimizer state) may take.
+        load_state_on_start: download the swarm's current state when this peer starts.
+        gradient_compression: wire format of averaged gradients.
+    """
+
+    target_batch_size: int | None = None
+    target_group_size: int = 16
+    averaging_timeout: float = 30.0
+    matchmaking_window: float = 1.0
+    max_failed_rounds: int = 3
+    report_period: float = 0.5
+    min_refresh_period: float = 0.1
+    max_refresh_period: float = 5.0
+    progress_expiration: float = 10.0
+    state_timeout: float = 60.0
+    load_state_on_start: bool = True
+    gradient_compression: CompressionType = CompressionType.NONE
+
+    def __post_init__(self) -> None:
+        if self.target_batch_size is not None and (
+            not isinstance(self.target_batch_size, int) or self.target_batch_size < 1
+        ):
+            raise ConfigError(f"target_batch_size must be a positive int, got {self.target_batch_size!r}")
+        if not isinstance(self.target_group_size, int) or self.target_group_size < 1:
+            raise ConfigError(f"target_group_size must be a positive int, got {self.target_group_size!r}")
+        if not isinstance(self.max_failed_rounds, int) or self.max_failed_rounds < 1:
+            raise ConfigError(f"max_failed_rounds must be a positive int, got {self.max_failed_rounds!r}")
+        for name in ("averaging_timeout", "matchmaking_window", "report_period", "min_refresh_period", "max_refresh_period",
+                     "progress_expiration", "state_timeout"):
+            _positive(name, getattr(self, name))
+        if self.min_refresh_period > self.max_refresh_period:
+            raise ConfigError("min_refresh_period must not exceed max_refresh_period")
+        if self.progress_expiration <= 3 * self.report_period:
+            raise ConfigError("progress_expiration must be longer than 3 report periods")
+        object.__setattr__(self, "gradient_compression", CompressionType(self.gradient_compression))
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """The low-communication mode (DiLoCo, Douillard et al. 2023, Algorithm 1).
+
+    Each peer runs `local_steps` steps of its own (inner) optimizer, then the peers average the
+    pseudo-gradient `params_at_round_start - params_now` and apply SGD with Nesterov momentum
+    to the round-start parameters. Inner optimizer state stays local, as in the paper.
+
+    Attributes:
+        local_steps: H, inner steps between two averaging rounds.
+        outer_lr: learning rate of the outer SGD (the paper uses 0.7).
+        outer_momentum: momentum of the outer SGD (the paper uses 0.9).
+        nesterov: use Nesterov momentum (the paper does).
+        compression: wire format of the averaged pseudo-gradient.
+    """
+
+    local_steps: int = 100
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    compression: CompressionType = CompressionType.UNIFORM_8BIT
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.local_steps, int) or self.local_steps < 1:
+            raise ConfigError(f"local_steps must be a positive int, got {self.local_steps!r}")
+        _positive("outer_lr", self.outer_lr)
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ConfigError("nesterov needs a positive outer_momentum")
+        object.__setattr__(self, "compression", CompressionType(self.compression))

@@ -1,0 +1,107 @@
+"""Large-batch mode: peers accumulate gradients until the swarm holds the target batch, then average
+them (weighted by samples) and all take the same optimizer step.
+
+After a successful round every member holds the exact weighted mean of the group's gradients
+(SPEC.md §4), so identical parameters and optimizer states stay identical: the swarm trains as
+one process would with the whole target batch (the arithmetic is in `swarm.optim.accumulator`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from swarm.optim.accumulator import GradientAccumulator
+from swarm.optim.progress import SwarmProgress
+from swarm.optim.training_state import TrainingState
+
+
+class LargeBatchMode:
+    """Accumulates local gradients and applies the swarm's mean gradient with the user's optimizer.
+
+    Args:
+        params: the dense parameters being trained.
+        optimizer: the torch optimizer over `params`.
+        scheduler: an optional learning-rate scheduler, stepped once per collective step.
+    """
+
+    name = "large-batch"
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+        self.params = list(params)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.accumulator = GradientAccumulator(self.params)
+
+    @property
+    def averaged_tensors(self) -> list[torch.Tensor]:
+        """The buffers the averager reduces in place (the local mean gradients)."""
+        return self.accumulator.means
+
+    @property
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """The parameters: identical on every peer between collective steps."""
+        return self.params
+
+    @property
+    def samples(self) -> int:
+        """Samples accumulated towards the next collective step."""
+        return self.accumulator.samples
+
+    def on_batch(self, batch_size: int) -> None:
+        """Takes in the gradients of one local batch (already in `param.grad`)."""
+        self.accumulator.add(batch_size)
+
+    def wants_round(self, progress: SwarmProgress) -> bool:
+        return self.accumulator.samples > 0 and progress.ready
+
+    def prepare_round(self) -> float:
+        """Writes the local mean gradient into the averaged buffers; returns this peer's weight."""
+        self.accumulator.compute_means()
+        return float(self.accumulator.samples)
+
+    def apply_round(self) -> None:
+        """Steps the optimizer (and scheduler) with the averaged gradient; starts a new accumulation."""
+        self.accumulator.apply_means_to_grads()
+        self._step()
+
+    def step_alone(self) -> None:
+        """Applies the local mean gradient as the whole swarm's (this peer is the only one left).
+
+        It does not go through the averaged buffers: a round cancelled because everyone else left
+        may still be writing them.
+        """
+        scale = 1.0 / max(self.accumulator.samples, 1)
+        with torch.no_grad():
+            for p, acc in zip(self.params, self.accumulator.sums):
+                p.grad = acc * scale
+        self._step()
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        self.accumulator.reset()
+
+    def discard(self) -> int:
+        """Drops the accumulated gradients (they belong to an epoch the swarm has left)."""
+        return self.accumulator.reset()
+
+    def state(self, epoch: int) -> TrainingState:
+        return TrainingState(
+            epoch, [p.detach() for p in self.params], self.optimizer.state_dict(),
+            self.scheduler.state_dict() if self.scheduler is not None else None,
+        )
+
+    def load_state(self, state: TrainingState) -> None:
+        state.check_compatible(self.params)
+        with torch.no_grad():
+            for p, value in zip(self.params, state.params):
+                p.copy_(value)
+        self.optimizer.load_state_dict(state.optimizer)
+        if self.scheduler is not None and state.scheduler is not None:
+            self.scheduler.load_state_dict(state.scheduler)
+        self.accumulator.reset()

@@ -1,0 +1,69 @@
+"""The contract between `swarm.Optimizer` and a training mode (large-batch, DiLoCo).
+
+The optimizer owns the protocol around a collective step (progress, rounds, state transfer,
+faults); a mode owns the arithmetic: what a local batch does, when a round is due, which tensors
+are averaged, how the averaged tensors become a step, and what state a newcomer downloads.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from swarm.optim.progress import SwarmProgress
+from swarm.optim.training_state import TrainingState
+
+
+class TrainingMode(Protocol):
+    """A way of turning local batches and averaging rounds into identical steps on every peer."""
+
+    name: str
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def averaged_tensors(self) -> list[torch.Tensor]:
+        """The buffers a round averages in place (fixed for the mode's lifetime)."""
+        ...
+
+    @property
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """The values every peer at an epoch holds alike (fingerprinted to detect diverged groups)."""
+        ...
+
+    @property
+    def samples(self) -> int:
+        """Local samples in the current round."""
+        ...
+
+    def on_batch(self, batch_size: int) -> None:
+        """Takes in one local batch whose gradients are in `param.grad`."""
+        ...
+
+    def wants_round(self, progress: SwarmProgress) -> bool:
+        """True when this peer should average now."""
+        ...
+
+    def prepare_round(self) -> float:
+        """Fills `averaged_tensors` with this peer's contribution; returns its weight."""
+        ...
+
+    def apply_round(self) -> None:
+        """Turns the averaged tensors into the collective step."""
+        ...
+
+    def step_alone(self) -> None:
+        """Takes the collective step with this peer's contribution only (no other peer is alive)."""
+        ...
+
+    def discard(self) -> int:
+        """Drops the current round's local work; returns its samples."""
+        ...
+
+    def state(self, epoch: int) -> TrainingState:
+        """What every peer agrees on (views of live tensors: clone before sending)."""
+        ...
+
+    def load_state(self, state: TrainingState) -> None:
+        """Adopts the swarm's state and starts a new round from it."""
+        ...

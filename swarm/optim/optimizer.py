@@ -1,0 +1,369 @@
+"""`swarm.Optimizer`: wraps a torch optimizer so that many peers train one model together.
+
+Two modes share one protocol:
+
+- large-batch (default): peers accumulate gradients; when the swarm together holds
+  `target_batch_size` samples, the peers average their gradients (weighted by samples) and all
+  take the same optimizer step (`swarm.optim.large_batch`);
+- DiLoCo (`diloco=DiLoCoConfig(...)`): peers take H local steps, then average the
+  pseudo-gradient and take an outer Nesterov step (`swarm.optim.diloco`).
+
+Around either mode: a global epoch counter (collective steps taken) that drives learning-rate
+schedules; progress reports in the DHT (`swarm.optim.tracker`), throttled and read on a timer;
+state download for a peer that falls behind or joins late (`swarm.optim.state_transfer`).
+
+Faults are state: every round ends in a `RoundOutcome` logged once. A failed averaging round
+raises the same `AveragingError` on every member of its group (SPEC.md §4), so every member
+does the same thing: it keeps what it accumulated and retries at its next step; a peer whose
+round fails `max_failed_rounds` times in a row while the swarm moves on re-synchronizes from
+the others. No member waits on a dead peer longer than `averaging_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from swarm.core.errors import ConfigError, RPCError, SwarmError
+from swarm.optim.averaging import AveragerLike, RoundResult, make_swarm_averager
+from swarm.optim.config import CollaborationConfig, DiLoCoConfig
+from swarm.optim.diloco import DiLoCoMode
+from swarm.optim.large_batch import LargeBatchMode
+from swarm.optim.mode import TrainingMode
+from swarm.optim.outcome import RoundOutcome, StepOutcome
+from swarm.optim.progress import SwarmProgress, ThroughputMeter, canonical_digest
+from swarm.optim.state_transfer import StateTransferError, download_state, serve_state, stop_serving_state
+from swarm.optim.tracker import ProgressTracker
+from swarm.optim.training_state import TrainingState, state_digest
+
+logger = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+AveragerFactory = Callable[[Sequence[torch.Tensor], str], AveragerLike]
+
+
+class Optimizer:
+    """A torch optimizer shared by a swarm of peers (SPEC.md §3).
+
+    Example::
+
+        opt = swarm.Optimizer(peer, run_id="my-run", params=model.parameters(),
+                              optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                              target_batch_size=4096, batch_size_per_step=32)
+        for x, y in data:
+            loss_fn(model(x), y).backward()
+            opt.step()           # accumulates; takes the collective step when the swarm is ready
+            opt.zero_grad()
+
+    Args:
+        peer: the `swarm.Peer` this trainer runs in (its DHT must be running).
+        run_id: the run's name; peers with the same run_id train together.
+        params: the dense parameters to train (experts train on their servers).
+        optimizer: a torch optimizer over `params`, or a factory `params -> optimizer`.
+            In DiLoCo mode it is the inner optimizer.
+        target_batch_size: samples the swarm accumulates per collective step (large-batch mode).
+        batch_size_per_step: samples per `step()` call when `step` is not told.
+        scheduler: an LR scheduler of `optimizer`, or a factory `optimizer -> scheduler`; stepped
+            once per collective step (large-batch) or per inner step (DiLoCo).
+        diloco: switch to DiLoCo mode with these settings.
+        config: collaboration settings; `target_batch_size` overrides its field of that name.
+        averager_factory: builds the averager of a tensor list under a DHT prefix; by default a
+            `swarm.Averager` of this peer (replace it to use another group-forming strategy).
+
+    Raises:
+        ConfigError: inconsistent settings (no target batch in large-batch mode, ...).
+    """
+
+    def __init__(
+        self,
+        peer: Any,
+        run_id: str,
+        params: Iterable[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        target_batch_size: int | None = None,
+        *,
+        batch_size_per_step: int | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None = None,
+        diloco: DiLoCoConfig | None = None,
+        config: CollaborationConfig | None = None,
+        averager_factory: AveragerFactory | None = None,
+    ) -> None:
+        if not isinstance(run_id, str) or not run_id or any(c.isspace() for c in run_id):
+            raise ConfigError(f"run_id must be a non-empty string without spaces, got {run_id!r}")
+        config = config or CollaborationConfig()
+        if target_batch_size is not None:
+            config = replace(config, target_batch_size=target_batch_size)
+        if diloco is None and config.target_batch_size is None:
+            raise ConfigError("large-batch mode needs target_batch_size (or pass diloco=DiLoCoConfig())")
+        if batch_size_per_step is not None and batch_size_per_step < 1:
+            raise ConfigError(f"batch_size_per_step must be positive, got {batch_size_per_step}")
+        if peer.dht is None:
+            raise ConfigError("swarm.Optimizer needs a peer whose DHT is running")
+        self.peer = peer
+        self.run_id = run_id
+        self.config = config
+        self.batch_size_per_step = batch_size_per_step
+        self.params = [p for p in params]
+        if not self.params or any(not isinstance(p, torch.Tensor) for p in self.params):
+            raise ConfigError("params must be a non-empty iterable of tensors")
+        torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(self.params)
+        torch_scheduler = scheduler(torch_optimizer) if callable(scheduler) and not isinstance(
+            scheduler, torch.optim.lr_scheduler.LRScheduler) else scheduler
+        self.mode: TrainingMode = (
+            DiLoCoMode(self.params, torch_optimizer, torch_scheduler, diloco) if diloco is not None
+            else LargeBatchMode(self.params, torch_optimizer, torch_scheduler)
+        )
+        compression = diloco.compression if diloco is not None else config.gradient_compression
+        prefix = f"{run_id}.{'outer' if diloco is not None else 'grads'}"
+        factory = averager_factory or (
+            lambda tensors, key: make_swarm_averager(peer, tensors, key, config, compression))
+        self.averager = factory(self.mode.averaged_tensors, prefix)
+        self.epoch = 0
+        self.samples_total = 0
+        self.failed_rounds = 0
+        self.bytes_sent = 0
+        self.history: list[RoundOutcome] = []
+        self._lock = threading.Lock()  # held while parameters or optimizer state change
+        self._meter = ThroughputMeter()
+        self._digest = state_digest(self.mode.shared_tensors)
+        self._resync_not_before = 0.0
+        self._closed = False
+        addr = peer.addrs[0] if peer.addrs and not peer.client_mode else ""
+        self.tracker = ProgressTracker(peer, run_id, config, addr=addr)
+        self._report()
+        if peer.server is not None:
+            serve_state(peer.server, run_id, self._snapshot)
+        self.peer.run(self.tracker.astart())
+        peer.attach(self)
+        if config.load_state_on_start and self.tracker.peers_at(0):
+            self.load_state_from_peers()
+        self._report(urgent=True)
+
+    # -- the training loop's calls ------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer (the inner one in DiLoCo mode)."""
+        return self.mode.optimizer
+
+    @property
+    def progress(self) -> SwarmProgress:
+        """Where the swarm stands: global epoch, samples towards the next step, peers, throughput."""
+        return self.tracker.progress
+
+    def wait_for_peers(self, count: int, timeout: float) -> bool:
+        """Blocks until at least `count` peers (this one included) report progress; False on timeout."""
+        return self.tracker.wait_for(lambda p: p.num_peers >= count, timeout)
+
+    def step(self, batch_size: int | None = None) -> StepOutcome:
+        """Takes in one local batch (its gradients are in `param.grad`); may take a collective step.
+
+        Args:
+            batch_size: samples in the batch whose gradients were just computed
+                (default: `batch_size_per_step`).
+
+        Returns:
+            What the call did: the round it ran, a state download, discarded samples.
+        """
+        if self._closed:
+            raise SwarmError("this optimizer was shut down")
+        batch_size = batch_size or self.batch_size_per_step
+        if not batch_size or batch_size < 1:
+            raise ValueError("pass batch_size to step() or batch_size_per_step to the constructor")
+        progress = self.tracker.progress
+        if time.monotonic() >= self._resync_not_before:
+            if progress.epoch > self.epoch:
+                return self._resync(f"this peer is at epoch {self.epoch}, the swarm at {progress.epoch}",
+                                    min_epoch=progress.epoch)
+            canonical = canonical_digest(self.tracker.reports(), self.epoch)
+            if canonical is not None and canonical != self._digest:
+                return self._resync(f"peers at epoch {self.epoch} hold different states", min_epoch=self.epoch,
+                                    digest=canonical)
+        with self._lock:
+            self.mode.on_batch(batch_size)
+        self.samples_total += batch_size
+        self._meter.update(batch_size, time.monotonic())
+        self._report()
+        progress = self.tracker.progress
+        if not self.mode.wants_round(progress):
+            return StepOutcome(self.epoch)
+        return StepOutcome(self.epoch, round=self._run_round(progress))
+
+    async def astep(self, batch_size: int | None = None) -> StepOutcome:
+        """Awaitable `step` for code inside an event loop (runs it in a worker thread)."""
+        return await asyncio.to_thread(self.step, batch_size)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients of the wrapped parameters."""
+        self.mode.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def load_state_from_peers(self, min_epoch: int = 0, digest: str | None = None) -> bool:
+        """Downloads the newest training state from other peers; returns False if none delivered it.
+
+        Args:
+            min_epoch: refuse older states.
+            digest: only download from peers whose state has this fingerprint.
+        """
+        candidates = [c for c in self.tracker.peers_at(min_epoch) if digest is None or c.digest == digest]
+        try:
+            state = self.peer.run(download_state(self.peer, self.run_id, candidates, self.config.state_timeout,
+                                                 min_epoch), timeout=self.config.state_timeout + 5)
+        except (StateTransferError, TimeoutError) as e:
+            logger.warning("[%s] %s", self.run_id, e)
+            return False
+        with self._lock:
+            self.mode.load_state(state)
+            previous, self.epoch = self.epoch, state.epoch
+            self._digest = state_digest(self.mode.shared_tensors)
+        self._meter.pause()
+        logger.info("[%s] loaded the swarm's state: epoch %d (was %d)", self.run_id, state.epoch, previous)
+        self._report(urgent=True)
+        return True
+
+    async def aload_state_from_peers(self, min_epoch: int = 0, digest: str | None = None) -> bool:
+        """Awaitable `load_state_from_peers` (runs it in a worker thread)."""
+        return await asyncio.to_thread(self.load_state_from_peers, min_epoch, digest)
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    def _run_round(self, progress: SwarmProgress) -> RoundOutcome:
+        epoch, samples = self.epoch, self.mode.samples
+        what = "pseudo-gradients" if self.mode.name == "diloco" else "gradients"
+        started = time.monotonic()
+        if progress.num_peers == 1:
+            # nobody else reports progress: this peer's mean is the swarm's mean
+            with self._lock:
+                self.mode.step_alone()
+            outcome = RoundOutcome(epoch, True, 1, 1, samples, time.monotonic() - started)
+            return self._finish_round(outcome, f"stepped alone (no other peer), {samples} samples")
+        with self._lock:
+            weight = self.mode.prepare_round()
+        try:
+            result = self.peer.run(self._average_unless_alone(weight, progress.num_peers),
+                                   timeout=self.config.averaging_timeout + 5.0)
+        except (SwarmError, TimeoutError) as e:
+            outcome = RoundOutcome(epoch, False, 0, 0, samples, time.monotonic() - started,
+                                   f"{type(e).__name__}: {e}")
+            return self._finish_round(outcome, "")
+        if result is None:
+            with self._lock:
+                self.mode.step_alone()
+            outcome = RoundOutcome(epoch, True, 1, 1, samples, time.monotonic() - started)
+            return self._finish_round(outcome, f"the other peers left during the round: stepped alone, "
+                                               f"{samples} samples")
+        with self._lock:
+            self.mode.apply_round()
+        self.bytes_sent += result.bytes_sent
+        outcome = RoundOutcome(epoch, True, result.group_size, result.contributors, samples,
+                               time.monotonic() - started)
+        return self._finish_round(outcome, f"averaged {what} of {result.contributors}/{result.group_size} peers, "
+                                           f"{samples} local samples")
+
+    async def _average_unless_alone(self, weight: float, expected_size: int) -> RoundResult | None:
+        """Runs the averaging round; returns None if every other peer leaves before it ends."""
+        round_task = asyncio.ensure_future(self.averager.astep(
+            weight=weight, timeout=self.config.averaging_timeout, expected_size=expected_size,
+            group_key=str(self.epoch)))
+        alone = asyncio.ensure_future(self.tracker.wait_alone())
+        try:
+            await asyncio.wait({round_task, alone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            alone.cancel()
+        if round_task.done():
+            return round_task.result()
+        # nobody is left to average with (a lone peer forms no group): stop waiting for one
+        round_task.cancel()
+        await asyncio.gather(round_task, return_exceptions=True)
+        return None
+
+    def _finish_round(self, outcome: RoundOutcome, summary: str) -> RoundOutcome:
+        """Records the round and logs its outcome once."""
+        if outcome.ok:
+            with self._lock:
+                self.epoch += 1
+                self._digest = state_digest(self.mode.shared_tensors)
+            self.failed_rounds = 0
+            logger.info("[%s] epoch %d -> %d: %s in %.2f s", self.run_id, outcome.epoch, self.epoch, summary,
+                        outcome.seconds)
+        else:
+            self.failed_rounds += 1
+            # every member of the group got this same error, so every member keeps its
+            # accumulated work and retries at its next step
+            logger.warning("[%s] epoch %d: averaging failed after %.1f s (%s); keeping the %d local samples "
+                           "and retrying (failure %d in a row)", self.run_id, outcome.epoch, outcome.seconds,
+                           outcome.error, outcome.samples, self.failed_rounds)
+            if self.failed_rounds >= self.config.max_failed_rounds:
+                self.tracker.request_refresh()  # the swarm may have moved on without us
+        self.history.append(outcome)
+        self._meter.pause()
+        self._report(urgent=True)
+        return outcome
+
+    def _resync(self, why: str, min_epoch: int, digest: str | None = None) -> StepOutcome:
+        with self._lock:
+            discarded = self.mode.discard()
+        logger.info("[%s] %s: downloading the swarm's state (%d local samples dropped)", self.run_id, why,
+                    discarded)
+        loaded = self.load_state_from_peers(min_epoch=min_epoch, digest=digest)
+        if not loaded:
+            # keep training where we are for a while rather than asking on every step
+            self._resync_not_before = time.monotonic() + self.config.max_refresh_period
+            self.tracker.request_refresh()
+        return StepOutcome(self.epoch, state_loaded=loaded, discarded_samples=discarded)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _report(self, urgent: bool = False) -> None:
+        self.tracker.update(self.epoch, self.mode.samples, self._meter.rate, self._digest, urgent=urgent)
+
+    def _snapshot(self) -> TrainingState | None:
+        with self._lock:
+            return self.mode.state(self.epoch).clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch, mode state and optimizer state, for a local checkpoint."""
+        tensors, metadata = self._snapshot().to_wire()
+        return {"tensors": tensors, "metadata": metadata}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        loaded = TrainingState.from_wire(state["tensors"], state["metadata"])
+        with self._lock:
+            self.mode.load_state(loaded)
+            self.epoch = loaded.epoch
+            self._digest = state_digest(self.mode.shared_tensors)
+        self._report(urgent=True)
+
+    async def ashutdown(self) -> None:
+        """Stops reporting and serving state (called by the peer at shutdown, or directly)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.peer.server is not None:
+            stop_serving_state(self.peer.server, self.run_id)
+        await self.tracker.ashutdown()
+        close = getattr(self.averager, "ashutdown", None)
+        if close is not None:
+            try:
+                await close()
+            except (SwarmError, RPCError, OSError):
+                logger.debug("averager shutdown failed", exc_info=True)
+
+    def shutdown(self) -> None:
+        """Leaves the run: withdraws this peer's progress record and stops serving its state."""
+        if not self._closed and not self.peer.loop.loop.is_closed():
+            self.peer.run(self.ashutdown(), timeout=10)
+        self.peer.detach(self)
+
+    def __repr__(self) -> str:
+        return f"swarm.Optimizer(run_id={self.run_id!r}, mode={self.mode.name}, epoch={self.epoch})"
+
+
+__all__ = ["Optimizer", "RoundOutcome", "StepOutcome"]

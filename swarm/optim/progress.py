@@ -1,0 +1,182 @@
+"""Training progress: what each peer reports in the DHT, and what the swarm's reports add up to.
+
+Pure logic, no networking. Every peer stores one record under `<run_id>.progress`, subkey =
+its PeerID: its epoch, the samples it accumulated towards the next step, its throughput and
+the time of the report. Any peer reading the dictionary can then tell the global epoch (the
+highest any live peer reached), how many samples the swarm holds towards the next step, and
+when it expects the target batch to be reached, so it reads the DHT again at that moment
+instead of polling (the same estimate drives hivemind's ProgressTracker).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """One peer's report.
+
+    Attributes:
+        peer_id: who reports.
+        epoch: the number of collective steps this peer has taken (or loaded).
+        samples: samples accumulated towards the step that leads out of `epoch`.
+        samples_per_second: this peer's recent training throughput.
+        time: wall-clock time of the report (DHT time).
+        client_mode: the peer only dials out (it can average, but serves no state).
+        addr: a multiaddr others can download this peer's state from ("" in client mode).
+        digest: a fingerprint of the state this peer holds at `epoch`; peers at one epoch must
+            agree on it (`canonical_digest`).
+    """
+
+    peer_id: str
+    epoch: int
+    samples: int
+    samples_per_second: float
+    time: float
+    client_mode: bool = False
+    addr: str = ""
+    digest: str = ""
+
+    def to_record(self) -> dict[str, Any]:
+        """The msgpack-able value stored in the DHT (the PeerID is the subkey)."""
+        return {"epoch": self.epoch, "samples": self.samples, "sps": float(self.samples_per_second),
+                "time": float(self.time), "client": self.client_mode, "addr": self.addr,
+                "digest": self.digest}
+
+    @classmethod
+    def from_record(cls, peer_id: str, record: Any) -> PeerProgress | None:
+        """Parses a stored record; returns None for anything malformed (a foreign or hostile value)."""
+        if not isinstance(peer_id, str) or not isinstance(record, Mapping):
+            return None
+        try:
+            epoch, samples = record["epoch"], record["samples"]
+            sps, time = float(record["sps"]), float(record["time"])
+            client = bool(record.get("client", False))
+            addr = record.get("addr", "")
+            digest = record.get("digest", "")
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not isinstance(epoch, int) or not isinstance(samples, int) or epoch < 0 or samples < 0:
+            return None
+        if not (math.isfinite(sps) and math.isfinite(time)) or sps < 0 or not isinstance(addr, str):
+            return None
+        if not isinstance(digest, str):
+            return None
+        return cls(peer_id, epoch, samples, sps, time, client, addr, digest)
+
+
+@dataclass(frozen=True)
+class SwarmProgress:
+    """What the reports of all live peers add up to, as seen by one peer at `now`.
+
+    Attributes:
+        epoch: the global epoch: the highest epoch any live peer reports.
+        samples: samples reported towards the next step by peers at `epoch`.
+        estimated_samples: `samples` plus what those peers have probably processed since
+            their reports (throughput times age), the figure compared with the target.
+        target_batch_size: the target, when the mode has one.
+        num_peers: live peers, at any epoch.
+        num_peers_at_epoch: live peers at `epoch` (the ones that average together next).
+        samples_per_second: the swarm's total throughput.
+        eta: seconds until the target is expected to be reached (0 when it is; inf when unknown).
+        now: when this was computed.
+    """
+
+    epoch: int
+    samples: int
+    estimated_samples: float
+    target_batch_size: int | None
+    num_peers: int
+    num_peers_at_epoch: int
+    samples_per_second: float
+    eta: float
+    now: float
+
+    @property
+    def ready(self) -> bool:
+        """True when the swarm holds (or is estimated to hold) the target batch."""
+        return self.target_batch_size is not None and self.estimated_samples >= self.target_batch_size
+
+
+def summarize(
+    reports: Iterable[PeerProgress], local: PeerProgress, target_batch_size: int | None, now: float,
+    extrapolate_for: float,
+) -> SwarmProgress:
+    """Adds up the peers' reports (this peer's own fresh progress replaces its stored report).
+
+    Args:
+        reports: reports read from the DHT (expired ones are already gone).
+        local: this peer's current progress.
+        target_batch_size: the target batch, or None (DiLoCo mode).
+        now: the current DHT time.
+        extrapolate_for: a report younger than this many seconds is extrapolated by its
+            throughput; an older one counts as is (its peer may have died).
+    """
+    by_peer = {r.peer_id: r for r in reports}
+    by_peer[local.peer_id] = local
+    epoch = max(r.epoch for r in by_peer.values())
+    current = [r for r in by_peer.values() if r.epoch == epoch]
+    samples = sum(r.samples for r in current)
+    estimated = float(samples)
+    for r in current:
+        age = now - r.time
+        if r.peer_id != local.peer_id and 0 < age < extrapolate_for:
+            estimated += r.samples_per_second * age
+    throughput = sum(r.samples_per_second for r in by_peer.values())
+    if target_batch_size is None:
+        eta = math.inf
+    elif estimated >= target_batch_size:
+        eta = 0.0
+    elif throughput > 0:
+        eta = (target_batch_size - estimated) / throughput
+    else:
+        eta = math.inf
+    return SwarmProgress(
+        epoch=epoch, samples=samples, estimated_samples=estimated, target_batch_size=target_batch_size,
+        num_peers=len(by_peer), num_peers_at_epoch=len(current), samples_per_second=throughput, eta=eta, now=now,
+    )
+
+
+def canonical_digest(reports: Iterable[PeerProgress], epoch: int) -> str | None:
+    """The state fingerprint the peers at `epoch` should converge on, or None if they agree.
+
+    Two groups that stepped apart (they formed at the same time without seeing each other) hold
+    different states under one epoch number. The fingerprint held by the most peers wins (ties:
+    the smaller string), so every peer picks the same one and the others download it.
+    """
+    counts: dict[str, int] = {}
+    for r in reports:
+        if r.epoch == epoch and r.digest:
+            counts[r.digest] = counts.get(r.digest, 0) + 1
+    if len(counts) < 2:
+        return None
+    return min(counts, key=lambda d: (-counts[d], d))
+
+
+class ThroughputMeter:
+    """Samples per second over a sliding time constant (an exponential moving average of rates)."""
+
+    def __init__(self, time_constant: float = 10.0) -> None:
+        self.time_constant = time_constant
+        self.rate = 0.0
+        self._last: float | None = None
+
+    def update(self, samples: int, now: float) -> float:
+        """Records `samples` processed since the previous update; returns the smoothed rate."""
+        if self._last is None:
+            self._last = now
+            return self.rate
+        elapsed = max(now - self._last, 1e-6)
+        self._last = now
+        instant = samples / elapsed
+        alpha = 1.0 - math.exp(-elapsed / self.time_constant)
+        self.rate = instant if self.rate == 0.0 else self.rate + alpha * (instant - self.rate)
+        return self.rate
+
+    def pause(self) -> None:
+        """Forgets the time of the last update (time spent averaging or downloading is not training)."""
+        self._last = None

@@ -1,0 +1,235 @@
+"""ProgressTracker: reports this peer's progress in the DHT and follows the swarm's, without polling.
+
+One owned background task on the peer's event loop does all DHT traffic; the training thread only
+sets fields and reads a snapshot, so a training step never waits for the network to learn where
+the swarm is. Reports are throttled to one per `report_period` (plus one at once when the epoch
+changes); the swarm's reports are read again when the target batch is expected to be reached
+(clamped between `min_refresh_period` and `max_refresh_period`), as hivemind's ProgressTracker
+does, so a peer idles on a timer instead of asking the DHT every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from swarm.core.errors import SwarmError
+from swarm.core.loop import spawn
+from swarm.core.timeutil import get_dht_time
+from swarm.optim.config import CollaborationConfig
+from swarm.optim.progress import PeerProgress, SwarmProgress, summarize
+
+logger = logging.getLogger(__name__)
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT key under which the peers of a run report their progress (subkey: PeerID)."""
+    return f"{run_id}.progress"
+
+
+class ProgressTracker:
+    """Keeps this peer's progress record fresh in the DHT and the swarm's records in memory.
+
+    Args:
+        peer: the `swarm.Peer` whose DHT and event loop are used.
+        run_id: the training run's name; peers of one run share it.
+        config: collaboration settings (report period, refresh bounds, expiration).
+        addr: the multiaddr others can download this peer's state from ("" in client mode).
+        clock: DHT time (seconds since the epoch); replaceable in tests.
+    """
+
+    def __init__(self, peer: Any, run_id: str, config: CollaborationConfig, addr: str = "",
+                 clock: Callable[[], float] = get_dht_time) -> None:
+        self.peer = peer
+        self.key = progress_key(run_id)
+        self.config = config
+        self.addr = addr
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._local = PeerProgress(peer.peer_id, 0, 0, 0.0, clock(), peer.client_mode, addr)
+        self._reports: dict[str, PeerProgress] = {}
+        self._dirty = True
+        self._urgent = False
+        self._last_report = 0.0
+        self._last_expiration = 0.0
+        self._next_fetch = 0.0
+        self._fetched = asyncio.Event()
+        self._changed = threading.Condition(self._lock)
+        self._wake: asyncio.Event | None = None
+        self._alone: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- training thread ----------------------------------------------------------------------
+
+    def update(self, epoch: int, samples: int, samples_per_second: float, digest: str, *,
+               urgent: bool = False) -> None:
+        """Records this peer's progress; it reaches the DHT within `report_period` (at once if urgent)."""
+        with self._lock:
+            changed_epoch = epoch != self._local.epoch
+            self._local = PeerProgress(self.peer.peer_id, epoch, samples, samples_per_second, self.clock(),
+                                       self.peer.client_mode, self.addr, digest)
+            wake = not self._dirty or urgent or changed_epoch
+            self._dirty = True
+            self._urgent = self._urgent or urgent or changed_epoch
+        if wake and self._wake is not None and not self._closed:
+            self.peer.loop.loop.call_soon_threadsafe(self._wake.set)
+
+    @property
+    def local(self) -> PeerProgress:
+        return self._local
+
+    @property
+    def progress(self) -> SwarmProgress:
+        """The swarm's progress as of now: the last reports read, with this peer's fresh one."""
+        with self._lock:
+            reports, local = list(self._reports.values()), self._local
+        return summarize(reports, local, self.config.target_batch_size, self.clock(),
+                         extrapolate_for=2 * self.config.report_period + self.config.max_refresh_period)
+
+    def peers_at(self, epoch: int) -> list[PeerProgress]:
+        """Other live peers whose last report is at `epoch` or later (candidates to download state from)."""
+        with self._lock:
+            return [r for r in self._reports.values() if r.epoch >= epoch and r.peer_id != self.peer.peer_id]
+
+    def reports(self) -> list[PeerProgress]:
+        """Every live peer's last report, this peer's current one included."""
+        with self._lock:
+            others = [r for r in self._reports.values() if r.peer_id != self.peer.peer_id]
+            return [*others, self._local]
+
+    def wait_for(self, predicate: Callable[[SwarmProgress], bool], timeout: float) -> bool:
+        """Blocks until `predicate(progress)` holds after a read of the DHT; False on timeout."""
+        deadline = self.clock() + timeout
+        self.request_refresh()
+        with self._changed:
+            while True:
+                reports, local = list(self._reports.values()), self._local
+                progress = summarize(reports, local, self.config.target_batch_size, self.clock(), 0.0)
+                left = deadline - self.clock()
+                if predicate(progress):
+                    return True
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, self.config.max_refresh_period))
+
+    async def wait_alone(self) -> None:
+        """Returns once a read of the DHT shows no other live peer (they all left or died)."""
+        if self._alone is None:
+            raise RuntimeError("the tracker is not running")
+        await self._alone.wait()
+
+    def request_refresh(self) -> None:
+        """Asks the background task to read the swarm's progress now (thread-safe)."""
+        self._next_fetch = 0.0
+        if self._wake is not None and not self._closed:
+            self.peer.loop.loop.call_soon_threadsafe(self._wake.set)
+
+    # -- event loop ---------------------------------------------------------------------------
+
+    async def astart(self) -> None:
+        """Starts the background task (on the peer's loop) and reads the swarm's progress once."""
+        if self.peer.loop.loop is not _running_loop():
+            return await self.peer.loop.wrap(self.astart())
+        self._wake = asyncio.Event()
+        self._alone = asyncio.Event()
+        self._task = spawn(self._run(), name=f"progress-tracker:{self.key}")
+        try:
+            await asyncio.wait_for(self._fetched.wait(), self.config.averaging_timeout)
+        except TimeoutError:
+            logger.warning("could not read the swarm's progress from the DHT within %.0f s",
+                           self.config.averaging_timeout)
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        heartbeat = self.config.progress_expiration / 3
+        while not self._closed:
+            now = self.clock()
+            if not self._dirty and now >= self._last_report + heartbeat:
+                self._dirty = True  # keep the record alive while training waits (averaging, downloads)
+            if self._dirty and (self._urgent or now >= self._last_report + self.config.report_period):
+                await self._report()
+            if now >= self._next_fetch:
+                await self._fetch()
+            now = self.clock()
+            due = min(self._next_fetch, self._last_report + heartbeat)
+            if self._dirty:
+                due = min(due, now if self._urgent else self._last_report + self.config.report_period)
+            self._wake.clear()
+            if due > now:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), due - now)
+                except TimeoutError:
+                    pass
+
+    async def _report(self) -> None:
+        with self._lock:
+            local = self._local
+            self._dirty = self._urgent = False
+        now = self.clock()
+        # a store must expire later than the previous one to replace it (SPEC.md §4)
+        expiration = max(now + self.config.progress_expiration, self._last_expiration + 1e-3)
+        self._last_report = now
+        try:
+            ok = await self.peer.dht.astore(self.key, local.to_record(), expiration, subkey=local.peer_id)
+        except (TimeoutError, SwarmError, OSError) as e:
+            ok = False
+            logger.debug("progress report failed: %s", e)
+        if ok:
+            self._last_expiration = expiration
+        else:
+            with self._lock:
+                self._dirty = True  # try again at the next report period
+
+    async def _fetch(self) -> None:
+        cfg = self.config
+        try:
+            found = await self.peer.dht.aget(self.key, latest=True)
+        except (TimeoutError, SwarmError, OSError) as e:
+            logger.debug("reading the swarm's progress failed: %s", e)
+            found = None
+        reports: dict[str, PeerProgress] = {}
+        value = getattr(found, "value", None)
+        if isinstance(value, dict):
+            for subkey, item in value.items():
+                report = PeerProgress.from_record(subkey, getattr(item, "value", None))
+                if report is not None:
+                    reports[report.peer_id] = report
+        with self._lock:
+            self._reports = reports
+            self._changed.notify_all()
+        self._fetched.set()
+        progress = self.progress
+        if self._alone is not None:
+            if progress.num_peers == 1:
+                self._alone.set()
+            else:
+                self._alone.clear()
+        # read again when the target is expected to be reached; once it is, at the pace peers report
+        wait = progress.eta if progress.eta > 0 else cfg.report_period
+        self._next_fetch = self.clock() + min(max(wait, cfg.min_refresh_period), cfg.max_refresh_period)
+
+    async def ashutdown(self) -> None:
+        """Stops the task and withdraws this peer's record, so others stop counting it at once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._last_expiration and self.peer.dht is not None:
+            try:
+                await asyncio.wait_for(self.peer.dht.astore(
+                    self.key, {"left": True}, self._last_expiration + 1e-3, subkey=self.peer.peer_id), 2.0)
+            except (TimeoutError, SwarmError, OSError):
+                pass  # the record expires by itself
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -1,0 +1,183 @@
+"""Large-batch mode: peers take identical steps, equal to one process with the same total batch."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+from optim_task import DATA_SIZE, adam, loss_on, make_data, make_model, reference_params
+
+from swarm.averaging import Action, Averager, FaultPlan, FaultPoint
+from swarm.optim import CollaborationConfig, Optimizer
+from swarm.optim.averaging import SwarmAverager
+
+BATCH = 16
+TARGET = 64
+FAST = CollaborationConfig(target_batch_size=TARGET, report_period=0.05, min_refresh_period=0.02,
+                           max_refresh_period=0.2, averaging_timeout=10.0)
+
+
+def train(opt: Optimizer, model: torch.nn.Module, data, seed: int, epochs: int, record: dict) -> None:
+    x, y = data
+    g = torch.Generator().manual_seed(seed)
+    pending: list[int] = []
+    while opt.epoch < epochs:
+        idx = torch.randint(0, DATA_SIZE, (BATCH,), generator=g)
+        loss_on(model, x[idx], y[idx]).backward()
+        epoch = opt.epoch
+        out = opt.step(BATCH)
+        opt.zero_grad()
+        if out.state_loaded:
+            pending = []
+            continue
+        pending += idx.tolist()
+        if out.round is not None and out.round.ok:
+            record.setdefault("epochs", {})[epoch] = pending
+            record.setdefault("params", {})[opt.epoch] = [p.detach().clone() for p in model.parameters()]
+            pending = []
+
+
+@pytest.mark.parametrize("num_peers", [2, 4])
+def test_peers_take_identical_steps_equal_to_one_process(make_peer, num_peers):
+    data = make_data()
+    epochs = 6
+    models = [make_model() for _ in range(num_peers)]
+    opts = [Optimizer(make_peer(), run_id="lb", params=m.parameters(), optimizer=adam, config=FAST) for m in models]
+    assert all(o.wait_for_peers(num_peers, timeout=10) for o in opts)
+    records: list[dict] = [{} for _ in range(num_peers)]
+    threads = [threading.Thread(target=train, args=(o, m, data, 100 + i, epochs, r))
+               for i, (o, m, r) in enumerate(zip(opts, models, records))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    for epoch in range(1, epochs + 1):
+        first = records[0]["params"][epoch]
+        for r in records[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(first, r["params"][epoch])), f"peers differ at {epoch}"
+    epoch_samples = [list(itertools.chain.from_iterable(r["epochs"][e] for r in records)) for e in range(epochs)]
+    assert all(len(s) >= TARGET for s in epoch_samples)
+    expected = reference_params(epoch_samples, data)
+    for got, want in zip(models[0].parameters(), expected):
+        torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-4)
+
+
+def test_failed_round_is_retried_by_every_member(make_peer):
+    data = make_data()
+    models = [make_model() for _ in range(2)]
+    peers = [make_peer() for _ in range(2)]
+
+    def faulty_averager(peer):
+        # the leader (whichever peer it is) fails before deciding in the first round: the round
+        # fails for every member
+        plan = FaultPlan().add(FaultPoint.BEFORE_DECISION, Action.RAISE, rounds={0})
+        return lambda tensors, prefix: SwarmAverager(
+            Averager(peer, tensors, prefix=prefix, target_group_size=2, faults=plan), 4.0)
+
+    opts = [Optimizer(p, run_id="retry", params=m.parameters(), optimizer=adam, config=FAST,
+                      averager_factory=faulty_averager(p)) for p, m in zip(peers, models)]
+    assert all(o.wait_for_peers(2, timeout=10) for o in opts)
+    records: list[dict] = [{}, {}]
+    threads = [threading.Thread(target=train, args=(o, m, data, 7 + i, 3, r))
+               for i, (o, m, r) in enumerate(zip(opts, models, records))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    failed = [[h for h in o.history if not h.ok] for o in opts]
+    assert all(len(f) == 1 and f[0].epoch == 0 for f in failed), failed
+    assert failed[0][0].error == failed[1][0].error
+    # the failed round's samples were kept: the first epoch holds more than the target, and the
+    # result still equals one process that saw exactly those samples
+    epoch_samples = [list(itertools.chain.from_iterable(r["epochs"][e] for r in records)) for e in range(3)]
+    assert len(epoch_samples[0]) > TARGET
+    expected = reference_params(epoch_samples, data)
+    for model in models:
+        for got, want in zip(model.parameters(), expected):
+            torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-4)
+
+
+def test_late_joiner_downloads_state_and_continues_from_the_same_epoch(make_peer):
+    data = make_data()
+    sched = lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
+    first = make_model()
+    opt_a = Optimizer(make_peer(), run_id="late", params=first.parameters(), optimizer=adam, scheduler=sched,
+                      config=FAST)
+    record_a: dict = {}
+    train(opt_a, first, data, 1, 3, record_a)
+    assert opt_a.epoch == 3
+
+    late = make_model(seed=123)  # different initial parameters: they must be replaced
+    opt_b = Optimizer(make_peer(), run_id="late", params=late.parameters(), optimizer=adam, scheduler=sched,
+                      config=FAST)
+    assert opt_b.epoch == 3
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), late.parameters()))
+    assert opt_b.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.9**3)
+    state_a, state_b = opt_a.optimizer.state_dict()["state"], opt_b.optimizer.state_dict()["state"]
+    assert all(torch.equal(state_a[i]["exp_avg_sq"], state_b[i]["exp_avg_sq"]) for i in state_a)
+
+    # both continue together, identical
+    assert opt_a.wait_for_peers(2, timeout=10) and opt_b.wait_for_peers(2, timeout=10)
+    records: list[dict] = [{}, {}]
+    threads = [threading.Thread(target=train, args=(o, m, data, 50 + i, 5, r))
+               for i, (o, m, r) in enumerate(zip((opt_a, opt_b), (first, late), records))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert opt_a.epoch == opt_b.epoch == 5
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), late.parameters()))
+
+
+def test_peer_steps_alone_at_once_when_the_others_leave_during_its_round(make_peer, caplog):
+    caplog.set_level(logging.INFO, logger="swarm.optim")
+    slow = CollaborationConfig(target_batch_size=32, report_period=0.05, min_refresh_period=0.02,
+                               max_refresh_period=0.2, averaging_timeout=60.0)
+    model_a, model_b = make_model(), make_model()
+    opt_a = Optimizer(make_peer(), run_id="leave", params=model_a.parameters(), optimizer=adam, config=slow)
+    opt_b = Optimizer(make_peer(), run_id="leave", params=model_b.parameters(), optimizer=adam, config=slow)
+    assert opt_a.wait_for_peers(2, timeout=10)
+    x, y = make_data()
+    result: dict = {}
+
+    def train_a() -> None:
+        while opt_a.epoch == 0:
+            loss_on(model_a, x[:16], y[:16]).backward()
+            result["out"] = opt_a.step(16)
+            opt_a.zero_grad()
+
+    thread = threading.Thread(target=train_a)
+    thread.start()
+    # A holds the whole target batch and waits in a round for B, which never averages and leaves
+    assert opt_a.tracker.wait_for(lambda p: p.ready, timeout=10)
+    opt_b.shutdown()
+    thread.join(20)
+    assert not thread.is_alive()
+    round_ = result["out"].round
+    assert round_.ok and round_.group_size == 1 and round_.seconds < 20, round_
+    assert opt_a.epoch == 1
+    assert "the other peers left during the round" in caplog.text
+
+
+def test_peers_holding_different_states_at_one_epoch_converge_on_one(make_peer):
+    # two peers that never synchronized (as two groups that stepped apart would be) hold different
+    # parameters under the same epoch number: the one whose fingerprint loses re-downloads
+    config = replace(FAST, load_state_on_start=False, target_batch_size=10_000)
+    models = [make_model(seed=1), make_model(seed=2)]
+    opts = [Optimizer(make_peer(), run_id="heal", params=m.parameters(), optimizer=adam, config=config)
+            for m in models]
+    assert all(o.wait_for_peers(2, timeout=10) for o in opts)
+    assert not all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models)))
+    x, y = make_data()
+    outcomes = []
+    for opt, model in zip(opts, models):
+        loss_on(model, x[:16], y[:16]).backward()
+        outcomes.append(opt.step(16))
+        opt.zero_grad()
+    assert sum(o.state_loaded for o in outcomes) == 1, outcomes
+    assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models)))
