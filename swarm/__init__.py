@@ -22,7 +22,9 @@ _EXPORTS = {
     "Optimizer": "swarm.optim",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [  # noqa: PLE0604 - the lazily resolved names above
+    "__version__", *_EXPORTS,
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from swarm import __version__
 from swarm.core.errors import ConfigError
@@ -139,7 +139,7 @@ class Peer:
         for component in reversed(self._components):
             try:
                 await component.ashutdown()
-            except Exception:  # noqa: BLE001 - one component failing must not keep the rest running
+            except Exception:
                 logger.exception("error while shutting down %r", component)
         self._components.clear()
         if self.server is not None:
@@ -158,7 +158,7 @@ class Peer:
             if self._identity_file is not None:
                 self._identity_file.release()
 
-    def __enter__(self) -> Peer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,7 +8,28 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Self
+
+
+def read_stdout_lines(proc: subprocess.Popen, count: int, timeout: float, name: str,
+                      kill: Callable[[], None], stderr: Callable[[], str]) -> list[str]:
+    """Reads `count` lines from `proc`'s stdout within `timeout` seconds; on failure kills it and
+    raises with what it wrote to stderr."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while len(lines) < count:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                kill()
+                raise TimeoutError(f"{name} printed {lines} within {timeout} s; stderr:\n{stderr()}")
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{name} exited ({proc.wait()}); stderr:\n{stderr()}")
+            lines.append(line.rstrip("\n"))
+    return lines
 
 
 class PeerProcess:
@@ -31,20 +52,7 @@ class PeerProcess:
 
     def read_lines(self, count: int, timeout: float) -> list[str]:
         """Reads `count` stdout lines, failing with the process's stderr if they do not come in time."""
-        lines: list[str] = []
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while len(lines) < count:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    self.kill()
-                    raise TimeoutError(f"peer printed {lines} within {timeout} s; stderr:\n{self.stderr_text()}")
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"peer exited ({self.proc.wait()}); stderr:\n{self.stderr_text()}")
-                lines.append(line.rstrip("\n"))
-        return lines
+        return read_stdout_lines(self.proc, count, timeout, "peer", self.kill, self.stderr_text)
 
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
@@ -67,7 +75,7 @@ class PeerProcess:
             return "(still running)"
         return self.proc.stderr.read() if self.proc.stderr else ""
 
-    def __enter__(self) -> PeerProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -104,8 +104,8 @@ def test_identity_file_held_by_another_process_is_refused(tmp_path):
     path = tmp_path / "peer.key"
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys; from swarm.core.identity import IdentityFile; IdentityFile(sys.argv[1]).load_or_create();"
-         "print('held', flush=True); sys.stdin.read()", str(path)],
+         ("import sys; from swarm.core.identity import IdentityFile; IdentityFile(sys.argv[1]).load_or_create();"
+          "print('held', flush=True); sys.stdin.read()"), str(path)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     try:

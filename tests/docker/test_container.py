@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Self
 
 import pytest
+from procs import read_stdout_lines
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO.parent / "shared" / "tools" / "container-smoke.sh"
@@ -144,20 +144,7 @@ class Container:
         self.lines = self.read_lines(expect_lines, timeout)
 
     def read_lines(self, count: int, timeout: float) -> list[str]:
-        lines: list[str] = []
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while len(lines) < count:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    self.kill()
-                    raise TimeoutError(f"{self.name} printed {lines} in {timeout} s; stderr:\n{self.stderr()}")
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"{self.name} exited ({self.proc.wait()}); stderr:\n{self.stderr()}")
-                lines.append(line.rstrip("\n"))
-        return lines
+        return read_stdout_lines(self.proc, count, timeout, self.name, self.kill, self.stderr)
 
     def exec(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return podman("exec", self.name, *args, timeout=timeout, check=False)

@@ -80,5 +80,5 @@ def test_handshake_proves_the_callee():
 
 def test_ticket_layout_is_stable():
     ticket = make_ticket(ALICE, BOB.peer_id)
-    magic, key, expiry, _nonce, n = struct.unpack_from("!4s32sdQH", ticket)
+    magic, key, expiry, _nonce, _n = struct.unpack_from("!4s32sdQH", ticket)
     assert magic == b"SWT1" and key == ALICE.public_key and expiry > time.time()
