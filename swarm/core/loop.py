@@ -89,7 +89,7 @@ class LoopThread:
 
             try:
                 asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(timeout)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
+            except Exception:
                 logger.debug("tasks did not all cancel at shutdown", exc_info=True)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
