@@ -34,6 +34,7 @@ from swarm.averaging.service import REPORT, AveragingService, RoundEntry
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
 from swarm.core.loop import spawn
+from swarm.metrics import AVERAGING_ROUNDS
 
 logger = logging.getLogger(__name__)
 
@@ -207,9 +208,15 @@ class Averager:
                     0.0 if self.auxiliary else weight, self.config.bandwidth, self.peer.server is None, self.auxiliary,
                 )
                 group = await self.matchmaking.form_group(me, timeout)
-                return await self._run_round(group, deadline)
+                result = await self._run_round(group, deadline)
+                AVERAGING_ROUNDS.labels(outcome="succeeded").inc()
+                return result
             except FaultInjected as e:
+                AVERAGING_ROUNDS.labels(outcome="failed").inc()
                 raise AveragingError(f"averaging step failed: {e}") from None
+            except AveragingError:
+                AVERAGING_ROUNDS.labels(outcome="failed").inc()
+                raise
             finally:
                 self.faults.round_index += 1
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.metrics import EXPERT_BATCHES, EXPERT_QUEUE_DEPTH
 from swarm.moe.backend import ExpertBackend
 from swarm.moe.saved_graphs import SavedForward, SavedGraphs
 from swarm.moe.task_pool import TaskPool
@@ -71,6 +72,10 @@ class HostedExpert:
         self.saved = SavedGraphs(min(config.saved_graph_rows, backend.max_batch_size), config.saved_graph_ttl)
         self.forward_pool = self._pool(self._forward_batch, "forward", config)
         self.backward_pool = self._pool(self._backward_batch, "backward", config)
+        self._batches_metric = EXPERT_BATCHES.labels(expert=backend.name)
+        EXPERT_QUEUE_DEPTH.labels(expert=backend.name).set_function(
+            lambda: self.forward_pool.stats().queued_tasks + self.backward_pool.stats().queued_tasks
+        )
 
     def _pool(self, fn: Callable[..., tuple[torch.Tensor, ...]], kind: str, config: BatchingConfig) -> TaskPool:
         limit = self.backend.max_batch_size
@@ -97,6 +102,7 @@ class HostedExpert:
 
     def _forward_batch(self, *inputs: torch.Tensor, tags: list[Hashable | None]) -> tuple[torch.Tensor, ...]:
         backend = self.backend
+        self._batches_metric.inc()
         rows = inputs[0].shape[0]
         key = tags[0] if len(tags) == 1 else None
         if key is None or not self.saved.accepts(rows):
@@ -107,6 +113,7 @@ class HostedExpert:
 
     def _backward_batch(self, *inputs_and_grads: torch.Tensor, tags: list[Hashable | None]) -> tuple[torch.Tensor, ...]:
         backend = self.backend
+        self._batches_metric.inc()
         num_inputs = len(backend.args_schema)
         saved = None
         if len(tags) == 1 and tags[0] is not None:
