@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """RPC benchmark (issue: foundation). One run reports, between two peer processes on loopback:
 
-  * small unary RPC round trip, p50/p99 (authenticated, through swarm's channel pool);
+  * small unary RPC round trip, p50/p99 (authenticated, through swarm's channel pool), beside a
+    plain grpc.aio call to the same server with no swarm layer on either side (the floor);
   * tensor streaming throughput for a 256 MB float32 tensor (header + 1 MiB raw chunks,
     received into a preallocated buffer), beside a raw uvloop TCP socket pair moving the
     same bytes in the same run (the ceiling);
@@ -23,6 +24,7 @@ import time
 
 SINK = "/bench.Bench/Sink"
 PING = "/bench.Bench/Ping"
+RAW_PING = "/bench.Bench/RawPing"
 
 
 def serve_peer() -> None:
@@ -44,6 +46,7 @@ def serve_peer() -> None:
         return str(receiver.total_bytes).encode()
 
     peer.server.add_unary(PING, ping)
+    peer.server.add_unary(RAW_PING, ping, authenticated=False)
     peer.server.add_stream_unary(SINK, sink)
     print(peer.addrs[0], flush=True)
     sys.stdin.read()
@@ -70,12 +73,26 @@ def client_peer(addr: str, mb: int, calls: int, rounds: int) -> None:
             await ch.unary(PING, b"x" * 32)
             lat.append(time.perf_counter() - t0)
         lat.sort()
+        import grpc
+
+        raw = grpc.aio.insecure_channel(ch.addr.grpc_target)
+        raw_ping = raw.unary_unary(RAW_PING)
+        for _ in range(200):
+            await raw_ping(b"x" * 32, timeout=10)
+        raw_lat = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            await raw_ping(b"x" * 32, timeout=10)
+            raw_lat.append(time.perf_counter() - t0)
+        raw_lat.sort()
+        await raw.close()
         times = []
         for _ in range(rounds):
             t0 = time.perf_counter()
             await ch.stream_unary(SINK, tensors_to_messages([tensor]), timeout=120)
             times.append(time.perf_counter() - t0)
         return {"p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
+                "raw_p50_ms": raw_lat[len(raw_lat) // 2] * 1e3,
                 "stream_s": statistics.median(times)}
 
     print(json.dumps(peer.run(go())), flush=True)
@@ -196,6 +213,7 @@ def main() -> None:
     raw_gbs = nbytes / raw_result["stream_s"] / 1e9
     print(f"unary RPC round trip p50: {grpc_result['p50_ms']:.3f} ms (goal <= 0.5 ms)")
     print(f"unary RPC round trip p99: {grpc_result['p99_ms']:.3f} ms")
+    print(f"plain grpc.aio unary p50, no swarm layer (baseline): {grpc_result['raw_p50_ms']:.3f} ms")
     print(f"stream {args.mb} MB float32, swarm/grpc: {grpc_gbs:.2f} GB/s ({grpc_result['stream_s']:.3f} s)")
     print(f"stream {args.mb} MB, raw uvloop TCP (baseline): {raw_gbs:.2f} GB/s ({raw_result['stream_s']:.3f} s)")
     print(f"stream swarm/raw ratio: {grpc_gbs / raw_gbs:.0%} (goal >= 60%)")

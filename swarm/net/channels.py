@@ -81,6 +81,9 @@ class PeerChannel:
 
     async def verify(self) -> None:
         """Runs the handshake once per channel (concurrent callers share it)."""
+        verified = self._verified
+        if verified is not None and verified.done() and verified.exception() is None:
+            return  # the per-call fast path: no new future, no shield
         if self._verified is None or (self._verified.done() and self._verified.exception() is not None):
             self._verified = asyncio.ensure_future(self._handshake())
         await asyncio.shield(self._verified)
