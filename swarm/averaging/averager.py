@@ -197,8 +197,9 @@ class Averager:
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
         async with self._lock:
-            if group_key is not None and isinstance(self._election, DHTElection):
-                self._election.group_key = group_key
+            election = self.matchmaking.election
+            if group_key is not None and isinstance(election, DHTElection):
+                election.group_key = group_key
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             try:

@@ -67,23 +67,20 @@ class SwarmAverager:
         self.bytes_sent = 0
 
     async def astep(self, weight: float, timeout: float, expected_size: int, group_key: str) -> RoundResult:
-        self._expect(expected_size, group_key)
-        result = await self.averager.astep(timeout=timeout, weight=weight)
+        self._expect(expected_size)
+        result = await self.averager.astep(timeout=timeout, weight=weight, group_key=group_key)
         group = len(result.group)
         sent = self._estimate_bytes_sent(group)
         self.bytes_sent += sent
         return RoundResult(group, len(result.contributors), sent)
 
-    def _expect(self, expected_size: int, group_key: str) -> None:
-        # swarm.Averager fixes its group key and target group size at construction; both are
-        # per-round facts here, so they go into its matchmaking settings (asked of #4 as step()
-        # arguments). The group key keeps peers of different epochs apart (and keeps stale
-        # declarations of the previous round out of this one); the expected size lets a round
-        # start as soon as every peer the progress records name is in.
+    def _expect(self, expected_size: int) -> None:
+        # The group key (passed to step) keeps peers of different epochs apart and stale
+        # declarations of the previous round out of this one. swarm.Averager fixes its target group
+        # size at construction, but here it is a per-round fact: the expected size lets a round start
+        # as soon as every peer the progress records name is in, so it goes into the matchmaking
+        # settings (a step() argument for it would be cleaner).
         matchmaking = getattr(self.averager, "matchmaking", None)
-        election = getattr(matchmaking, "election", None)
-        if election is not None and hasattr(election, "group_key"):
-            election.group_key = group_key
         config = getattr(matchmaking, "config", None)
         if config is None:
             return
