@@ -203,13 +203,11 @@ class _Metric(Generic[ChildT]):
         return "\n".join(lines) + "\n"
 
 
-class Counter(_Metric[_CounterChild]):
-    """A total that only goes up (calls, bytes, rounds). Name it `..._total`."""
+ScalarChildT = TypeVar("ScalarChildT", _CounterChild, _GaugeChild)
 
-    kind = "counter"
 
-    def _new_child(self) -> _CounterChild:
-        return _CounterChild()
+class _Scalar(_Metric[ScalarChildT]):
+    """A family whose children each hold one number (counters and gauges)."""
 
     def inc(self, amount: float = 1.0) -> None:
         self._only_child().inc(amount)
@@ -226,7 +224,16 @@ class Counter(_Metric[_CounterChild]):
             yield f"{self.name}{_label_text(self.label_names, values)} {_format_value(child.get())}"
 
 
-class Gauge(_Metric[_GaugeChild]):
+class Counter(_Scalar[_CounterChild]):
+    """A total that only goes up (calls, bytes, rounds). Name it `..._total`."""
+
+    kind = "counter"
+
+    def _new_child(self) -> _CounterChild:
+        return _CounterChild()
+
+
+class Gauge(_Scalar[_GaugeChild]):
     """A value that goes up and down (queue depth, known peers), or is read at scrape time."""
 
     kind = "gauge"
@@ -237,22 +244,8 @@ class Gauge(_Metric[_GaugeChild]):
     def set(self, value: float) -> None:
         self._only_child().set(value)
 
-    def inc(self, amount: float = 1.0) -> None:
-        self._only_child().inc(amount)
-
     def dec(self, amount: float = 1.0) -> None:
         self._only_child().dec(amount)
-
-    def set_function(self, function: Callable[[], float] | None) -> None:
-        self._only_child().set_function(function)
-
-    @property
-    def value(self) -> float:
-        return self._only_child().get()
-
-    def samples(self) -> Iterator[str]:
-        for values, child in list(self._children.items()):
-            yield f"{self.name}{_label_text(self.label_names, values)} {_format_value(child.get())}"
 
 
 class Histogram(_Metric[_HistogramChild]):
