@@ -116,6 +116,25 @@ class RPCServer:
             return ""
         return self.verifier.caller_of(context.invocation_metadata())
 
+    async def _respond(
+        self, path: str, stats: Any, context: grpc.aio.ServicerContext, authenticated: bool,
+        invoke: Callable[[CallContext], Awaitable[Any]],
+    ) -> bytes:
+        """One response for one call: authenticate, run the handler, map failures to statuses."""
+        started, ok = stats.start(), False  # metrics (issue #7)
+        try:
+            data = _serialize(await invoke(CallContext(self._caller(context, authenticated), context)))
+            stats.sent.value += len(data)  # metrics
+            ok = True
+            return data
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a dead server
+            await _abort(context, e, path)
+            raise AssertionError("unreachable") from None
+        finally:
+            stats.finish(started, ok)  # metrics
+
     def add_unary(
         self, path: str, handler: UnaryHandler, request_type: type[Message] | None = None, *, authenticated: bool = True
     ) -> None:
@@ -124,21 +143,10 @@ class RPCServer:
         stats = self.metrics.method(path)  # metrics (issue #7): bound once, incremented per call
 
         async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            started, ok = stats.start(), False  # metrics
             stats.received.value += len(request)  # metrics
-            try:
-                caller = self._caller(context, authenticated)
-                data = _serialize(await handler(_decode(request_type, request), CallContext(caller, context)))
-                stats.sent.value += len(data)  # metrics
-                ok = True
-                return data
-            except grpc.aio.AbortError:
-                raise
-            except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a dead server
-                await _abort(context, e, path)
-                raise AssertionError("unreachable") from None
-            finally:
-                stats.finish(started, ok)  # metrics
+            return await self._respond(
+                path, stats, context, authenticated, lambda ctx: handler(_decode(request_type, request), ctx)
+            )
 
         self._dispatcher.handlers[path] = grpc.unary_unary_rpc_method_handler(behavior)
 
@@ -177,20 +185,7 @@ class RPCServer:
         stats = self.metrics.method(path)  # metrics (issue #7)
 
         async def behavior(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
-            started, ok = stats.start(), False  # metrics
-            try:
-                caller = self._caller(context, True)
-                data = _serialize(await handler(_counted(requests, stats), CallContext(caller, context)))
-                stats.sent.value += len(data)  # metrics
-                ok = True
-                return data
-            except grpc.aio.AbortError:
-                raise
-            except Exception as e:  # noqa: BLE001
-                await _abort(context, e, path)
-                raise AssertionError("unreachable") from None
-            finally:
-                stats.finish(started, ok)  # metrics
+            return await self._respond(path, stats, context, True, lambda ctx: handler(_counted(requests, stats), ctx))
 
         self._dispatcher.handlers[path] = grpc.stream_unary_rpc_method_handler(behavior)
 
