@@ -136,6 +136,9 @@ class Averager:
         self._scratch = ScratchPool()
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
+        self._formed: bool | None = None  # during a step: whether its group formed yet
+        self._forming: asyncio.Task[GroupInfo] | None = None
+        self._abandoned: str | None = None
         self._closed = False
         election: Election
         if initial_group is not None:
@@ -174,6 +177,20 @@ class Averager:
         """Awaitable form of `step`, for code already inside an event loop."""
         return await self.peer.loop.wrap(self._step(timeout, weight, group_key))
 
+    def abandon_matchmaking(self, reason: str) -> bool:
+        """Stops the running step if it is still looking for a group (call on the peer's loop).
+
+        A step that already formed its group is not touched (its members count on it). Returns
+        True when the step stopped looking; it then raises `AveragingError` naming `reason`,
+        with the tensors untouched.
+        """
+        if self._formed is not False:
+            return False
+        self._abandoned = reason
+        if self._forming is not None:
+            self._forming.cancel()
+        return True
+
     def shutdown(self) -> None:
         if not self._closed:
             self.peer.run(self.ashutdown(), timeout=10)
@@ -202,13 +219,15 @@ class Averager:
                 election.group_key = group_key
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
+            self._formed, self._abandoned = False, None
             try:
                 await self.faults.hit(FaultPoint.BEFORE_MATCHMAKING)
                 me = MemberInfo(
                     self.peer.peer_id, self.peer.addrs[0] if self.peer.addrs else "",
                     0.0 if self.auxiliary else weight, self.config.bandwidth, self.peer.server is None, self.auxiliary,
                 )
-                group = await self.matchmaking.form_group(me, timeout)
+                group = await self._form_group(me, timeout)
+                self._formed = True
                 result = await self._run_round(group, deadline)
                 AVERAGING_ROUNDS.labels(outcome="succeeded").inc()
                 return result
@@ -219,7 +238,23 @@ class Averager:
                 AVERAGING_ROUNDS.labels(outcome="failed").inc()
                 raise
             finally:
+                self._formed = None
                 self.faults.round_index += 1
+
+    async def _form_group(self, me: MemberInfo, timeout: float) -> GroupInfo:
+        """`matchmaking.form_group`, in a task `abandon_matchmaking` may cancel."""
+        if self._abandoned is not None:
+            raise AveragingError(f"stopped looking for a group: {self._abandoned}")
+        self._forming = asyncio.ensure_future(self.matchmaking.form_group(me, timeout))
+        try:
+            return await self._forming
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._abandoned is None or (current is not None and current.cancelling()):
+                raise  # the step itself was cancelled
+            raise AveragingError(f"stopped looking for a group: {self._abandoned}") from None
+        finally:
+            self._forming = None
 
     async def _run_round(self, group: GroupInfo, deadline: float) -> AveragingResult:
         loop = asyncio.get_running_loop()

@@ -51,6 +51,11 @@ class AveragerLike(Protocol):
         """
         ...
 
+    def abandon_matchmaking(self, reason: str) -> bool:
+        """Stops the running `astep` if it has not formed a group yet (it then raises
+        `AveragingError`); returns False, changing nothing, once a group formed."""
+        ...
+
 
 class SwarmAverager:
     """`AveragerLike` over `swarm.Averager`.
@@ -73,6 +78,9 @@ class SwarmAverager:
         sent = self._estimate_bytes_sent(group)
         self.bytes_sent += sent
         return RoundResult(group, len(result.contributors), sent)
+
+    def abandon_matchmaking(self, reason: str) -> bool:
+        return self.averager.abandon_matchmaking(reason)
 
     def _expect(self, expected_size: int) -> None:
         # The group key (passed to step) keeps peers of different epochs apart and stale

@@ -195,7 +195,12 @@ class Optimizer:
         progress = self.tracker.progress
         if not self.mode.wants_round(progress):
             return StepOutcome(self.epoch)
-        return StepOutcome(self.epoch, round=self._run_round(progress))
+        outcome = self._run_round(progress)
+        swarm_epoch = self.tracker.progress.epoch
+        if not outcome.ok and swarm_epoch > self.epoch:
+            resynced = self._resync(f"the swarm moved on to epoch {swarm_epoch}", min_epoch=swarm_epoch)
+            return replace(resynced, round=outcome)
+        return StepOutcome(self.epoch, round=outcome)
 
     async def astep(self, batch_size: int | None = None) -> StepOutcome:
         """Awaitable `step` for code inside an event loop (runs it in a worker thread)."""
@@ -247,7 +252,7 @@ class Optimizer:
         with self._lock:
             weight = self.mode.prepare_round()
         try:
-            result = self.peer.run(self._average_unless_alone(weight, progress.num_peers),
+            result = self.peer.run(self._average(weight, progress.num_peers),
                                    timeout=self.config.averaging_timeout + 5.0)
         except (SwarmError, TimeoutError) as e:
             outcome = RoundOutcome(epoch, False, 0, 0, samples, time.monotonic() - started,
@@ -258,7 +263,7 @@ class Optimizer:
                 self.mode.step_alone()
             outcome = RoundOutcome(epoch, True, 1, 1, samples, time.monotonic() - started)
             return self._finish_round(outcome, f"the other peers left during the round: stepped alone, "
-                                               f"{samples} samples")
+                                               f"{samples} local samples")
         with self._lock:
             self.mode.apply_round()
         self.bytes_sent += result.bytes_sent
@@ -267,22 +272,43 @@ class Optimizer:
         return self._finish_round(outcome, f"averaged {what} of {result.contributors}/{result.group_size} peers, "
                                            f"{samples} local samples")
 
-    async def _average_unless_alone(self, weight: float, expected_size: int) -> RoundResult | None:
-        """Runs the averaging round; returns None if every other peer leaves before it ends."""
+    async def _average(self, weight: float, expected_size: int) -> RoundResult | None:
+        """Runs the averaging round; returns None if every other peer leaves before it ends.
+
+        While the round still looks for a group it also stops when the swarm moves past this
+        epoch (another peer stepped without this one: its group would never form), raising
+        `AveragingError` at once instead of waiting out the timeout; the step then downloads the
+        swarm's state.
+        """
+        epoch = self.epoch
         round_task = asyncio.ensure_future(self.averager.astep(
             weight=weight, timeout=self.config.averaging_timeout, expected_size=expected_size,
-            group_key=str(self.epoch)))
-        alone = asyncio.ensure_future(self.tracker.wait_alone())
+            group_key=str(epoch)))
+        abandon = getattr(self.averager, "abandon_matchmaking", None)
+        watch_epoch = abandon is not None
         try:
-            await asyncio.wait({round_task, alone}, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                moved_on = epoch if watch_epoch else None
+                watch = asyncio.ensure_future(self.tracker.wait_until(
+                    lambda p, moved_on=moved_on: p.num_peers == 1 or (moved_on is not None and p.epoch > moved_on)))
+                try:
+                    await asyncio.wait({round_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watch.cancel()
+                if round_task.done():
+                    return round_task.result()
+                progress = watch.result()
+                if progress.num_peers == 1:
+                    # nobody is left to average with (a lone peer forms no group): stop waiting for one
+                    round_task.cancel()
+                    await asyncio.gather(round_task, return_exceptions=True)
+                    return None
+                if abandon(f"the swarm moved on to epoch {progress.epoch}"):
+                    return await round_task  # raises the AveragingError that names why
+                watch_epoch = False  # the group formed: its members count on this peer, finish the round
         finally:
-            alone.cancel()
-        if round_task.done():
-            return round_task.result()
-        # nobody is left to average with (a lone peer forms no group): stop waiting for one
-        round_task.cancel()
-        await asyncio.gather(round_task, return_exceptions=True)
-        return None
+            if not round_task.done():
+                round_task.cancel()
 
     def _finish_round(self, outcome: RoundOutcome, summary: str) -> RoundOutcome:
         """Records the round and logs its outcome once."""
@@ -293,6 +319,10 @@ class Optimizer:
             self.failed_rounds = 0
             logger.info("[%s] epoch %d -> %d: %s in %.2f s", self.run_id, outcome.epoch, self.epoch, summary,
                         outcome.seconds)
+        elif self.tracker.progress.epoch > outcome.epoch:
+            # not a fault: the swarm stepped without this peer, which now downloads its state
+            logger.info("[%s] epoch %d: the swarm moved on to epoch %d during this peer's round (%s)",
+                        self.run_id, outcome.epoch, self.tracker.progress.epoch, outcome.error)
         else:
             self.failed_rounds += 1
             # every member of the group got this same error, so every member keeps its

@@ -59,7 +59,7 @@ class ProgressTracker:
         self._fetched = asyncio.Event()
         self._changed = threading.Condition(self._lock)
         self._wake: asyncio.Event | None = None
-        self._alone: asyncio.Event | None = None
+        self._next_reports: asyncio.Event | None = None  # set (and replaced) by each read of the DHT
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -116,11 +116,20 @@ class ProgressTracker:
                     return False
                 self._changed.wait(min(left, self.config.max_refresh_period))
 
-    async def wait_alone(self) -> None:
-        """Returns once a read of the DHT shows no other live peer (they all left or died)."""
-        if self._alone is None:
-            raise RuntimeError("the tracker is not running")
-        await self._alone.wait()
+    async def wait_until(self, predicate: Callable[[SwarmProgress], bool]) -> SwarmProgress:
+        """Returns the swarm's progress once `predicate` holds: now, or after a later read of the DHT.
+
+        Runs on the peer's loop; e.g. `predicate=lambda p: p.num_peers == 1` waits until every other
+        peer left or died.
+        """
+        while True:
+            if self._next_reports is None:
+                raise RuntimeError("the tracker is not running")
+            reports = self._next_reports
+            progress = self.progress
+            if predicate(progress):
+                return progress
+            await reports.wait()
 
     def request_refresh(self) -> None:
         """Asks the background task to read the swarm's progress now (thread-safe)."""
@@ -135,7 +144,7 @@ class ProgressTracker:
         if self.peer.loop.loop is not _running_loop():
             return await self.peer.loop.wrap(self.astart())
         self._wake = asyncio.Event()
-        self._alone = asyncio.Event()
+        self._next_reports = asyncio.Event()
         self._task = spawn(self._run(), name=f"progress-tracker:{self.key}")
         try:
             await asyncio.wait_for(self._fetched.wait(), self.config.averaging_timeout)
@@ -202,12 +211,10 @@ class ProgressTracker:
             self._reports = reports
             self._changed.notify_all()
         self._fetched.set()
+        if self._next_reports is not None:
+            done, self._next_reports = self._next_reports, asyncio.Event()
+            done.set()
         progress = self.progress
-        if self._alone is not None:
-            if progress.num_peers == 1:
-                self._alone.set()
-            else:
-                self._alone.clear()
         # read again when the target is expected to be reached; once it is, at the pace peers report
         wait = progress.eta if progress.eta > 0 else cfg.report_period
         self._next_fetch = self.clock() + min(max(wait, cfg.min_refresh_period), cfg.max_refresh_period)

@@ -142,6 +142,36 @@ def test_no_group_within_the_timeout_raises_and_leaves_tensors_alone():
 
 
 @pytest.mark.timeout(30)
+def test_abandoning_matchmaking_stops_a_step_that_is_still_looking():
+    with Peer() as a:
+        a.dht = FakeDHT()
+        t = torch.ones(5)
+        avg = Averager(a, [t], prefix="abandon", target_group_size=2, min_group_size=2)
+        assert a.run(_abandon_soon(avg)) is False  # no step running: nothing to stop
+
+        async def step_and_abandon() -> tuple[bool, BaseException | None]:
+            step = asyncio.ensure_future(avg.astep(timeout=60.0))
+            # the step is looking for a partner that never comes; it has declared itself in the DHT
+            while not a.dht.data.get("abandon.group.0"):
+                await asyncio.sleep(0)
+            stopped = avg.abandon_matchmaking("the swarm moved on")
+            error = (await asyncio.gather(step, return_exceptions=True))[0]
+            return stopped, error
+
+        stopped, error = a.run(step_and_abandon(), timeout=10)
+        assert stopped and isinstance(error, AveragingError), error
+        assert "stopped looking for a group: the swarm moved on" in str(error)
+        assert torch.equal(t, torch.ones(5))
+        # the next step is not affected by the earlier abandon
+        with pytest.raises(AveragingError, match="no averaging group"):
+            avg.step(timeout=0.5)
+
+
+async def _abandon_soon(avg: Averager) -> bool:
+    return avg.abandon_matchmaking("nothing to stop")
+
+
+@pytest.mark.timeout(30)
 def test_static_group_refuses_peers_with_other_tensors():
     with Peer() as a, Peer() as b:
         addrs = [a.addrs[0], b.addrs[0]]

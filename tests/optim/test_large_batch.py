@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -162,6 +163,52 @@ def test_peer_steps_alone_at_once_when_the_others_leave_during_its_round(make_pe
     assert round_.ok and round_.group_size == 1 and round_.seconds < 20, round_
     assert opt_a.epoch == 1
     assert "the other peers left during the round" in caplog.text
+
+
+def test_peer_looking_for_a_group_stops_when_the_swarm_moves_past_its_epoch(make_peer):
+    # A peer steps without B (it did not see B yet, or restored a later checkpoint) while B looks
+    # for a group at the old epoch, a group that can never form. B must notice from the progress
+    # records, stop looking long before its averaging timeout and download the swarm's state.
+    slow = replace(FAST, target_batch_size=32, averaging_timeout=60.0)
+    model_a, model_b = make_model(seed=1), make_model(seed=2)
+    opt_a = Optimizer(make_peer(), run_id="jump", params=model_a.parameters(), optimizer=adam, config=slow)
+    opt_b = Optimizer(make_peer(), run_id="jump", params=model_b.parameters(), optimizer=adam, config=slow)
+    assert opt_a.wait_for_peers(2, timeout=10) and opt_b.wait_for_peers(2, timeout=10)
+    x, y = make_data()
+    result: dict = {}
+
+    def train_b() -> None:
+        while "out" not in result or result["out"].round is None:
+            loss_on(model_b, x[:16], y[:16]).backward()
+            result["out"] = opt_b.step(16)
+            opt_b.zero_grad()
+
+    thread = threading.Thread(target=train_b)
+    thread.start()
+    try:
+        # B holds the whole target batch and has declared itself for the group of epoch 0
+        deadline = time.monotonic() + 20
+        while not _declared(opt_a.peer, "jump.grads.group.0", opt_b.peer.peer_id):
+            assert time.monotonic() < deadline, "B never looked for a group"
+        later = opt_a.state_dict()
+        later["metadata"]["epoch"] = 3
+        opt_a.load_state_dict(later)  # A is at epoch 3 now (a checkpoint restore)
+        thread.join(20)
+        assert not thread.is_alive()
+    finally:
+        thread.join(60)
+    out = result["out"]
+    assert not out.round.ok and "the swarm moved on to epoch 3" in out.round.error, out
+    assert out.round.seconds < 20, out  # not the 60 s averaging timeout
+    assert out.state_loaded and opt_b.epoch == 3 and out.discarded_samples == 32, out
+    assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
+    assert opt_b.failed_rounds == 0  # moving on is not a fault: no re-synchronization countdown
+
+
+def _declared(peer, key: str, peer_id: str) -> bool:
+    found = peer.dht.get(key, latest=True)
+    item = found.value.get(peer_id) if found is not None and isinstance(found.value, dict) else None
+    return item is not None and isinstance(item.value, dict) and not item.value.get("done")
 
 
 def test_peers_holding_different_states_at_one_epoch_converge_on_one(make_peer):
