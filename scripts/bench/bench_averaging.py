@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Benchmark: butterfly all-reduce of 100 MB float32 per peer, peers as separate processes on loopback.
 
-Prints one line per figure: seconds per round (median over rounds) for swarm's averager over
-gRPC (float32 and float16 on the wire), for a minimal raw-socket butterfly exchanging the same
-bytes (the ceiling, measured in the same run), and peak RSS per peer.
+Prints one line per figure: seconds per round (median over rounds) for a minimal raw-socket
+butterfly exchanging the same bytes (the ceiling), for swarm's averager with its tensors over
+gRPC streams only (the transport before the bulk side channel), and for swarm's averager as it
+runs by default (parts over the bulk side channel; float32 and float16 on the wire), all in the
+same run, and peak RSS per peer.
 
     .venv/bin/python scripts/bench/bench_averaging.py [--peers 4 8] [--mbytes 100] [--rounds 7]
 
@@ -48,6 +50,7 @@ def swarm_worker(args: argparse.Namespace) -> None:
     import torch
 
     from swarm.averaging import Averager, AveragerConfig
+    from swarm.averaging.config import AllReduceConfig
     from swarm.peer import Peer
 
     torch.set_num_threads(1)
@@ -64,7 +67,7 @@ def swarm_worker(args: argparse.Namespace) -> None:
     tensors = [torch.randn(numel)]
     if os.environ.get("BENCH_DEBUG"):
         print(f"with tensors: rss {_rss_mb():.0f} MB (baseline {baseline:.0f})", file=sys.stderr, flush=True)
-    config = AveragerConfig(compression=args.compression)
+    config = AveragerConfig(compression=args.compression, allreduce=AllReduceConfig(bulk=args.transport == "bulk"))
     avg = Averager(peer, tensors, initial_group=addrs, target_group_size=len(addrs), min_group_size=len(addrs),
                    config=config)
     profiler = None
@@ -77,15 +80,16 @@ def swarm_worker(args: argparse.Namespace) -> None:
             profiler.enable() if on else profiler.disable()
 
         peer.run(toggle(True))
-    times, failures = [], []
+    times, failures, cpu = [], [], []
     for _ in range(args.rounds + 1):
-        start = time.time()
+        start, cpu_start = time.time(), time.process_time()
         try:
             avg.step(timeout=60)
         except Exception as e:  # noqa: BLE001 - reported, the benchmark goes on
             failures.append(str(e))
             continue
         times.append((start, time.time()))
+        cpu.append(time.process_time() - cpu_start)
         if os.environ.get("BENCH_DEBUG"):
             print(f"rss {_rss_mb():.0f} MB, peak {_peak_mb():.0f} MB", file=sys.stderr, flush=True)
     if profiler is not None:
@@ -93,7 +97,7 @@ def swarm_worker(args: argparse.Namespace) -> None:
 
         peer.run(toggle(False))
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-    print(json.dumps({"times": times[1:], "baseline_mb": baseline, "peak_mb": _peak_mb(),
+    print(json.dumps({"times": times[1:], "cpu": cpu[1:], "baseline_mb": baseline, "peak_mb": _peak_mb(),
                       "tensor_mb": numel * 4 / 2**20, "failures": failures}), flush=True)
     sys.stdin.readline()
     peer.shutdown()
@@ -143,10 +147,10 @@ def raw_worker(args: argparse.Namespace) -> None:
         while got < len(view):
             got += s.recv_into(view[got:], min(chunk, len(view) - got))
 
-    times = []
+    times, cpu = [], []
     for _ in range(args.rounds + 1):
         barrier(socks, index)
-        start = time.time()
+        start, cpu_start = time.time(), time.process_time()
         threads = [threading.Thread(target=send, args=(socks[j], data[bounds[j]:bounds[j + 1]])) for j in socks]
         threads += [threading.Thread(target=recv, args=(socks[j], slots[j])) for j in socks]
         for t in threads:
@@ -166,7 +170,8 @@ def raw_worker(args: argparse.Namespace) -> None:
         result[bounds[index]:bounds[index + 1]].copy_(acc)
         data.copy_(result)
         times.append((start, time.time()))
-    print(json.dumps({"times": times[1:], "peak_mb": _peak_mb()}), flush=True)
+        cpu.append(time.process_time() - cpu_start)
+    print(json.dumps({"times": times[1:], "cpu": cpu[1:], "peak_mb": _peak_mb()}), flush=True)
     sys.stdin.readline()
 
 
@@ -189,13 +194,14 @@ def barrier(socks: dict[int, socket.socket], index: int) -> None:
 # driver
 
 
-def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0) -> list[dict]:
+def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0, transport: str = "bulk") -> list[dict]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="33554432", MALLOC_TRIM_THRESHOLD_="1073741824",
                PYTHONPATH=ROOT)
     procs = []
     for i in range(n):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--index", str(i), "--n", str(n),
-               "--mbytes", str(args.mbytes), "--rounds", str(args.rounds), "--compression", str(compression)]
+               "--mbytes", str(args.mbytes), "--rounds", str(args.rounds), "--compression", str(compression),
+               "--transport", transport]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
     try:
         addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
@@ -236,6 +242,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=0)
     parser.add_argument("--compression", type=int, default=0)
     parser.add_argument("--skip-fp16", action="store_true")
+    parser.add_argument("--skip-grpc", action="store_true", help="skip the run with tensors over gRPC streams only")
+    parser.add_argument("--transport", choices=["bulk", "grpc"], default="bulk", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "swarm":
         return swarm_worker(args)
@@ -243,13 +251,22 @@ def main() -> None:
         return raw_worker(args)
     goals = {4: 0.4, 8: 0.8}
     for n in args.peers:
-        raw = round_seconds(run_group("raw", n, args))
-        print(f"raw-socket butterfly  {n} peers, {args.mbytes} MB fp32: {raw:.3f} s/round (ceiling)", flush=True)
+        raw_reports = run_group("raw", n, args)
+        raw = round_seconds(raw_reports)
+        raw_cpu = statistics.median(c for r in raw_reports for c in r["cpu"])
+        print(f"raw-socket butterfly  {n} peers, {args.mbytes} MB fp32: {raw:.3f} s/round (ceiling);"
+              f" {raw_cpu:.3f} s of CPU per peer per round", flush=True)
+        if not args.skip_grpc:
+            grpc = round_seconds(run_group("swarm", n, args, transport="grpc"))
+            print(f"swarm over gRPC only  {n} peers, {args.mbytes} MB fp32: {grpc:.3f} s/round"
+                  f" ({100 * raw / grpc:.0f}% of raw-socket ceiling)", flush=True)
         reports = run_group("swarm", n, args)
-        grpc = round_seconds(reports)
+        bulk = round_seconds(reports)
         goal = goals.get(n)
-        print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32: {grpc:.3f} s/round"
-              f" ({100 * raw / grpc:.0f}% of raw-socket ceiling{f'; goal <= {goal} s' if goal else ''})", flush=True)
+        cpu = statistics.median(c for r in reports for c in r["cpu"])
+        print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32: {bulk:.3f} s/round"
+              f" ({100 * raw / bulk:.0f}% of raw-socket ceiling{f'; goal <= {goal} s' if goal else ''});"
+              f" {cpu:.3f} s of CPU per peer per round", flush=True)
         peak = max(r["peak_mb"] for r in reports)
         base = max(r["baseline_mb"] for r in reports)
         tensor = reports[0]["tensor_mb"]

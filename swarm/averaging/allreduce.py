@@ -237,7 +237,9 @@ class ButterflyAllReduce:
             assert self.flat is not None
             for a, b in chunk_bounds(p.size, self.chunk_numel):
                 try:
-                    payload = self.codec.encode(self.flat.read(p.start + a, p.start + b))
+                    # views of our tensors where the codec allows (NONE): the bulk channel sends
+                    # them without a copy; they stay unchanged until the round applies its result
+                    payload = self.codec.encode_views(self.flat.read(p.start + a, p.start + b))
                 except CompressionError as e:
                     yield encode_failure_message(p.index, f"cannot encode: {e}")
                     break
@@ -259,7 +261,8 @@ class ButterflyAllReduce:
         loop = asyncio.get_running_loop()
         try:
             channel = self.peer.pool.get(reducer.addr)
-            stream = channel.stream(REDUCE, self._requests(p, cancel), timeout=max(0.01, self.deadline - loop.time()))
+            stream = channel.stream(REDUCE, self._requests(p, cancel), timeout=max(0.01, self.deadline - loop.time()),
+                                    bulk=self.config.bulk)
             receiver = asyncio.ensure_future(self._receive(p, stream))
             canceller = asyncio.ensure_future(cancel.wait())
             try:

@@ -31,6 +31,8 @@ class AllReduceConfig:
         linger: seconds after the round's end that results stay available to members fetching a
             part they lost.
         join_grace: how long a stream for a round this peer has not heard of yet may wait for it.
+        bulk: send parts over the reducers' bulk side channel (`swarm.net.bulk`) where it can be
+            reached, else over gRPC streams (the same protocol either way).
     """
 
     chunk_bytes: int = 1 << 20
@@ -40,6 +42,7 @@ class AllReduceConfig:
     give_up_decision: float = 0.7
     linger: float = 2.0
     join_grace: float = 5.0
+    bulk: bool = True
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= 4 << 20:

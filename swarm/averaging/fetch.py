@@ -80,7 +80,7 @@ async def _fetch_from(ar: ButterflyAllReduce, p: Part, holder: int) -> tuple[tor
     header: averaging_pb2.ResultHeader | None = None
     i = 0
     async for message in channel.stream(FETCH, [request.SerializeToString()],
-                                        timeout=max(0.01, ar.deadline - loop.time())):
+                                        timeout=max(0.01, ar.deadline - loop.time()), bulk=ar.config.bulk):
         if header is None:
             header = averaging_pb2.ResultHeader.FromString(message)
             continue

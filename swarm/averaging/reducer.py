@@ -22,6 +22,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -110,7 +111,6 @@ class PartReducer:
         self.streams_closed = asyncio.Event()  # every remote sender closed its stream cleanly
         self._acked = asyncio.Event()
         self._payloads: list[bytes | None] = []
-        self._payload_takers: list[int] = []
         self._task: asyncio.Task[None] | None = None
         self._streams: list[asyncio.Task[None]] = []
 
@@ -241,11 +241,7 @@ class PartReducer:
         if self.size:
             await loop.run_in_executor(None, compute)
         self.slots_released.set()  # on the loop: asyncio events are not thread-safe
-        n = len(self.chunks)
-        self._payload_takers = [0] * n
-        if self.codec.kind == 0:
-            self._payloads = [None] * n
-        else:
+        if self.codec.kind != 0:
             # lossy codec: encode once, and keep what the others will decode as our own copy
             def encode_all() -> list[bytes | None]:
                 out: list[bytes | None] = []
@@ -280,15 +276,15 @@ class PartReducer:
         """The averaged part (valid once `finished` is set and not aborted)."""
         return self.sum
 
-    def _payload(self, i: int, takers: int) -> bytes:
+    def _payload(self, i: int) -> Any:
+        """Chunk `i` of the mean as sent: views of it (NONE, fixed until the round is released), or
+        the payload encoded once for every stream (lossy codecs)."""
+        a, b = self.chunks[i]
+        if self.codec.kind == 0:
+            return self.codec.encode_views(self.sum[a:b])
         payload = self._payloads[i]
-        if payload is None:
-            a, b = self.chunks[i]
-            payload = self.codec.encode(self.sum[a:b])
-            self._payloads[i] = payload
-        self._payload_takers[i] += 1
-        if self._payload_takers[i] >= takers and self.codec.kind == 0:
-            self._payloads[i] = None  # every stream has it: re-encode on a rare extra request
+        if payload is None:  # not reached: lossy payloads are all encoded before the first is sent
+            payload = self._payloads[i] = self.codec.encode(self.sum[a:b])
         return payload
 
     # -- a sender's stream -------------------------------------------------------------------
@@ -336,7 +332,6 @@ class PartReducer:
             decision=self.decision.to_bytes(), part=self.part, compression=int(self.codec.kind)
         ).SerializeToString()
         n = len(self.chunks)
-        takers = sum(1 for s in self.senders.values() if s.streaming)
         if n == 0 and sender.client_mode:
             await self._wait_server_acks(deadline)
         yield result_header
@@ -345,7 +340,7 @@ class PartReducer:
                 await self._wait_server_acks(deadline)
             if sender.broken:
                 raise FaultInjected(f"stream from member {header.sender} dropped")
-            yield self._payload(i, takers)
+            yield self._payload(i)
             self.sent_chunks += 1
             await self.faults.hit(FaultPoint.DURING_ALL_GATHER, self.sent_chunks)
         # keep the call open until the sender holds every part and closes its side

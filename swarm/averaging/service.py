@@ -56,11 +56,11 @@ class AveragingService:
         self.state_handlers: dict[str, Callable[[averaging_pb2.StateRequest, CallContext], AsyncIterator[bytes]]] = {}
         server = peer.server
         if server is not None:
-            server.add_stream(REDUCE, self.rpc_reduce)
+            server.add_stream(REDUCE, self.rpc_reduce, bulk=True)
             server.add_unary(REPORT, self.rpc_report, averaging_pb2.ReduceReport)
-            server.add_stream(FETCH, self.rpc_fetch, request_streaming=False)
+            server.add_stream(FETCH, self.rpc_fetch, request_streaming=False, bulk=True)
             server.add_unary(JOIN, self.rpc_join, averaging_pb2.JoinRequest)
-            server.add_stream(STATE, self.rpc_state, request_streaming=False)
+            server.add_stream(STATE, self.rpc_state, request_streaming=False, bulk=True)
 
     @classmethod
     def of(cls, peer: Any) -> AveragingService:

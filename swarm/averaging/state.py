@@ -291,7 +291,7 @@ async def aload_state_from_peers(
         )
         try:
             header: averaging_pb2.StateHeader | None = None
-            async for message in channel.stream(STATE, [request.SerializeToString()], timeout=remaining):
+            async for message in channel.stream(STATE, [request.SerializeToString()], timeout=remaining, bulk=True):
                 if header is None:
                     header = averaging_pb2.StateHeader.FromString(message)
                     if receiver is None or header.version != receiver.version or header.offset != receiver.offset:

@@ -264,6 +264,16 @@ class Codec(abc.ABC):
         # One copy, from the warm scratch buffer into the new bytes object that gRPC will send.
         return ctypes.string_at(dst.data_ptr(), size)
 
+    def encode_views(self, tensor: torch.Tensor) -> tuple[Buffer, ...]:
+        """The payload `encode` would return, as buffers to send one after the other.
+
+        A codec that stores the tensor's own bytes (NONE) returns its header and a view of the
+        tensor's memory, so a transport that writes buffers (`swarm.net.bulk`) sends them without
+        copying; the tensor must then stay unchanged until they are sent. Others return
+        `(encode(tensor),)`.
+        """
+        return (self.encode(tensor),)
+
     def encode_into(self, tensor: torch.Tensor, buffer: bytearray | memoryview) -> int:
         """Encodes like `encode`, but into the start of a caller's writable buffer.
 

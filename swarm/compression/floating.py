@@ -16,11 +16,16 @@ import struct
 import torch
 
 from swarm.compression.base import (
+    _DTYPE_TO_CODE,
+    _HEADER,
+    FORMAT_VERSION,
     HEADER_SIZE,
+    Buffer,
     Codec,
     CompressionError,
     CompressionType,
     PayloadHeader,
+    _flat_input,
     _write,
     value_range,
 )
@@ -61,6 +66,13 @@ class NoCompression(Codec):
 
     def _encode_body(self, flat: torch.Tensor, body: torch.Tensor) -> None:
         body.view(flat.dtype).copy_(flat)
+
+    def encode_views(self, tensor: torch.Tensor) -> tuple[Buffer, ...]:
+        flat = _flat_input(tensor).contiguous()
+        header = _HEADER.pack(int(self.kind), FORMAT_VERSION, _DTYPE_TO_CODE[flat.dtype], flat.numel())
+        if flat.numel() == 0:
+            return (header,)
+        return header, memoryview(flat.view(torch.uint8).numpy())
 
     def _decode_body(
         self, payload: memoryview, header: PayloadHeader, out: torch.Tensor, weight: float | None

@@ -8,6 +8,7 @@ cannot prove it holds the PeerID the caller dialed. Failures surface as swarm's 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -16,13 +17,23 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from swarm.core.errors import ConfigError, InvalidRequest, RPCError, Unauthenticated
+from swarm.core.errors import (
+    ConfigError,
+    InvalidRequest,
+    NotFound,
+    PeerUnreachable,
+    RPCError,
+    Unauthenticated,
+)
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
+from swarm.net import bulk as bulk_channel
 from swarm.net.auth import TicketSigner, check_handshake
 from swarm.net.errors import from_grpc_error
 from swarm.proto import peer_pb2
+
+logger = logging.getLogger(__name__)
 
 HANDSHAKE = "/swarm.Peer/Handshake"
 INFO = "/swarm.Peer/Info"
@@ -36,11 +47,14 @@ class ChannelConfig:
         default_timeout: deadline, in seconds, for calls that do not pass their own.
         max_message_bytes: largest single message sent or received.
         handshake_timeout: deadline for proving the callee's identity on a new channel.
+        bulk_connect_timeout: how long dialing a peer's bulk port may take before its streams
+            fall back to gRPC.
     """
 
     default_timeout: float = 10.0
     max_message_bytes: int = 8 << 20
     handshake_timeout: float = 5.0
+    bulk_connect_timeout: float = 1.0
 
     def __post_init__(self) -> None:
         if self.default_timeout <= 0 or self.handshake_timeout <= 0:
@@ -57,6 +71,7 @@ class PeerChannel:
         self._channel: grpc.aio.Channel | None = None
         self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._verified: asyncio.Future[None] | None = None
+        self.bulk_reachable: bool | None = None  # None: not tried yet; False: use gRPC streams only
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -139,10 +154,39 @@ class PeerChannel:
                                  peer_id=self.peer_id) from None
 
     async def stream(
-        self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None
+        self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None,
+        *, bulk: bool = False,
     ) -> AsyncIterator[bytes]:
-        """Bidirectional stream of raw-bytes messages; yields responses; errors become `RPCError`."""
+        """Bidirectional stream of raw-bytes messages; yields responses; errors become `RPCError`.
+
+        With `bulk=True` the stream runs over the callee's bulk side channel (`swarm.net.bulk`) when
+        it has one for `method` and its port can be reached, else over gRPC, with the same results.
+        """
         await self.verify()
+        timeout = timeout or self.pool.config.default_timeout
+        if bulk and self.bulk_reachable is not False:
+            connection = await self._open_bulk(method, timeout)
+            if connection is not None:
+                stats = self.pool.metrics.method(method)  # metrics (issue #7)
+                started, ok = stats.start(), False  # metrics
+                sent, received = stats.sent, stats.received
+
+                def count_sent(n: int) -> None:
+                    sent.value += n
+
+                def count_received(n: int) -> None:
+                    received.value += n
+
+                conn, deadline = connection
+                try:
+                    async for response in bulk_channel.exchange(
+                        conn, requests, deadline, self.peer_id, method, count_sent, count_received,
+                    ):
+                        yield response
+                    ok = True
+                finally:
+                    stats.finish(started, ok)  # metrics
+                return
         stats = self.pool.metrics.method(method)  # metrics (issue #7)
         started, ok = stats.start(), False  # metrics
         call = self.channel.stream_stream(method)(
@@ -159,6 +203,30 @@ class PeerChannel:
         finally:
             call.cancel()
             stats.finish(started, ok)  # metrics
+
+    async def _open_bulk(self, method: str, timeout: float) -> tuple[bulk_channel.FrameConnection, float] | None:
+        """A connection for one bulk stream, or None to use gRPC (no side channel, or unreachable)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            opened = await self.unary(bulk_channel.OPEN_BULK, peer_pb2.BulkOpenRequest(method=method, timeout=timeout),
+                                      peer_pb2.BulkOpenResponse, timeout=min(timeout, self.pool.config.handshake_timeout))
+        except NotFound:
+            self.bulk_reachable = False  # an older peer, or no bulk port there
+            return None
+        if not opened.port or len(opened.token) != bulk_channel.TOKEN_BYTES:
+            self.bulk_reachable = False
+            return None
+        connect_timeout = min(self.pool.config.bulk_connect_timeout, max(0.01, deadline - loop.time()))
+        try:
+            conn = await bulk_channel.connect(self.addr.host, opened.port, opened.token, connect_timeout,
+                                              self.pool.config.max_message_bytes, self.peer_id)
+        except PeerUnreachable as e:
+            logger.info("bulk port of %s unreachable (%s): its streams use gRPC", self.peer_id, e)
+            self.bulk_reachable = False
+            return None
+        self.bulk_reachable = True
+        return conn, deadline
 
     async def stream_unary(
         self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None
@@ -255,9 +323,12 @@ def _counted(
 ) -> AsyncIterator[bytes] | Iterable[bytes]:
     """Counts sent bytes of a request stream (metrics, issue #7): one addition per message."""
     sent = stats.sent
+    # gRPC sends bytes: a message given as a tuple of buffers (`Codec.encode_views`) is joined here
     if hasattr(requests, "__aiter__"):
         async def count_async() -> AsyncIterator[bytes]:
             async for request in requests:  # type: ignore[union-attr]
+                if not isinstance(request, bytes):
+                    request = b"".join(request) if isinstance(request, tuple | list) else bytes(request)
                 sent.value += len(request)
                 yield request
 
@@ -265,6 +336,8 @@ def _counted(
 
     def count_sync() -> Iterable[bytes]:
         for request in requests:  # type: ignore[union-attr]
+            if not isinstance(request, bytes):
+                request = b"".join(request) if isinstance(request, tuple | list) else bytes(request)
             sent.value += len(request)
             yield request
 

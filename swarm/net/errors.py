@@ -46,6 +46,11 @@ def from_grpc_error(error: grpc.RpcError, peer_id: str | None = None, method: st
     """Translates a failed call into swarm's error tree, keeping the callee's message."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
+    return from_status(code, details, peer_id, method)
+
+
+def from_status(code: grpc.StatusCode, details: str, peer_id: str | None = None, method: str = "") -> RPCError:
+    """The typed error for a status and its message (a gRPC call's, or a bulk stream's ERROR frame)."""
     cls = _FROM_STATUS.get(code, RemoteError)
     where = f" ({method} on {peer_id})" if peer_id else (f" ({method})" if method else "")
     return cls(f"{details or code.name}{where}", peer_id=peer_id)

@@ -8,6 +8,7 @@ Handlers may be added after the server started (dispatch looks them up per call)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,7 +23,9 @@ from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
 from swarm.net.auth import TicketVerifier
+from swarm.net.bulk import OPEN_BULK, BulkListener
 from swarm.net.errors import to_status
+from swarm.proto import peer_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +39,15 @@ class ServerConfig:
         max_concurrent_rpcs: calls in flight at once; past it new calls get RESOURCE_EXHAUSTED.
         max_concurrent_streams: HTTP/2 streams per connection.
         shutdown_grace: seconds in-flight calls get to finish when the server stops.
+        bulk: open the bulk side channel (`swarm.net.bulk`) for streams registered with
+            ``bulk=True``; without it they run over gRPC only.
     """
 
     max_message_bytes: int = 8 << 20
     max_concurrent_rpcs: int = 2048
     max_concurrent_streams: int = 512
     shutdown_grace: float = 2.0
+    bulk: bool = True
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < (1 << 20) + 4096:
@@ -52,13 +58,19 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class CallContext:
-    """What a handler knows about the call: the authenticated caller and the gRPC context."""
+    """What a handler knows about the call: the authenticated caller, and the gRPC context (None
+    for a stream on the bulk side channel, which has a `deadline` in loop time instead)."""
 
     peer_id: str
-    grpc_context: grpc.aio.ServicerContext
+    grpc_context: grpc.aio.ServicerContext | None
+    deadline: float | None = None
 
     def time_remaining(self) -> float | None:
-        return self.grpc_context.time_remaining()
+        if self.grpc_context is not None:
+            return self.grpc_context.time_remaining()
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
 
 UnaryHandler = Callable[[Any, CallContext], Awaitable[Any]]
@@ -66,7 +78,26 @@ StreamHandler = Callable[[AsyncIterator[bytes], CallContext], AsyncIterator[Any]
 
 
 def _serialize(response: Any) -> bytes:
-    return response if isinstance(response, bytes) else response.SerializeToString()
+    """The bytes gRPC sends for a response: itself, a message's encoding, or joined buffers."""
+    if isinstance(response, bytes):
+        return response
+    if isinstance(response, tuple | list):
+        return b"".join(response)
+    if isinstance(response, bytearray | memoryview):
+        return bytes(response)
+    return response.SerializeToString()
+
+
+def as_frame(response: Any) -> Any:
+    """What the bulk side channel sends for a response: buffers as they are, a message's encoding."""
+    if isinstance(response, bytes | bytearray | memoryview | tuple | list):
+        return response
+    return response.SerializeToString()
+
+
+def frame_length(message: Any) -> int:
+    """Bytes in a message that may be a tuple of buffers."""
+    return sum(len(part) for part in message) if isinstance(message, tuple | list) else len(message)
 
 
 def _decode(request_type: type[Message] | None, data: bytes) -> Any:
@@ -108,6 +139,9 @@ class RPCServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics = RPCMetrics("server")  # metrics (issue #7)
+        self.bulk = BulkListener({}, lambda caller, deadline: CallContext(caller, None, deadline),
+                                 self.config.max_message_bytes)
+        self.add_unary(OPEN_BULK, self._open_bulk, peer_pb2.BulkOpenRequest)
 
     # -- registration -------------------------------------------------------------------------
 
@@ -150,14 +184,29 @@ class RPCServer:
 
         self._dispatcher.handlers[path] = grpc.unary_unary_rpc_method_handler(behavior)
 
-    def add_stream(self, path: str, handler: StreamHandler, *, request_streaming: bool = True) -> None:
+    def add_stream(self, path: str, handler: StreamHandler, *, request_streaming: bool = True,
+                   bulk: bool = False) -> None:
         """Registers `handler(request_iterator, ctx)`, an async generator of responses (bytes or messages).
 
         Requests arrive as raw bytes (a header, then tensor chunks). With `request_streaming=False`
-        the handler still receives an async iterator, holding the single request.
+        the handler still receives an async iterator, holding the single request. With `bulk=True`
+        callers may also reach it over the bulk side channel (`swarm.net.bulk`; `stream(bulk=True)`).
         """
 
         stats = self.metrics.method(path)  # metrics (issue #7)
+        if bulk:
+            async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+                started, ok = stats.start(), False  # metrics
+                try:
+                    async for response in handler(_counted(requests, stats), ctx):
+                        data = as_frame(response)
+                        stats.sent.value += frame_length(data)  # metrics
+                        yield data
+                    ok = True
+                finally:
+                    stats.finish(started, ok)  # metrics
+
+            self.bulk.handlers[path] = bulk_behavior
 
         async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             started, ok = stats.start(), False  # metrics
@@ -189,6 +238,10 @@ class RPCServer:
 
         self._dispatcher.handlers[path] = grpc.stream_unary_rpc_method_handler(behavior)
 
+    async def _open_bulk(self, request: peer_pb2.BulkOpenRequest, ctx: CallContext) -> peer_pb2.BulkOpenResponse:
+        token = self.bulk.issue(ctx.peer_id, request.method, request.timeout)
+        return peer_pb2.BulkOpenResponse(port=self.bulk.port or 0, token=token)
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self, listen: Multiaddr) -> int:
@@ -217,9 +270,15 @@ class RPCServer:
             raise ConfigError(f"cannot listen on {listen} (is the port taken?)")
         await self._server.start()
         self.port = port
+        if cfg.bulk:
+            try:
+                await self.bulk.start(listen.host)
+            except OSError as e:
+                logger.warning("no bulk side channel on %s (%s): tensors travel over gRPC only", listen.host, e)
         return port
 
     async def stop(self, grace: float | None = None) -> None:
+        await self.bulk.stop()
         if self._server is not None:
             await self._server.stop(self.config.shutdown_grace if grace is None else grace)
             self._server = None

@@ -44,7 +44,7 @@ def serve_state(server: RPCServer, run_id: str, snapshot: SnapshotFn) -> None:
     providers = _PROVIDERS.get(server)
     if providers is None:
         providers = _PROVIDERS[server] = {}
-        server.add_stream(GET_STATE, _make_handler(providers), request_streaming=False)
+        server.add_stream(GET_STATE, _make_handler(providers), request_streaming=False, bulk=True)
     providers[run_id] = snapshot
 
 
@@ -81,7 +81,7 @@ def _make_handler(providers: dict[str, SnapshotFn]) -> Callable[[AsyncIterator[b
 async def call_get_state(peer: Any, addr: str, run_id: str, timeout: float) -> TrainingState:
     """Downloads the state of `run_id` from the peer at `addr`; raises `RPCError`, ValueError or TypeError."""
     channel = peer.pool.get(addr)
-    stream = channel.stream(GET_STATE, [pack({"run_id": run_id})], timeout=timeout)
+    stream = channel.stream(GET_STATE, [pack({"run_id": run_id})], timeout=timeout, bulk=True)
     try:
         tensors, metadata = await receive_tensors(stream)
     finally:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x05swarm\"\r\n\x0bInfoRequest\"}\n\x08PeerInfo\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05\x61\x64\x64rs\x18\x03 \x03(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x13\n\x0b\x63lient_mode\x18\x05 \x01(\x08\x12\x0c\n\x04time\x18\x06 \x01(\x01\x12\x0f\n\x07\x65xperts\x18\x07 \x03(\t\"=\n\x10HandshakeRequest\x12\x11\n\tchallenge\x18\x01 \x01(\x0c\x12\x16\n\x0e\x63\x61ller_peer_id\x18\x02 \x01(\t\":\n\x11HandshakeResponse\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x05swarm\"\r\n\x0bInfoRequest\"}\n\x08PeerInfo\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05\x61\x64\x64rs\x18\x03 \x03(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x13\n\x0b\x63lient_mode\x18\x05 \x01(\x08\x12\x0c\n\x04time\x18\x06 \x01(\x01\x12\x0f\n\x07\x65xperts\x18\x07 \x03(\t\"=\n\x10HandshakeRequest\x12\x11\n\tchallenge\x18\x01 \x01(\x0c\x12\x16\n\x0e\x63\x61ller_peer_id\x18\x02 \x01(\t\":\n\x11HandshakeResponse\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"2\n\x0f\x42ulkOpenRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"/\n\x10\x42ulkOpenResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,4 +39,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_end=224
   _globals['_HANDSHAKERESPONSE']._serialized_start=226
   _globals['_HANDSHAKERESPONSE']._serialized_end=284
+  _globals['_BULKOPENREQUEST']._serialized_start=286
+  _globals['_BULKOPENREQUEST']._serialized_end=336
+  _globals['_BULKOPENRESPONSE']._serialized_start=338
+  _globals['_BULKOPENRESPONSE']._serialized_end=385
 # @@protoc_insertion_point(module_scope)

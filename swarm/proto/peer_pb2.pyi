@@ -43,3 +43,19 @@ class HandshakeResponse(_message.Message):
     public_key: bytes
     signature: bytes
     def __init__(self, public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class BulkOpenRequest(_message.Message):
+    __slots__ = ("method", "timeout")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    timeout: float
+    def __init__(self, method: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class BulkOpenResponse(_message.Message):
+    __slots__ = ("port", "token")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    token: bytes
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...

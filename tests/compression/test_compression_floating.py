@@ -132,3 +132,25 @@ def test_half_types_accept_every_input_dtype(kind: CompressionType, dtype: torch
     assert y.dtype == dtype
     tolerance = 2**-8 if dtype == torch.bfloat16 else 2**-11
     assert torch.all((y.double() - x.double()).abs() <= tolerance * x.double().abs().max())
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_none_views_are_the_payload_and_share_the_tensors_memory(dtype: torch.dtype) -> None:
+    from swarm.compression import get_codec
+
+    codec = get_codec(CompressionType.NONE)
+    x = _data("normal", 1000).to(dtype)
+    views = codec.encode_views(x[100:900])
+    assert b"".join(views) == codec.encode(x[100:900])
+    x[100] = 7  # a view, not a copy: it must stay unchanged until sent (the caller's promise)
+    assert b"".join(views) == codec.encode(x[100:900])
+    assert codec.encode_views(torch.empty(0, dtype=dtype)) == (codec.encode(torch.empty(0, dtype=dtype)),)
+
+
+def test_lossy_codecs_views_are_their_encoding() -> None:
+    from swarm.compression import get_codec
+
+    x = _data("normal", 1000)
+    for kind in (CompressionType.FLOAT16, CompressionType.SCALED_FLOAT16):
+        codec = get_codec(kind)
+        assert codec.encode_views(x) == (codec.encode(x),)

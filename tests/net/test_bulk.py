@@ -1,0 +1,202 @@
+"""The bulk side channel (swarm.net.bulk) between real peers: same results and errors as the gRPC
+stream, authenticated through a one-time token, refusing strangers and broken framing, and
+falling back to gRPC when the bulk port cannot be reached."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from swarm.core.errors import DeadlineExceeded, InvalidRequest, NotFound
+from swarm.net import bulk
+from swarm.net.server import ServerConfig
+from swarm.proto import peer_pb2
+
+ECHO = "/test.Bulk/Echo"
+
+
+def serve_echo(peer, seen: list | None = None, stopped: threading.Event | None = None) -> None:
+    """A stream that answers every request with its bytes reversed, then one summary message."""
+
+    async def echo(requests, ctx):
+        count = 0
+        async for message in requests:
+            if bytes(message) == b"fail":
+                raise InvalidRequest("asked to fail")
+            if bytes(message) == b"stall":
+                try:
+                    await asyncio.Event().wait()
+                finally:
+                    if stopped is not None:
+                        stopped.set()
+            count += 1
+            yield bytes(message)[::-1]
+        if seen is not None:
+            seen.append((ctx.peer_id, ctx.grpc_context is None))
+        yield f"{count} from {ctx.peer_id[-6:]}".encode()
+
+    peer.server.add_stream(ECHO, echo, bulk=True)
+
+
+def call(peer, target, requests, *, bulk_=True, timeout=10.0) -> list[bytes]:
+    async def go():
+        channel = peer.pool.get(target.addrs[0])
+        return [bytes(m) async for m in channel.stream(ECHO, requests, timeout=timeout, bulk=bulk_)]
+
+    return peer.run(go(), timeout=timeout + 5)
+
+
+def test_bulk_stream_gives_what_the_grpc_stream_gives(make_peer):
+    a, b = make_peer(), make_peer()
+    seen: list = []
+    serve_echo(a, seen)
+    big = bytes(range(256)) * 8192  # 2 MiB: larger than the read-ahead limit, so flow control runs
+    requests = [b"abc", big, b"", b"xyz"]
+    over_bulk = call(b, a, requests)
+    over_grpc = call(b, a, requests, bulk_=False)
+    assert over_bulk == over_grpc == [b"cba", big[::-1], b"", b"zyx", f"4 from {b.peer_id[-6:]}".encode()]
+    # the first call ran on the side channel, the second through gRPC; both know the caller
+    assert seen == [(b.peer_id, True), (b.peer_id, False)]
+    assert b.pool.get(a.addrs[0]).bulk_reachable is True
+
+
+def test_bulk_stream_carries_buffers_given_as_tuples_without_joining(make_peer):
+    a, b = make_peer(), make_peer()
+    serve_echo(a)
+    parts = (b"head-", memoryview(b"0123456789"), bytearray(b"-tail"))
+    assert call(b, a, [parts])[0] == b"head-0123456789-tail"[::-1]
+    assert call(b, a, [parts], bulk_=False)[0] == b"head-0123456789-tail"[::-1]
+
+
+def test_client_mode_peer_uses_the_bulk_channel_of_a_server(make_peer):
+    a = make_peer()
+    c = make_peer(client_mode=True)
+    seen: list = []
+    serve_echo(a, seen)
+    assert call(c, a, [b"hi"]) == [b"ih", f"1 from {c.peer_id[-6:]}".encode()]
+    assert seen == [(c.peer_id, True)]
+
+
+def test_handler_errors_arrive_as_the_same_typed_errors(make_peer):
+    a, b = make_peer(), make_peer()
+    serve_echo(a)
+    for bulk_ in (True, False):
+        with pytest.raises(InvalidRequest, match="asked to fail"):
+            call(b, a, [b"ok", b"fail"], bulk_=bulk_)
+
+
+def test_a_stalled_stream_ends_at_its_deadline_on_both_sides(make_peer):
+    a, b = make_peer(), make_peer()
+    stopped = threading.Event()
+    serve_echo(a, stopped=stopped)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        call(b, a, [b"stall"], timeout=0.5)
+    assert time.monotonic() - started < 3.0
+    assert stopped.wait(5), "the callee's handler still runs past the stream's deadline"
+    assert call(b, a, [b"again"])[0] == b"niaga"  # and it serves the next stream
+
+
+def test_request_iterator_failure_ends_the_stream_with_that_error(make_peer):
+    a, b = make_peer(), make_peer()
+    serve_echo(a)
+
+    def requests():
+        yield b"one"
+        raise ValueError("the caller's data source broke")
+
+    with pytest.raises(ValueError, match="data source broke"):
+        call(b, a, requests())
+
+
+def test_falls_back_to_grpc_when_the_bulk_port_is_unreachable(make_peer):
+    a, b = make_peer(), make_peer()
+    seen: list = []
+    serve_echo(a, seen)
+    a.run(a.server.bulk.stop())  # the port stays advertised but nobody listens (a firewall, a container)
+    assert call(b, a, [b"hi"]) == [b"ih", f"1 from {b.peer_id[-6:]}".encode()]
+    assert seen == [(b.peer_id, False)]
+    assert b.pool.get(a.addrs[0]).bulk_reachable is False
+    call(b, a, [b"hi"])  # later streams go straight to gRPC
+    assert seen[-1] == (b.peer_id, False)
+
+
+def test_peer_without_a_bulk_channel_is_reached_over_grpc(make_peer):
+    a = make_peer(server_config=ServerConfig(bulk=False))
+    b = make_peer()
+    seen: list = []
+    serve_echo(a, seen)
+    assert call(b, a, [b"x"])[0] == b"x"
+    assert seen == [(b.peer_id, False)] and b.pool.get(a.addrs[0]).bulk_reachable is False
+
+
+def test_only_registered_streams_get_tokens(make_peer):
+    a, b = make_peer(), make_peer()
+
+    async def go():
+        channel = b.pool.get(a.addrs[0])
+        await channel.unary(bulk.OPEN_BULK, peer_pb2.BulkOpenRequest(method="/swarm.Peer/Info", timeout=5.0))
+
+    with pytest.raises(NotFound, match="not served over the bulk channel"):
+        b.run(go())
+
+
+def _token(b, a) -> tuple[int, bytes]:
+    async def go():
+        channel = b.pool.get(a.addrs[0])
+        opened = await channel.unary(bulk.OPEN_BULK, peer_pb2.BulkOpenRequest(method=ECHO, timeout=5.0),
+                                     peer_pb2.BulkOpenResponse)
+        return opened.port, opened.token
+
+    return b.run(go())
+
+
+def _frame(kind: int, payload: bytes) -> bytes:
+    return struct.pack("<BI", kind, len(payload)) + payload
+
+
+def _talk(port: int, data: bytes) -> bytes:
+    """Sends raw bytes to a bulk port and returns everything it answers until it closes."""
+    chunks = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        try:
+            s.sendall(data)
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except ConnectionResetError:
+            pass  # refused by a reset: what arrived before it is the answer
+    return b"".join(chunks)
+
+
+def test_strangers_and_replayed_tokens_get_nothing(make_peer):
+    a, b = make_peer(), make_peer()
+    serve_echo(a)
+    port, token = _token(b, a)
+    # a made-up token: the connection closes without an answer
+    assert _talk(port, _frame(bulk.DATA, b"\x00" * 16) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b"")) == b""
+    # the real token works once...
+    answer = _talk(port, _frame(bulk.DATA, token) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b""))
+    assert answer.startswith(_frame(bulk.DATA, b"ih"))
+    assert f"1 from {b.peer_id[-6:]}".encode() in answer and answer.endswith(_frame(bulk.END, b""))
+    # ...and never again
+    assert _talk(port, _frame(bulk.DATA, token) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b"")) == b""
+
+
+def test_oversized_or_malformed_frames_close_the_connection(make_peer):
+    a, b = make_peer(), make_peer()
+    serve_echo(a)
+    port, _ = _token(b, a)
+    # a stranger's first frame may be no larger than a token: 1 GiB is refused before allocating
+    assert _talk(port, struct.pack("<BI", bulk.DATA, 1 << 30)) == b""
+    # after a valid token: an unknown frame kind, then a frame above the message limit
+    port, token = _token(b, a)
+    assert _talk(port, _frame(bulk.DATA, token) + _frame(7, b"??")) == b""
+    port, token = _token(b, a)
+    assert _talk(port, _frame(bulk.DATA, token) + struct.pack("<BI", bulk.DATA, 1 << 30)) == b""
+    # the peer is unharmed
+    assert call(b, a, [b"ok"])[0] == b"ko"
