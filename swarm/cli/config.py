@@ -27,6 +27,7 @@ class PeerOptions:
     hidden_dim: int = 1024
     checkpoint_dir: str | None = None
     metrics_port: int | None = None
+    bulk_port: str | None = None
     log_level: str = "INFO"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -35,6 +36,9 @@ class PeerOptions:
             raise ConfigError(f"--hidden-dim must be positive, got {self.hidden_dim}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be a TCP port, got {self.metrics_port}")
+        if self.bulk_port is not None and self.bulk_port != "off" and not (
+                self.bulk_port.isdigit() and 0 <= int(self.bulk_port) <= 65535):
+            raise ConfigError(f"--bulk-port must be a TCP port or 'off', got {self.bulk_port!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.client_mode and self.experts:
@@ -61,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-dim", type=int, help="hidden size of served experts (default 1024)")
     parser.add_argument("--checkpoint-dir", help="where experts are saved periodically and at shutdown")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--bulk-port", help="TCP port of the side channel that carries tensors (default: any free "
+                                            "port; 'off': tensors over the gRPC port only, slower)")
     parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
 
 

@@ -51,6 +51,7 @@ def _attach_services(peer: object, options: PeerOptions) -> None:
 
 
 def run_daemon(options: PeerOptions) -> int:
+    from swarm.net.server import ServerConfig
     from swarm.peer import Peer
 
     stop = threading.Event()
@@ -74,6 +75,8 @@ def run_daemon(options: PeerOptions) -> int:
         client_mode=options.client_mode,
         announce=options.announce,
         role="expert-server" if options.experts else "peer",
+        server_config=ServerConfig(bulk=options.bulk_port != "off",
+                                   bulk_port=int(options.bulk_port) if options.bulk_port not in (None, "off") else 0),
     )
     try:
         _attach_services(peer, options)

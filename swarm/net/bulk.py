@@ -264,9 +264,9 @@ class BulkListener:
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
-    async def start(self, host: str) -> int:
+    async def start(self, host: str, port: int = 0) -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._protocol, host, 0)
+        self._server = await loop.create_server(self._protocol, host, port, reuse_port=False)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 

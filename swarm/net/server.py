@@ -40,7 +40,9 @@ class ServerConfig:
         max_concurrent_streams: HTTP/2 streams per connection.
         shutdown_grace: seconds in-flight calls get to finish when the server stops.
         bulk: open the bulk side channel (`swarm.net.bulk`) for streams registered with
-            ``bulk=True``; without it they run over gRPC only.
+            ``bulk=True``; without it they run over gRPC only (one port, slower tensors).
+        bulk_port: the side channel's TCP port (0: any free port); a peer behind a port
+            mapping publishes it too, or its callers fall back to gRPC.
     """
 
     max_message_bytes: int = 8 << 20
@@ -48,6 +50,7 @@ class ServerConfig:
     max_concurrent_streams: int = 512
     shutdown_grace: float = 2.0
     bulk: bool = True
+    bulk_port: int = 0
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < (1 << 20) + 4096:
@@ -272,8 +275,10 @@ class RPCServer:
         self.port = port
         if cfg.bulk:
             try:
-                await self.bulk.start(listen.host)
+                await self.bulk.start(listen.host, cfg.bulk_port)
             except OSError as e:
+                if cfg.bulk_port:
+                    raise ConfigError(f"cannot open the bulk port {listen.host}:{cfg.bulk_port}: {e}") from None
                 logger.warning("no bulk side channel on %s (%s): tensors travel over gRPC only", listen.host, e)
         return port
 

@@ -76,6 +76,7 @@ def test_environment_and_config_file(tmp_path):
         (["--listen", "/ip4/1.2.3/tcp/0"], {}, "not a valid /ip4 host"),
         (["--log-level", "LOUD"], {}, "--log-level must be"),
         ([], {"SWARM_CLIENT_MODE": "maybe"}, "SWARM_CLIENT_MODE: invalid value"),
+        (["--bulk-port", "70000"], {}, "--bulk-port must be a TCP port or 'off'"),
     ],
 )
 def test_bad_options_are_clear_errors(args, env, message, tmp_path):
@@ -100,3 +101,18 @@ def test_console_script_is_installed():
     exe = os.path.join(os.path.dirname(sys.executable), "swarm-peer")
     result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 0 and "--initial-peers" in result.stdout
+
+
+def test_bulk_port_option_reaches_the_server():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--bulk-port",
+                                 str(port)], capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2 and f"cannot open the bulk port 127.0.0.1:{port}" in result.stderr, result.stderr
+    assert clean(result.stderr), result.stderr
+    with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", "--bulk-port", "off") as peer:
+        assert peer.stop() == 0
