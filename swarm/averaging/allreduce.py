@@ -28,11 +28,13 @@ from swarm.averaging.fetch import fetch_part, serve_part
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.averaging.parts import Part, PartState, RoundFailed, plan_parts, scratch_numel
-from swarm.averaging.reducer import PartReducer, encode_failure_message
+from swarm.averaging.reducer import PartReducer, encode_failure_message, is_raw_float32
 from swarm.averaging.service import REDUCE
 from swarm.compression import Codec, CompressionError, get_codec
+from swarm.compression.base import HEADER_SIZE
 from swarm.core.errors import InvalidRequest
 from swarm.core.loop import spawn
+from swarm.net.bulk import Sink, Sunk
 from swarm.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
@@ -197,6 +199,8 @@ class ButterflyAllReduce:
             p.decision = decision
         if state is not PartState.FAILED:
             p.resolved.set()
+            if p.sink is not None:
+                p.sink.detach()  # held, fetched or given up: nothing more is written into p.values
         p.settled.set()
         self._changed.set()
 
@@ -261,8 +265,10 @@ class ButterflyAllReduce:
         loop = asyncio.get_running_loop()
         try:
             channel = self.peer.pool.get(reducer.addr)
+            if self.codec.kind == 0 and p.values is not None:
+                p.sink = Sink(self._chooser(p))
             stream = channel.stream(REDUCE, self._requests(p, cancel), timeout=max(0.01, self.deadline - loop.time()),
-                                    bulk=self.config.bulk)
+                                    bulk=self.config.bulk, sink=p.sink)
             receiver = asyncio.ensure_future(self._receive(p, stream))
             canceller = asyncio.ensure_future(cancel.wait())
             try:
@@ -286,6 +292,24 @@ class ButterflyAllReduce:
         except Exception as e:  # noqa: BLE001 - a reducer that died or stalled is an expected event
             logger.debug("part %d stream from %s failed: %s", p.index, reducer.peer_id[-8:], e)
             self.resolve(p, PartState.FAILED, f"stream from reducer {reducer.peer_id[-8:]} broke ({e})")
+
+    def _chooser(self, p: Part) -> Any:
+        """Where result messages of part `p` go on the bulk channel: straight into `p.values` (after a
+        scratch buffer for the codec's header), once the slots it shares memory with are free."""
+        bounds = chunk_bounds(p.size, self.chunk_numel)
+
+        def choose(index: int, length: int) -> tuple[bytearray, Any] | None:
+            i = index - 1  # message 0 is the ResultHeader
+            if not 0 <= i < len(bounds) or p.state is not PartState.PENDING or p.values is None:
+                return None
+            if self.reducer is not None and not self.reducer.slots_released.is_set():
+                return None
+            a, b = bounds[i]
+            if length != self.codec.encoded_size(b - a):
+                return None
+            return bytearray(HEADER_SIZE), p.values[a:b].view(torch.uint8).numpy()
+
+        return choose
 
     async def _receive(self, p: Part, stream: Any) -> None:
         header: averaging_pb2.ResultHeader | None = None
@@ -314,7 +338,11 @@ class ButterflyAllReduce:
                 raise InvalidRequest("reducer sent more chunks than its part holds")
             a, b = bounds[i]
             assert p.values is not None
-            self.codec.decode(message, p.values[a:b])
+            if isinstance(message, Sunk):  # already in p.values: check what the header says
+                if message.dropped or not is_raw_float32(message.views[0], b - a):
+                    raise InvalidRequest("reducer sent a malformed chunk")
+            else:
+                self.codec.decode(message, p.values[a:b])
             i += 1
             self.received_chunks += 1
             await self.faults.hit(FaultPoint.AFTER_RESULTS_RECEIVED, self.received_chunks)
@@ -328,6 +356,9 @@ class ButterflyAllReduce:
     def close(self) -> None:
         """Cancels whatever still runs for this round (at release or shutdown)."""
         self.finished.set()
+        for p in self.parts:
+            if p.sink is not None:
+                p.sink.detach()  # the scratch buffer is about to serve another round
         for task in self._tasks:
             task.cancel()
         if self.reducer is not None:

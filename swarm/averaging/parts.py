@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,7 @@ class Part:
     fetch: asyncio.Task[None] | None = None
     last_progress: float = 0.0
     exchange: asyncio.Task[None] | None = None
+    sink: Any = None  # swarm.net.bulk.Sink receiving the averaged part straight into `values`
     resolved: asyncio.Event = field(default_factory=asyncio.Event)  # complete, lost or aborted
     settled: asyncio.Event = field(default_factory=asyncio.Event)   # no longer pending
 

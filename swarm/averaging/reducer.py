@@ -32,8 +32,11 @@ from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.compression import Codec, CompressionError, has_nonfinite
+from swarm.compression.base import HEADER_SIZE, read_header
 from swarm.core.errors import InvalidRequest
 from swarm.core.loop import spawn
+from swarm.net.bulk import Sink, Sunk
+from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,7 @@ class _Sender:
     broken: bool = False
     client_mode: bool = False
     last_progress: float = 0.0
+    sink: Sink | None = None  # receives its chunks straight into its slot (bulk channel, NONE codec)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # acked, or its stream ended
 
     @property
@@ -136,6 +140,7 @@ class PartReducer:
         return bool(self.abort_reason)
 
     def close(self) -> None:
+        self._detach_sinks()
         if self._task is not None and not self._task.done():
             self._task.cancel()
         for task in self._streams:
@@ -144,6 +149,7 @@ class PartReducer:
             self._abort("the peer is shutting down")
 
     def _abort(self, reason: str) -> None:
+        self._detach_sinks()
         if not self.finished.is_set():
             self.abort_reason = reason or "aborted"
             self.finished.set()
@@ -154,6 +160,7 @@ class PartReducer:
         try:
             await self._collect(loop)
             self.frozen = True
+            self._detach_sinks()
             report = self._make_report()
             logger.debug("part %d: reporting after %.3f s", self.part, loop.time() - self.t0)
             await self.faults.hit(FaultPoint.BEFORE_REPORT)
@@ -290,9 +297,10 @@ class PartReducer:
     # -- a sender's stream -------------------------------------------------------------------
 
     async def rpc_reduce(
-        self, header: averaging_pb2.ReduceHeader, requests: AsyncIterator[bytes], caller: str
+        self, header: averaging_pb2.ReduceHeader, requests: AsyncIterator[bytes], ctx: CallContext
     ) -> AsyncIterator[bytes]:
         """Serves one sender's stream: reads its part, then yields the result header and chunks."""
+        caller = ctx.peer_id
         sender = self.senders.get(header.sender)
         if sender is None or header.sender == self.my_index:
             raise InvalidRequest(f"member {header.sender} does not send to this reducer")
@@ -304,6 +312,9 @@ class PartReducer:
             raise InvalidRequest("a second stream from the same sender")
         sender.streaming = True
         sender.has_data = header.has_data and sender.weight > 0
+        if sender.has_data and self.codec.kind == 0 and sender.slot is not None:
+            sender.sink = Sink(self._chooser(sender))
+            ctx.receive_into(sender.sink)
         loop = asyncio.get_running_loop()
         sender.last_progress = loop.time()
         reader = spawn(self._read(sender, requests), name=f"avg-read-p{self.part}-s{header.sender}")
@@ -346,6 +357,28 @@ class PartReducer:
         # keep the call open until the sender holds every part and closes its side
         await asyncio.wait({reader}, timeout=max(0.0, deadline + self.config.linger - loop.time()))
 
+    def _chooser(self, sender: _Sender) -> Any:
+        """Where chunk messages of `sender` go on the bulk channel: straight into its slot (after a
+        scratch buffer for the codec's header), while the part still collects."""
+
+        def choose(index: int, length: int) -> tuple[bytearray, Any] | None:
+            i = index - 1  # message 0 is the ReduceHeader
+            if not 0 <= i < len(self.chunks) or self.frozen or sender.failed:
+                return None
+            a, b = self.chunks[i]
+            if length != self.codec.encoded_size(b - a):
+                return None
+            assert sender.slot is not None
+            return bytearray(HEADER_SIZE), sender.slot[a:b].view(torch.uint8).numpy()
+
+        return choose
+
+    def _detach_sinks(self) -> None:
+        """From here on nothing more is received into the slots (they are about to hold results)."""
+        for s in self.senders.values():
+            if s.sink is not None:
+                s.sink.detach()
+
     async def _wait_server_acks(self, deadline: float) -> None:
         """Before a client-mode member may complete the part, every server-mode sender acknowledged
         it (or dropped out), so a member that lost the part can fetch it from a server-mode one."""
@@ -368,6 +401,17 @@ class PartReducer:
                     message = await it.__anext__()
                     if self.frozen or sender.failed:
                         continue  # reported already: late data is not in this round
+                    if isinstance(message, Sunk):  # already in the slot: check what the header says
+                        if message.dropped or not is_raw_float32(message.views[0], b - a):
+                            sender.failed = "malformed chunk"
+                            self._changed.set()
+                            return
+                        self.sum[a:b].add_(sender.slot[a:b], alpha=sender.weight)  # type: ignore[index]
+                        sender.added = True
+                        sender.last_progress = loop.time()
+                        self.received_chunks += 1
+                        await self.faults.hit(FaultPoint.AFTER_CHUNKS_RECEIVED, self.received_chunks)
+                        continue
                     if not message or message[0] != self.codec.kind:
                         sender.failed = _control_reason(message) or "malformed chunk"
                         self._changed.set()
@@ -412,6 +456,15 @@ class PartReducer:
             self._changed.set()
             if all(s.ended for s in self.senders.values() if s.index != self.my_index):
                 self.streams_closed.set()
+
+
+def is_raw_float32(header: Any, numel: int) -> bool:
+    """Whether a received codec header announces `numel` float32 values without compression."""
+    try:
+        parsed = read_header(bytes(header))
+    except CompressionError:
+        return False
+    return parsed.kind == 0 and parsed.dtype == torch.float32 and parsed.numel == numel
 
 
 def _control_reason(message: bytes) -> str:

@@ -122,7 +122,7 @@ class AveragingService:
         reducer = entry.allreduce.reducer
         if reducer is None:
             raise InvalidRequest("this member reduces no part (client mode)")
-        async for message in reducer.rpc_reduce(header, it, ctx.peer_id):
+        async for message in reducer.rpc_reduce(header, it, ctx):
             yield message
 
     async def rpc_report(self, request: averaging_pb2.ReduceReport, ctx: CallContext) -> bytes:

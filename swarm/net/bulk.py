@@ -67,6 +67,45 @@ class _Ticket:
     expires: float  # time.monotonic()
 
 
+class Sunk:
+    """A DATA frame received straight into a consumer's buffers (`FrameConnection.set_sink`).
+
+    Attributes:
+        views: the buffers, filled in order ([] when `dropped`).
+        dropped: the sink was detached mid-frame: the rest of the payload was discarded.
+    """
+
+    __slots__ = ("dropped", "length", "views")
+
+    def __init__(self, views: list[memoryview], length: int) -> None:
+        self.views, self.length, self.dropped = views, length, False
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class Sink:
+    """Where the payloads of a stream's later messages go, chosen per message by `choose(index, length)`
+    (buffers whose lengths add up to `length`, or None for an ordinary message); such a message
+    arrives as a `Sunk`. Pass it to `PeerChannel.stream(sink=...)` or `CallContext.receive_into`;
+    it only acts on the bulk side channel (gRPC messages always arrive as bytes).
+    """
+
+    def __init__(self, choose: Callable[[int, int], Any]) -> None:
+        self.choose = choose
+        self._conn: FrameConnection | None = None
+
+    def attach(self, conn: FrameConnection, offset: int = 0) -> None:
+        self._conn = conn
+        conn.set_sink(self.choose, offset)
+
+    def detach(self) -> None:
+        """Nothing more is written into the chosen buffers, even the rest of a message in progress."""
+        if self._conn is not None:
+            self._conn.detach_sink()
+            self._conn = None
+
+
 class FrameConnection(asyncio.BufferedProtocol):
     """One bulk connection: frames read straight into one buffer each (no stream-buffer copies),
     with flow control both ways.
@@ -85,8 +124,13 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._header_view = memoryview(self._header)
         self._got = 0
         self._kind = 0
-        self._payload: Any = None  # the frame being received: a numpy uint8 array or a bytearray
-        self._payload_view: memoryview | None = None
+        self._payload: Any = None  # an ordinary frame's buffer: a numpy uint8 array or a bytearray
+        self._targets: list[memoryview] | None = None  # where the current frame's payload goes
+        self._target = 0
+        self._sunk: Sunk | None = None
+        self.sink: Callable[[int, int], Any] | None = None
+        self._sink_offset = 0
+        self._ordinal = 0  # DATA frames seen
         self._frames: collections.deque[tuple[int, bytes | memoryview]] = collections.deque()
         self._queued = 0
         self._paused = False
@@ -105,13 +149,13 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.connected.set_result(None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._payload_view is not None:
-            return self._payload_view[self._got:]
+        if self._targets is not None:
+            return self._targets[self._target][self._got:]
         return self._header_view[self._got:]
 
     def buffer_updated(self, nbytes: int) -> None:
         self._got += nbytes
-        if self._payload_view is None:
+        if self._targets is None:
             if self._got < _HEADER.size:
                 return
             kind, length = _HEADER.unpack(self._header)
@@ -124,20 +168,75 @@ class FrameConnection(asyncio.BufferedProtocol):
                 return
             self._limit = self.max_frame_bytes
             self._kind, self._got = kind, 0
-            if length == 0:
+            views = self._sink_views(length) if kind == DATA else None
+            if kind == DATA:
+                self._ordinal += 1
+            if views is not None:
+                self._sunk = Sunk(views, length)
+                self._targets = [v for v in views if len(v)]
+            elif length == 0:
                 self._push(kind, b"")
                 return
-            # uninitialized memory (a bytearray would be zero-filled first, then overwritten)
-            self._payload = numpy.empty(length, dtype=numpy.uint8) if length >= _SMALL else bytearray(length)
-            self._payload_view = memoryview(self._payload)
+            else:
+                # uninitialized memory (a bytearray would be zero-filled first, then overwritten)
+                self._payload = numpy.empty(length, dtype=numpy.uint8) if length >= _SMALL else bytearray(length)
+                self._targets = [memoryview(self._payload)]
+            self._target = 0
+            if not self._targets:  # a sink that took an empty frame
+                self._complete()
             return
-        assert self._payload is not None
-        if self._got < len(self._payload):
+        if self._got < len(self._targets[self._target]):
             return
-        payload = self._payload_view if len(self._payload) >= _SMALL else bytes(self._payload)
-        self._payload = self._payload_view = None
+        self._target, self._got = self._target + 1, 0
+        if self._target == len(self._targets):
+            self._complete()
+
+    def _sink_views(self, length: int) -> list[memoryview] | None:
+        if self.sink is None:
+            return None
+        try:
+            views = self.sink(self._ordinal - self._sink_offset, length)
+            if views is None:
+                return None
+            views = [memoryview(v).cast("B") for v in views]
+        except Exception:  # a faulty sink costs a copy, never the connection
+            logger.debug("bulk sink failed", exc_info=True)
+            return None
+        if sum(len(v) for v in views) != length or any(v.readonly for v in views):
+            return None
+        return views
+
+    def _complete(self) -> None:
+        if self._sunk is not None:
+            payload: Any = self._sunk
+        elif self._payload is not None and len(self._payload) >= _SMALL:
+            payload = self._targets[0] if self._targets else b""
+        else:
+            payload = bytes(self._payload) if self._payload is not None else b""
+        self._payload = self._targets = self._sunk = None
         self._got = 0
         self._push(self._kind, payload)
+
+    def set_sink(self, sink: Callable[[int, int], Any] | None, offset: int = 0) -> None:
+        """Lets `sink(index, length)` choose where each later DATA frame's payload is received.
+
+        `index` counts the connection's DATA frames from `offset`; the sink returns buffers whose
+        lengths add up to `length` (the payload is received into them, in order, and `read_frame`
+        hands out a `Sunk`), or None for an ordinary payload. Frames already received are not
+        affected. `detach_sink` stops it, even in the middle of a frame.
+        """
+        self.sink, self._sink_offset = sink, offset
+
+    def detach_sink(self) -> None:
+        """No frame is received into the sink's buffers from now on (the rest of a frame it was
+        receiving is discarded, and that frame's `Sunk` says `dropped`)."""
+        self.sink = None
+        if self._sunk is not None and self._targets is not None:
+            rest = len(self._targets[self._target]) - self._got + sum(
+                len(v) for v in self._targets[self._target + 1:])
+            self._sunk.dropped = True
+            self._sunk.views = []
+            self._targets, self._target, self._got = [memoryview(bytearray(rest))], 0, 0
 
     def _push(self, kind: int, payload: bytes | memoryview) -> None:
         self._frames.append((kind, payload))
@@ -244,14 +343,15 @@ class BulkListener:
 
     Args:
         handlers: method path -> `handler(requests, ctx)` (the server's bulk-enabled streams).
-        make_context: builds the handler's `CallContext` from (caller PeerID, deadline).
+        make_context: builds the handler's `CallContext` from (caller PeerID, deadline, connection).
         max_frame_bytes: largest frame accepted.
         token_ttl: seconds a token stays valid before its connection arrives.
         max_tickets: tokens outstanding at once (more are refused: RESOURCE_EXHAUSTED).
     """
 
     def __init__(
-        self, handlers: dict[str, Any], make_context: Callable[[str, float], Any], max_frame_bytes: int,
+        self, handlers: dict[str, Any], make_context: Callable[[str, float, FrameConnection], Any],
+        max_frame_bytes: int,
         token_ttl: float = 10.0, max_tickets: int = 4096,
     ) -> None:
         self.handlers = handlers
@@ -325,7 +425,7 @@ class BulkListener:
             return  # unknown, used or expired: nothing to say to a stranger
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ticket.timeout
-        ctx = self.make_context(ticket.caller, deadline)
+        ctx = self.make_context(ticket.caller, deadline, conn)
         me = asyncio.current_task()
         assert me is not None
         expire = loop.call_at(deadline, me.cancel)

@@ -155,12 +155,14 @@ class PeerChannel:
 
     async def stream(
         self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None,
-        *, bulk: bool = False,
+        *, bulk: bool = False, sink: bulk_channel.Sink | None = None,
     ) -> AsyncIterator[bytes]:
         """Bidirectional stream of raw-bytes messages; yields responses; errors become `RPCError`.
 
         With `bulk=True` the stream runs over the callee's bulk side channel (`swarm.net.bulk`) when
-        it has one for `method` and its port can be reached, else over gRPC, with the same results.
+        it has one for `method` and its port can be reached, else over gRPC, with the same results;
+        there, `sink` may receive response payloads straight into the caller's buffers (a message
+        so received arrives as a `swarm.net.bulk.Sunk`).
         """
         await self.verify()
         timeout = timeout or self.pool.config.default_timeout
@@ -178,6 +180,8 @@ class PeerChannel:
                     received.value += n
 
                 conn, deadline = connection
+                if sink is not None:
+                    sink.attach(conn)
                 try:
                     async for response in bulk_channel.exchange(
                         conn, requests, deadline, self.peer_id, method, count_sent, count_received,

@@ -67,6 +67,16 @@ class CallContext:
     peer_id: str
     grpc_context: grpc.aio.ServicerContext | None
     deadline: float | None = None
+    connection: Any = None  # the bulk side channel's connection, if the call came over it
+
+    def receive_into(self, sink: Any) -> bool:
+        """Lets a `swarm.net.bulk.Sink` place the payloads of the later request messages (the first
+        message after this call is index 0 only if none arrived yet: the sink sees each message's
+        index in the stream). False, changing nothing, for a call over gRPC."""
+        if self.connection is None:
+            return False
+        sink.attach(self.connection, offset=1)  # the connection's first message was its token
+        return True
 
     def time_remaining(self) -> float | None:
         if self.grpc_context is not None:
@@ -142,7 +152,7 @@ class RPCServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics = RPCMetrics("server")  # metrics (issue #7)
-        self.bulk = BulkListener({}, lambda caller, deadline: CallContext(caller, None, deadline),
+        self.bulk = BulkListener({}, lambda caller, deadline, conn: CallContext(caller, None, deadline, conn),
                                  self.config.max_message_bytes)
         self.add_unary(OPEN_BULK, self._open_bulk, peer_pb2.BulkOpenRequest)
 

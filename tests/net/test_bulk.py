@@ -200,3 +200,73 @@ def test_oversized_or_malformed_frames_close_the_connection(make_peer):
     assert _talk(port, _frame(bulk.DATA, token) + struct.pack("<BI", bulk.DATA, 1 << 30)) == b""
     # the peer is unharmed
     assert call(b, a, [b"ok"])[0] == b"ko"
+
+
+async def _connected_pair(sink_choose=None):
+    """Two FrameConnections over a real loopback TCP connection; the server's has the sink."""
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future = loop.create_future()
+
+    def make_server_side():
+        conn = bulk.FrameConnection(1 << 20)
+        if sink_choose is not None:
+            conn.set_sink(sink_choose)
+        accepted.set_result(conn)
+        return conn
+
+    server = await loop.create_server(make_server_side, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    _, client = await loop.create_connection(lambda: bulk.FrameConnection(1 << 20), "127.0.0.1", port)
+    return server, client, await accepted
+
+
+def test_sink_receives_payloads_in_place_and_stops_mid_frame_when_detached():
+    async def go():
+        target = bytearray(8192)
+        head = bytearray(4)
+        chosen = []
+
+        def choose(index, length):
+            chosen.append((index, length))
+            return (head, memoryview(target)[: length - 4]) if index in (1, 2) else None
+
+        server, client, conn = await _connected_pair(choose)
+        try:
+            client.write_frame(bulk.DATA, b"plain message")               # index 0: an ordinary payload
+            client.write_frame(bulk.DATA, (b"HDR1", b"\x01" * 8192))       # index 1: into head + target
+            assert await conn.read_frame() == (bulk.DATA, b"plain message")
+            kind, sunk = await conn.read_frame()
+            assert kind == bulk.DATA and isinstance(sunk, bulk.Sunk) and not sunk.dropped and len(sunk) == 8196
+            assert bytes(head) == b"HDR1" and target == b"\x01" * 8192
+            # index 2: half of it arrives, then the sink is detached: the rest goes nowhere
+            payload = b"HDR2" + b"\x02" * 8192
+            client.transport.write(struct.pack("<BI", bulk.DATA, len(payload)) + payload[:4100])
+            while target[4095] != 2:
+                await asyncio.sleep(0)  # let the loop deliver the bytes already sent
+            conn.detach_sink()
+            client.transport.write(payload[4100:])
+            client.write_frame(bulk.DATA, b"after")
+            kind, sunk = await conn.read_frame()
+            assert isinstance(sunk, bulk.Sunk) and sunk.dropped
+            assert target[:4096] == b"\x02" * 4096 and target[4096:] == b"\x01" * 4096  # untouched
+            assert await conn.read_frame() == (bulk.DATA, b"after")
+            assert chosen == [(0, 13), (1, 8196), (2, 8196)]  # detached: not asked about later frames
+        finally:
+            client.abort()
+            server.close()
+
+    asyncio.run(go())
+
+
+def test_a_sink_that_returns_the_wrong_size_costs_a_copy_not_the_data():
+    async def go():
+        server, client, conn = await _connected_pair(lambda index, length: (bytearray(length - 1),))
+        try:
+            client.write_frame(bulk.DATA, b"x" * 5000)
+            kind, payload = await conn.read_frame()
+            assert kind == bulk.DATA and bytes(payload) == b"x" * 5000
+        finally:
+            client.abort()
+            server.close()
+
+    asyncio.run(go())
