@@ -156,7 +156,8 @@ class Averager:
 
     # -- public API --------------------------------------------------------------------------
 
-    def step(self, timeout: float = 30.0, weight: float = 1.0, group_key: str | None = None) -> AveragingResult:
+    def step(self, timeout: float = 30.0, weight: float = 1.0, group_key: str | None = None,
+             expected_size: int | None = None) -> AveragingResult:
         """Averages the tensors with one group, in place.
 
         Args:
@@ -164,6 +165,8 @@ class Averager:
             weight: this peer's weight in the mean (e.g. its number of samples); 0 only listens.
             group_key: DHT group to look for in this step (e.g. `moshpit_group_key(round, coords)`);
                 None keeps the current one. Ignored for a static group.
+            expected_size: peers known to want this round; a leader starts once that many are in
+                (between `min_group_size` and `target_group_size`) rather than waiting for more.
 
         Returns:
             The round's group, contributors and weights (the same on every member).
@@ -171,11 +174,12 @@ class Averager:
         Raises:
             AveragingError: no group formed, or the round failed; the tensors are untouched.
         """
-        return self.peer.run(self.astep(timeout, weight, group_key), timeout=timeout + 5.0)
+        return self.peer.run(self.astep(timeout, weight, group_key, expected_size), timeout=timeout + 5.0)
 
-    async def astep(self, timeout: float = 30.0, weight: float = 1.0, group_key: str | None = None) -> AveragingResult:
+    async def astep(self, timeout: float = 30.0, weight: float = 1.0, group_key: str | None = None,
+                    expected_size: int | None = None) -> AveragingResult:
         """Awaitable form of `step`, for code already inside an event loop."""
-        return await self.peer.loop.wrap(self._step(timeout, weight, group_key))
+        return await self.peer.loop.wrap(self._step(timeout, weight, group_key, expected_size))
 
     def abandon_matchmaking(self, reason: str) -> bool:
         """Stops the running step if it is still looking for a group (call on the peer's loop).
@@ -206,7 +210,8 @@ class Averager:
 
     # -- one step ----------------------------------------------------------------------------
 
-    async def _step(self, timeout: float, weight: float, group_key: str | None = None) -> AveragingResult:
+    async def _step(self, timeout: float, weight: float, group_key: str | None = None,
+                    expected_size: int | None = None) -> AveragingResult:
         if self._closed:
             raise AveragingError("this averager was shut down")
         if not (math.isfinite(timeout) and timeout > 0):
@@ -226,7 +231,7 @@ class Averager:
                     self.peer.peer_id, self.peer.addrs[0] if self.peer.addrs else "",
                     0.0 if self.auxiliary else weight, self.config.bandwidth, self.peer.server is None, self.auxiliary,
                 )
-                group = await self._form_group(me, timeout)
+                group = await self._form_group(me, timeout, expected_size)
                 self._formed = True
                 result = await self._run_round(group, deadline)
                 AVERAGING_ROUNDS.labels(outcome="succeeded").inc()
@@ -241,11 +246,11 @@ class Averager:
                 self._formed = None
                 self.faults.round_index += 1
 
-    async def _form_group(self, me: MemberInfo, timeout: float) -> GroupInfo:
+    async def _form_group(self, me: MemberInfo, timeout: float, expected_size: int | None) -> GroupInfo:
         """`matchmaking.form_group`, in a task `abandon_matchmaking` may cancel."""
         if self._abandoned is not None:
             raise AveragingError(f"stopped looking for a group: {self._abandoned}")
-        self._forming = asyncio.ensure_future(self.matchmaking.form_group(me, timeout))
+        self._forming = asyncio.ensure_future(self.matchmaking.form_group(me, timeout, expected_size))
         try:
             return await self._forming
         except asyncio.CancelledError:

@@ -241,6 +241,7 @@ class Matchmaking:
         self._arrived = asyncio.Event()
         self._looking: MemberInfo | None = None
         self._leading = False
+        self._start_size = self.config.target_group_size
         self._down: set[str] = set()
         AveragingService.of(peer).join_handlers[prefix] = self.rpc_join
 
@@ -252,9 +253,17 @@ class Matchmaking:
 
     # -- follower side -----------------------------------------------------------------------
 
-    async def form_group(self, me: MemberInfo, timeout: float) -> GroupInfo:
-        """Finds (or leads) a group within `timeout` seconds; raises `AveragingError` if none forms."""
+    async def form_group(self, me: MemberInfo, timeout: float, expected_size: int | None = None) -> GroupInfo:
+        """Finds (or leads) a group within `timeout` seconds; raises `AveragingError` if none forms.
+
+        `expected_size`: how many peers are known to want this group (e.g. from training progress
+        records); if this peer leads, it starts as soon as that many are in (within the
+        configured min and target sizes) instead of waiting for the target size.
+        """
         loop = asyncio.get_running_loop()
+        cfg = self.config
+        self._start_size = cfg.target_group_size if expected_size is None else max(
+            cfg.min_group_size, min(expected_size, cfg.target_group_size))
         start = loop.time()
         deadline = start + timeout
         self._down = set()
@@ -366,7 +375,7 @@ class Matchmaking:
             now = loop.time()
             live = [j for j in self._joiners.values() if not j.answer.done() and j.timeout_at > now + 0.05]
             size = 1 + len(live)
-            if size >= cfg.target_group_size:
+            if size >= self._start_size:
                 break
             if size >= cfg.min_group_size:
                 if min_met_at is None:

@@ -9,7 +9,6 @@ in through `Optimizer(averager_factory=...)`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -72,8 +71,11 @@ class SwarmAverager:
         self.bytes_sent = 0
 
     async def astep(self, weight: float, timeout: float, expected_size: int, group_key: str) -> RoundResult:
-        self._expect(expected_size)
-        result = await self.averager.astep(timeout=timeout, weight=weight, group_key=group_key)
+        # the group key (the epoch) keeps peers of different epochs apart and stale declarations
+        # of the previous round out of this one; the expected size lets the round start as soon as
+        # every peer the progress records name is in
+        result = await self.averager.astep(timeout=timeout, weight=weight, group_key=group_key,
+                                           expected_size=expected_size)
         group = len(result.group)
         sent = self._estimate_bytes_sent(group)
         self.bytes_sent += sent
@@ -81,20 +83,6 @@ class SwarmAverager:
 
     def abandon_matchmaking(self, reason: str) -> bool:
         return self.averager.abandon_matchmaking(reason)
-
-    def _expect(self, expected_size: int) -> None:
-        # The group key (passed to step) keeps peers of different epochs apart and stale
-        # declarations of the previous round out of this one. swarm.Averager fixes its target group
-        # size at construction, but here it is a per-round fact: the expected size lets a round start
-        # as soon as every peer the progress records name is in, so it goes into the matchmaking
-        # settings (a step() argument for it would be cleaner).
-        matchmaking = getattr(self.averager, "matchmaking", None)
-        config = getattr(matchmaking, "config", None)
-        if config is None:
-            return
-        size = max(config.min_group_size, min(expected_size, self.averager.config.matchmaking.target_group_size))
-        if size != config.target_group_size:
-            matchmaking.config = dataclasses.replace(config, target_group_size=size)
 
     def _estimate_bytes_sent(self, group_size: int) -> int:
         # butterfly all-reduce: a member sends the (n-1)/n of the vector it does not reduce, and

@@ -172,6 +172,30 @@ async def _abandon_soon(avg: Averager) -> bool:
 
 
 @pytest.mark.timeout(30)
+def test_expected_size_starts_the_round_without_waiting_for_the_target():
+    # target 4 and a 60 s join window: two peers would wait out the window, unless the step says
+    # only two are expected (the test's 30 s bound fails if they wait)
+    with Peer() as a, Peer() as b:
+        dht = FakeDHT()
+        a.dht = b.dht = dht
+        config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=60.0, matchmaking_share=0.9))
+        avgs = [Averager(p, [torch.full((4,), float(i))], prefix="exp", target_group_size=4, min_group_size=2,
+                         config=config) for i, p in enumerate((a, b))]
+        out: list[Any] = [None, None]
+
+        def run(i: int) -> None:
+            out[i] = avgs[i].step(timeout=100.0, expected_size=2)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(25)
+        assert all(len(r.group) == 2 for r in out), out
+        assert all(torch.equal(avg.tensors[0], torch.full((4,), 0.5)) for avg in avgs)
+
+
+@pytest.mark.timeout(30)
 def test_static_group_refuses_peers_with_other_tensors():
     with Peer() as a, Peer() as b:
         addrs = [a.addrs[0], b.addrs[0]]
