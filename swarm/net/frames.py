@@ -18,8 +18,6 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-import numpy
-
 logger = logging.getLogger(__name__)
 
 DATA, END, ERROR = 0, 1, 2
@@ -145,7 +143,7 @@ class FrameConnection(asyncio.BufferedProtocol):
                 return
             else:
                 # uninitialized memory (a bytearray would be zero-filled first, then overwritten)
-                self._payload = numpy.empty(length, dtype=numpy.uint8) if length >= _SMALL else bytearray(length)
+                self._payload = _uninitialized(length) if length >= _SMALL else bytearray(length)
                 self._targets = [memoryview(self._payload)]
             self._target = 0
             if not self._targets:  # a sink that took an empty frame
@@ -283,6 +281,14 @@ class FrameConnection(asyncio.BufferedProtocol):
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
+
+
+def _uninitialized(length: int) -> Any:
+    """A writable buffer of `length` bytes that is not zero-filled first (numpy is imported on the
+    first large frame, so a peer that never receives one, e.g. a DHT-only daemon, does not pay it)."""
+    import numpy
+
+    return numpy.empty(length, dtype=numpy.uint8)
 
 
 def _wake(future: asyncio.Future[None] | None) -> None:
