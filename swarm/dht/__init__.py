@@ -2,11 +2,13 @@
 
 One concept per module: `keys` (how user keys become DHT keys), `routing` (k-buckets, blacklist),
 `storage` (values with expiration), `validation` (owner signatures), `schema` (pydantic schemas,
-imported on first use so that peers without one never load pydantic), `protocol` (the
-Ping/Store/Find RPCs), `traversal` (the iterative lookup), `replication` (stores), `retrieval`
-(gets and caching), `node` (joining and upkeep), `coalescer` (bursts of single calls into
-batches), `dht` (the user-facing facade), `config`, and `faults` (link faults for tests and
-simulations).
+imported on first use so that peers without one never load pydantic), `wire` (what travels:
+method paths, statuses, answers), `handlers` (the Ping/Store/Find/Leave handlers), `protocol`
+(the calls to other nodes), `contacts` (the routing table kept in step with the traffic, and
+goodbyes), `traversal` (the iterative lookup), `replication` (stores), `retrieval` (gets and
+caching), `handoff` (records handed to new nodes), `node` (joining, upkeep and leaving),
+`coalescer` (bursts of single calls into batches), `dht` (the user-facing facade), `config`, and
+`faults` (link faults for tests and simulations).
 """
 
 from typing import Any

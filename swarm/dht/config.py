@@ -42,6 +42,9 @@ class DHTConfig:
         blacklist_base_time: Ban, in seconds, of a peer after its first failed call; each
             further failure doubles it.
         blacklist_max_time: Longest ban, in seconds.
+        leave_timeout: How long a node that shuts down waits, at most, for the nodes in its
+            routing table to take note that it leaves (they drop it at once); 0: leave without
+            a word, as a crash would.
         validators: Extra record validators (a `SchemaValidator`, ...); owner signatures are
             always checked (`SignatureValidator`).
         fault_plan: Injected link faults (tests and simulations only).
@@ -62,6 +65,7 @@ class DHTConfig:
     max_keys_per_call: int = 128
     blacklist_base_time: float = 5.0
     blacklist_max_time: float = 600.0
+    leave_timeout: float = 0.5
     validators: tuple[RecordValidator, ...] = ()
     fault_plan: FaultPlan | None = None
 
@@ -75,6 +79,8 @@ class DHTConfig:
                 raise ConfigError(f"DHTConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.blacklist_max_time < self.blacklist_base_time:
             raise ConfigError("DHTConfig.blacklist_max_time must be >= blacklist_base_time")
+        if not self.leave_timeout >= 0:
+            raise ConfigError(f"DHTConfig.leave_timeout must be >= 0, got {self.leave_timeout}")
         if self.cache_size < 0 or self.cache_nearest < 0:
             raise ConfigError("DHTConfig.cache_size and cache_nearest must be >= 0")
         if self.storage_size is not None and self.storage_size < 1:

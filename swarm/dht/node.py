@@ -6,8 +6,11 @@ What a node does with the protocol (`protocol.py`) and the lookup (`traversal.py
   than its nearest neighbour; fail with `DHTError` when no initial peer answers;
 - store: put records on the `num_replicas` nodes nearest to their keys (`replication.py`);
 - get: find values, the first valid one or the freshest, and cache them (`retrieval.py`);
-- keep up (§2.3, §2.5): refresh buckets nobody touched for `refresh_interval`, and republish
-  records nobody re-stored for `republish_interval`, plus those this node wrote itself.
+- keep up (§2.3, §2.5): refresh buckets nobody touched for `refresh_interval`, republish
+  records nobody re-stored for `republish_interval`, plus those this node wrote itself, and hand
+  records over to new nodes that are now among the nearest to their keys (`handoff.py`);
+- leave: a node that shuts down cleanly tells the nodes in its routing table, so that they drop
+  it at once instead of finding out through failed calls.
 
 Records arrive here already signed and checked by the caller's validators (`dht.py`); values
 found on the network are checked again, since any node may lie.
@@ -29,17 +32,20 @@ from swarm.core.loop import spawn
 from swarm.core.multiaddr import Multiaddr
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.config import DHTConfig
-from swarm.dht.protocol import DHTProtocol, node_id_of
-from swarm.dht.replication import Replicator, StoreOutcome
+from swarm.dht.handoff import Handoff
+from swarm.dht.protocol import DHTProtocol
+from swarm.dht.replication import Replicator, StoreOutcome, stored_records
 from swarm.dht.retrieval import Retriever
 from swarm.dht.routing import DHTID, Blacklist, NodeInfo, RoutingTable
-from swarm.dht.storage import CacheStorage, DHTLocalStorage, DictionaryValue, ValueWithExpiration
+from swarm.dht.storage import CacheStorage, DHTLocalStorage, ValueWithExpiration
 from swarm.dht.traversal import LookupResult, Traversal
 from swarm.dht.validation import DHTRecord, RecordValidator
+from swarm.dht.wire import node_id_of
 from swarm.net.channels import ChannelPool
 from swarm.net.server import RPCServer
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class LookupStats:
@@ -97,6 +103,9 @@ class DHTNode:
         self.closed = False
         self._replicator = Replicator(self)
         self._retriever = Retriever(self)
+        self.handoff = Handoff(self)
+        if not self.client_mode:  # a client keeps no records to hand over
+            self.protocol.contacts.on_new_node = self.handoff.welcome
 
     @classmethod
     async def create(
@@ -133,14 +142,39 @@ class DHTNode:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def shutdown(self) -> None:
-        """Stops background work (refresh, republish, pending cache stores, pings)."""
+    async def shutdown(self, *, leave: bool = True) -> None:
+        """Stops background work (refresh, republish, stores in flight, hand-offs, pings) and leaves.
+
+        Args:
+            leave: Leave politely: give the last replicas of stores that already returned up to
+                `leave_timeout` to be written, then tell the nodes in the routing table that this
+                node is leaving (within `leave_timeout` too). False stops at once, as a crash
+                would (for tests and simulations).
+        """
+        if self.closed:
+            return
         self.closed = True
+        if leave and self.config.leave_timeout > 0:
+            await self._replicator.wait(self.config.leave_timeout)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if leave and not self.client_mode and self.config.leave_timeout > 0:
+            await self._say_goodbye(self.config.leave_timeout)
         await self.protocol.close()
+
+    async def _say_goodbye(self, timeout: float) -> None:
+        """Best effort: nodes that do not take note within `timeout` find out by themselves."""
+        calls = [asyncio.ensure_future(self.protocol.call_leave(node, timeout)) for node in self.routing_table]
+        if not calls:
+            return
+        try:
+            await asyncio.wait(calls, timeout=timeout)
+        finally:
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
 
     # -- joining (§2.3) ---------------------------------------------------------------------------
 
@@ -248,6 +282,15 @@ class DHTNode:
 
     # -- store and get (replication.py, retrieval.py) ----------------------------------------------
 
+    async def wait_for_stores(self, timeout: float | None = None) -> bool:
+        """Waits until the stores this node made have reached every replica (a store returns once
+        the nearest one holds the record; the others are written in the background).
+
+        Returns:
+            True if no store is left in flight (False: `timeout` passed first).
+        """
+        return await self._replicator.wait(timeout)
+
     async def store_many(
         self,
         records: Sequence[DHTRecord],
@@ -303,16 +346,12 @@ class DHTNode:
         now = get_dht_time()
         cutoff = time.time() - self.config.republish_interval
         records: dict[tuple[bytes, bytes], DHTRecord] = {}
-        for key, record in self.storage.items():
-            raw_key = self.storage.raw_key(key)
+        for key in self.storage.live_keys():
             received = self.storage.last_received(key)
-            if raw_key is None or (received is not None and received > cutoff):
+            if received is not None and received > cutoff:
                 continue
-            if isinstance(record.value, DictionaryValue):
-                for subkey, (value, expiration_time) in record.value.items():
-                    records[key, subkey] = DHTRecord(key, subkey, value, expiration_time, raw_key)
-            else:
-                records[key, b""] = DHTRecord(key, b"", record.value, record.expiration_time, raw_key)
+            for record in stored_records(self.storage, key):
+                records[key, record.subkey] = record
         for ident, record in list(self.published.items()):
             if record.expiration_time <= now:
                 del self.published[ident]

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 from swarm.core.errors import ValidationError
 from swarm.core.timeutil import get_dht_time
-from swarm.dht.protocol import FindAnswer, store_item
 from swarm.dht.replication import chunks
 from swarm.dht.routing import DHTID, NodeInfo
 from swarm.dht.storage import DictionaryValue, ValueWithExpiration, merge
 from swarm.dht.traversal import LookupResult, Traversal
 from swarm.dht.validation import DHTRecord
+from swarm.dht.wire import FindAnswer, store_item
 from swarm.proto import dht_pb2
 
 if TYPE_CHECKING:

@@ -336,6 +336,11 @@ class DHTLocalStorage(_ExpiringMap):
                 record = ValueWithExpiration(record.value.copy(), record.expiration_time)
             yield key, record
 
+    def live_keys(self) -> list[bytes]:
+        """The keys of every live record (a snapshot)."""
+        self.remove_outdated()
+        return list(self._data)
+
     def remove_outdated(self) -> None:
         """Purges every record that has expired."""
         self._remove_outdated(self._clock())

@@ -118,9 +118,12 @@ class CompositeValidator(RecordValidator):
         self._validators.sort(key=lambda validator: validator.priority)
 
     def validate(self, record: DHTRecord) -> None:
-        for validator in reversed(self._validators):
+        validators = self._validators
+        for position in range(len(validators) - 1, -1, -1):  # outermost first
+            validator = validators[position]
             validator.validate(record)
-            record = dataclasses.replace(record, value=validator.strip_value(record))
+            if position:  # the next one checks what this one wraps
+                record = dataclasses.replace(record, value=validator.strip_value(record))
 
     def sign_value(self, record: DHTRecord) -> bytes:
         for validator in self._validators:

@@ -130,3 +130,11 @@ class DHTFindResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[DHTFindResult]
     peers: _containers.RepeatedCompositeFieldContainer[DHTPeer]
     def __init__(self, results: _Optional[_Iterable[_Union[DHTFindResult, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[DHTPeer, _Mapping]]] = ...) -> None: ...
+
+class DHTLeaveRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DHTLeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

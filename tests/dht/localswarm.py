@@ -43,15 +43,18 @@ class Swarm:
         return [self.add(config=config) for _ in range(count)]
 
     def kill(self, peer: Peer) -> None:
-        """Stops a peer (its server goes away; others see it as dead)."""
+        """Stops a peer as a crash would: it says no goodbye, its server goes away, others find it dead."""
+        if not peer.dht.node.closed:  # not stopped already
+            peer.run(peer.dht.node.shutdown(leave=False))
         peer.shutdown()
 
     def close(self) -> None:
-        """Shuts every peer down, the owner of the shared loop last; a peer failing to stop is reported."""
+        """Stops every peer as `kill` does (no goodbyes: a teardown need not wait on links a test
+        broke), the owner of the shared loop last; a peer failing to stop is reported."""
         errors = []
         for peer in reversed(self.peers):
             try:
-                peer.shutdown()
+                self.kill(peer)
             except Exception as e:  # noqa: BLE001 - stop the others first, then report
                 errors.append(e)
         self.peers.clear()

@@ -20,7 +20,8 @@ def test_defaults_and_frozen() -> None:
 @pytest.mark.parametrize(
     "field, value",
     [("bucket_size", 0), ("alpha", 0), ("num_replicas", 0), ("request_timeout", 0), ("lookup_timeout", -1),
-     ("cache_size", -1), ("storage_size", 0), ("max_keys_per_call", 0), ("blacklist_max_time", 1.0)],
+     ("cache_size", -1), ("storage_size", 0), ("max_keys_per_call", 0), ("blacklist_max_time", 1.0),
+     ("leave_timeout", -0.5), ("leave_timeout", float("nan"))],
 )
 def test_bad_values_are_refused(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):

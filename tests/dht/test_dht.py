@@ -53,6 +53,14 @@ def test_later_expiration_wins_and_expired_values_vanish(swarm):
     now = get_dht_time()
     assert peers[1].dht.store("k", "first", now + 60)
     assert peers[2].dht.store("k", "second", now + 120)
+    key = key_to_bytes("k")
+
+    def replicas_with_second() -> int:
+        return sum(getattr(p.dht.node.storage.get(key), "expiration_time", None) == now + 120 for p in peers)
+
+    # a store returns once the nearest replica has it; the others are written in the background
+    assert peers[2].run(peers[2].dht.node.wait_for_stores(timeout=5))
+    assert replicas_with_second() == FAST.num_replicas
     assert not peers[3].dht.store("k", "stale", now + 90)  # every replica has a later one
     assert peers[4].dht.get("k", latest=True) == ("second", now + 120)
     assert not peers[1].dht.store("old", 1, now - 1)
@@ -114,6 +122,7 @@ def test_found_values_are_cached_here_and_at_the_nearest_node_that_lacked_them(s
     now = get_dht_time()
     key = key_to_bytes("cached")
     assert peers[1].dht.store("cached", 5, now + 60)
+    assert peers[1].run(peers[1].dht.node.wait_for_stores(timeout=5))  # the last replicas, written in the background
     stored = {p.peer_id: p.dht.node.storage.get(key) for p in peers if p.dht.node.storage.get(key) is not None}
     assert len(stored) >= 2
     assert reader.dht.node.cache.get(key) is None
@@ -202,6 +211,7 @@ def test_the_writer_republishes_its_records_after_their_replicas_die(swarm):
     now = get_dht_time()
     key = key_to_bytes("precious")
     assert writer.dht.store("precious", "keep me", now + 120)
+    assert writer.run(writer.dht.node.wait_for_stores(timeout=5))  # the last replica, written in the background
     holders = [p for p in peers if p.dht.node.storage.get(key) is not None]
     assert len(holders) == 2
     for holder in holders:
@@ -268,10 +278,10 @@ def test_gets_finish_within_their_deadline_when_links_are_lossy_or_dead(swarm):
     plan = FaultPlan(seed=1)
     config = DHTConfig(request_timeout=0.5, lookup_timeout=3.0, fault_plan=plan, num_replicas=4)
     peers = [swarm.add(config=config) for _ in range(10)]
+    reader = swarm.add(config=config, client_mode=True)  # holds no replica: every key crosses the links
     now = get_dht_time()
     keys = [f"lossy{i}" for i in range(20)]
     assert all(peers[1].dht.store_many(keys, list(range(20)), now + 60))
-    reader = peers[9]
     for peer in peers[2:5]:
         plan.set_peer(peer.peer_id, LinkFault(loss=1.0))  # black holes: every request to them times out
     plan.default = LinkFault(delay=0.002, jitter=0.005, loss=0.1)

@@ -177,10 +177,10 @@ def test_a_full_bucket_keeps_live_contacts_and_replaces_dead_ones(swarm):
     table = a.dht.node.routing_table
     assert table.get(peer_id=b.peer_id) is not None
     assert c.run(c.dht.node.protocol.call_ping(info(a)))
-    assert wait_until(lambda: not a.dht.node.protocol._pinging, timeout=5)
+    assert wait_until(lambda: not a.dht.node.protocol.contacts.pinging, timeout=5)
     assert table.get(peer_id=b.peer_id) is not None and table.get(peer_id=c.peer_id) is None  # b answered
     swarm.kill(b)
-    a.dht.node.protocol._checked.clear()
+    a.dht.node.protocol.contacts.checked.clear()
     assert d.run(d.dht.node.protocol.call_ping(info(a)))
     assert wait_until(lambda: table.get(peer_id=b.peer_id) is None, timeout=5)
     assert table.get(peer_id=d.peer_id) is not None or table.get(peer_id=c.peer_id) is not None

@@ -1,0 +1,415 @@
+"""One store of records on the nodes nearest to their keys (Kademlia §2.3 STORE), from the first
+request to the last replica: `StoreOperation`, run by `Replicator.store_many` (`replication.py`).
+
+1. First round (`launch`): each key's records go to the nodes the routing table knows nearest to
+   it, in Stores that also ask for the nodes they know nearest to the key: first to the nearest
+   one, then, once it answered (or a few round trips later), to the others.
+2. Lookup, only if needed: when every first-round node answered and none named a node that
+   should hold the key and was not sent it, §2.3's lookup would end right there, and the store
+   takes one round trip. Otherwise the iterative lookup (`traversal.py`) runs, its first round
+   being the requests already sent (`ask`), and the nearest nodes it finds get the records too.
+3. Outcomes: a record's outcome is settled once the nearest other node known accepted it, or
+   once every node it was sent to answered (or at the deadline); the operation goes on until
+   every request has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+from swarm.core.timeutil import get_dht_time
+from swarm.dht.routing import DHTID, NodeInfo
+from swarm.dht.traversal import LookupResult
+from swarm.dht.validation import DHTRecord
+from swarm.dht.wire import OUTDATED, STORED, StoreResult, store_item
+from swarm.proto import dht_pb2
+
+if TYPE_CHECKING:
+    from swarm.dht.replication import Replicator
+
+T = TypeVar("T")
+
+
+@dataclass
+class StoreOutcome:
+    """What became of one record sent to the DHT, when its outcome was settled.
+
+    Attributes:
+        stored: Nodes that stored it (this one included).
+        kept_here: This node stored a replica itself.
+        outdated: Nodes that already held a value expiring as late or later.
+        rejected: `PeerID: reason` for each node whose validators refused it.
+        unanswered: Nodes that did not answer.
+    """
+
+    stored: int = 0
+    kept_here: bool = False
+    outdated: int = 0
+    rejected: list[str] = field(default_factory=list)
+    unanswered: int = 0
+
+    def __bool__(self) -> bool:
+        return self.stored > 0
+
+    def copy(self) -> StoreOutcome:
+        return StoreOutcome(self.stored, self.kept_here, self.outdated, list(self.rejected), self.unanswered)
+
+
+BATCH_BYTES = 4 << 20
+"""Most value bytes in one Store request (the transport caps messages at 8 MiB)."""
+
+
+def chunks(items: Sequence[T], sizes: Sequence[int], max_items: int) -> list[list[T]]:
+    """`items` cut into batches of at most `max_items` and `BATCH_BYTES` (a bigger item goes alone)."""
+    batches: list[list[T]] = []
+    current: list[T] = []
+    total = 0
+    for item, size in zip(items, sizes):
+        if current and (len(current) >= max_items or total + size > BATCH_BYTES):
+            batches.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += size
+    if current:
+        batches.append(current)
+    return batches
+
+
+async def _maybe(call: Awaitable[T] | None) -> T | None:
+    return None if call is None else await call
+
+
+class StoreOperation:
+    """One run of `Replicator.store_many` (see the module docstring).
+
+    Args:
+        replicator: The node's stores.
+        records: The records, each with its original key.
+        on_result: Called with (index, outcome) as each record's outcome is settled.
+    """
+
+    def __init__(
+        self, replicator: Replicator, records: Sequence[DHTRecord], on_result: Callable[[int, StoreOutcome], None] | None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.replicator = replicator
+        self.node = replicator.node
+        self.node_id = replicator.node_id
+        self.protocol = replicator.protocol
+        self.config = replicator.config
+        self.replicas = self.config.num_replicas
+        self.records = records
+        self.on_result = on_result
+        self.settled: asyncio.Future[None] = loop.create_future()
+        """Done once every record's outcome is settled (or with the error that ended the store)."""
+        self.outcomes = [StoreOutcome() for _ in records]
+        self.pending = [0] * len(records)  # answers (and the key's lookup) each record still waits for
+        self.reported: list[StoreOutcome | None] = [None] * len(records)
+        self.unsettled = len(records)
+        self.failed = False
+        self.items: dict[int, dht_pb2.DHTStoreItem] = {}
+        self.key_ids = [DHTID.from_bytes(record.key) for record in records]
+        self.by_key: dict[DHTID, list[int]] = {}
+        now = get_dht_time()
+        for index, record in enumerate(records):
+            if record.expiration_time <= now:
+                self.settle(index)
+            else:
+                self.by_key.setdefault(self.key_ids[index], []).append(index)
+        self.sent: dict[DHTID, set[DHTID]] = {key_id: set() for key_id in self.by_key}
+        """Nodes each key was sent to; this node's own ID marks a replica kept here."""
+        self.closest: dict[DHTID, float] = {}
+        """Distance to each key of the nearest other node known so far."""
+        self.sends: set[asyncio.Task[list[StoreResult] | None]] = set()
+        """Store requests in flight."""
+        # the first round (`launch`)
+        self.first_round: dict[DHTID, dict[DHTID, asyncio.Task[list[StoreResult] | None]]] = {}
+        """For each node sent records before any lookup, the request that carries each key."""
+        self.carried: dict[asyncio.Task[list[StoreResult] | None], list[int]] = {}
+        """The records each first-round request carries."""
+        self.first_targets: dict[DHTID, dict[DHTID, NodeInfo]] = {}
+        self.worst: dict[DHTID, float] = {}
+        """Distance to each key of its farthest first-round target (infinite while there are too few)."""
+        self.first_left = 0
+        self.nearest_left = 0  # requests of the first wave not answered yet
+        self.second_wave: list[tuple[NodeInfo, list[int]]] | None = None
+        """First-round requests to send once the first wave answered (None once sent)."""
+        self.hedge: asyncio.TimerHandle | None = None
+        self.verdict: asyncio.Future[bool] = loop.create_future()
+        """Whether the first round sufficed: every node answered, and none named a nearer node."""
+
+    # -- outcomes ---------------------------------------------------------------------------------
+
+    def results(self) -> list[StoreOutcome]:
+        return [reported if reported is not None else outcome for reported, outcome in zip(self.reported, self.outcomes)]
+
+    def settle(self, index: int) -> None:
+        """Reports a record's outcome (once): a copy, as later answers go on updating the original."""
+        if self.reported[index] is not None or self.failed:
+            return
+        outcome = self.reported[index] = self.outcomes[index].copy()
+        self.unsettled -= 1
+        if self.on_result is not None:
+            self.on_result(index, outcome)
+        if self.unsettled == 0 and not self.settled.done():
+            self.settled.set_result(None)
+
+    def release(self, index: int) -> None:
+        """One awaited answer (or the key's lookup) is in; the outcome is final when none are left."""
+        self.pending[index] -= 1
+        if self.pending[index] == 0:
+            self.settle(index)
+
+    def learn(self, key_id: DHTID, nearest: Sequence[NodeInfo]) -> None:
+        """Notes the nearest node an answer names (answers list the nearest first)."""
+        distance = nearest[0].node_id ^ key_id
+        if distance < self.closest.get(key_id, math.inf):
+            self.closest[key_id] = distance
+
+    def account(self, node: NodeInfo, indices: list[int], answers: list[StoreResult] | None, wave: int = 0) -> None:
+        """Counts a node's answers to a request (None: it did not answer); `wave`: 1 or 2 for the
+        first round's requests (`launch`), 0 for the others."""
+        first = wave > 0
+        for position, index in enumerate(indices):
+            outcome = self.outcomes[index]
+            if answers is None:
+                outcome.unanswered += 1
+            else:
+                answer = answers[position]
+                key_id = self.key_ids[index]
+                if answer.nearest:
+                    self.learn(key_id, answer.nearest)
+                    if first and self.unknown_nearer(key_id, answer.nearest):
+                        self.decide(False)
+                if answer.status == STORED:
+                    outcome.stored += 1
+                    if node.node_id ^ key_id <= self.closest.get(key_id, math.inf):
+                        self.settle(index)  # the nearest node any reader asks has it
+                elif answer.status == OUTDATED:
+                    outcome.outdated += 1
+                else:
+                    outcome.rejected.append(f"{node.peer_id}: {answer.reason}")
+            self.release(index)
+        if first:
+            if answers is None:
+                self.decide(False)  # a lookup finds the next nearest node instead
+            self.first_left -= 1
+            if self.first_left == 0:
+                self.decide(True)
+        if wave == 1:
+            self.nearest_left -= 1
+            if self.nearest_left == 0 or answers is None:
+                self.send_second_wave()
+
+    # -- where records go -------------------------------------------------------------------------
+
+    def targets(self, key_id: DHTID, nearest: list[NodeInfo]) -> list[NodeInfo]:
+        """The nodes that should hold the key; keeps a replica here if this node is one of them."""
+        replicas = self.replicas
+        chosen = nearest[:replicas]
+        node_id = self.node_id
+        if not self.replicator.client_mode and (len(chosen) < replicas or node_id ^ key_id < chosen[-1].node_id ^ key_id):
+            chosen = chosen[: replicas - 1]
+            if node_id not in self.sent[key_id]:
+                self.sent[key_id].add(node_id)
+                for index in self.by_key[key_id]:
+                    self.replicator.store_locally(self.records[index], self.outcomes[index])
+        return chosen
+
+    def item(self, index: int) -> dht_pb2.DHTStoreItem:
+        """The wire form of a record, built once and sent to every replica."""
+        built = self.items.get(index)
+        if built is None:
+            built = self.items[index] = store_item(self.records[index])
+        return built
+
+    async def send(self, node: NodeInfo, indices: list[int], count: int, wave: int) -> list[StoreResult] | None:
+        answers = None
+        try:
+            answers = await self.protocol.call_store(node, [self.item(i) for i in indices], count)
+            return answers
+        finally:
+            self.account(node, indices, answers, wave)
+
+    def start(
+        self, node: NodeInfo, indices: list[int], count: int = 0, wave: int = 0
+    ) -> asyncio.Task[list[StoreResult] | None]:
+        """Sends records to a node, in a task of the node's own (it completes even if the lookup
+        ends first, and is cancelled if the node shuts down)."""
+        for index in indices:
+            self.pending[index] += 1
+            self.sent[self.key_ids[index]].add(node.node_id)
+        task = self.node.spawn(self.send(node, indices, count, wave), f"dht-store-{node.peer_id[-8:]}")
+        self.sends.add(task)
+        task.add_done_callback(self.sends.discard)
+        return task
+
+    def cancel(self) -> None:
+        """Stops every request (and sends no more)."""
+        self.second_wave = None
+        if self.hedge is not None:
+            self.hedge.cancel()
+        for task in list(self.sends):
+            task.cancel()
+
+    # -- the first round --------------------------------------------------------------------------
+
+    def launch(self) -> None:
+        """Sends each key's records to the nodes the routing table knows nearest to it.
+
+        In a settled network they are the nodes that should hold them. These requests also ask
+        for their nearest nodes: they are the first round of the key's lookup (§2.3), and when
+        they name no nearer node, the lookup is over.
+
+        They go in two waves: first to the nodes that are the nearest to some key, then, once
+        those answered (or after a few round trips, or as soon as one failed), to the others. On
+        a few cores, requests that arrive together are served together, each slowly: the first
+        wave has them to itself, so the answer that settles a store comes back in one round trip.
+        """
+        rounds: dict[DHTID, tuple[int, NodeInfo, list[int]]] = {}
+        for key_id, indices in self.by_key.items():
+            for index in indices:
+                self.pending[index] = 1  # the lookup's share, released when the key's lookup ends
+            nearest = self.replicator.routing_table.get_nearest_neighbors(key_id, self.replicas)
+            if nearest:
+                self.learn(key_id, nearest)
+            chosen = self.targets(key_id, nearest)
+            self.first_targets[key_id] = {node.node_id: node for node in chosen}
+            enough = len(chosen) + (self.node_id in self.sent[key_id]) >= self.replicas
+            self.worst[key_id] = max((node.node_id ^ key_id for node in chosen), default=math.inf) if enough else math.inf
+            for rank, node in enumerate(chosen):
+                entry = rounds.get(node.node_id)
+                if entry is None:
+                    rounds[node.node_id] = (rank, node, list(indices))
+                else:
+                    rounds[node.node_id] = (min(rank, entry[0]), node, [*entry[2], *indices])
+        first_wave, second_wave = [], []
+        for rank, node, indices in sorted(rounds.values(), key=lambda entry: entry[0]):  # the nearest first
+            self.first_round[node.node_id] = {}
+            sizes = [len(self.records[index].value) for index in indices]
+            for chunk in chunks(indices, sizes, self.config.max_keys_per_call):
+                self.first_left += 1
+                for index in chunk:
+                    self.sent[self.key_ids[index]].add(node.node_id)
+                (first_wave if rank == 0 else second_wave).append((node, chunk))
+        self.nearest_left = len(first_wave)
+        self.second_wave = second_wave
+        for node, chunk in first_wave:
+            self.carry(node, chunk, wave=1)
+        if second_wave:
+            hedge = min(3 * self.protocol.round_trip, self.config.request_timeout / 2)
+            self.hedge = asyncio.get_running_loop().call_later(hedge, self.send_second_wave)
+
+    def send_second_wave(self) -> None:
+        waiting, self.second_wave = self.second_wave, None
+        if self.hedge is not None:
+            self.hedge.cancel()
+        for node, chunk in waiting or ():
+            self.carry(node, chunk, wave=2)
+
+    def carry(self, node: NodeInfo, indices: list[int], wave: int) -> None:
+        """Sends a first-round request; it asks for as many nearest nodes as the lookup's beam."""
+        task = self.start(node, indices, self.replicas, wave)
+        self.carried[task] = indices
+        requests = self.first_round[node.node_id]
+        for index in indices:
+            requests[self.key_ids[index]] = task
+
+    def unknown_nearer(self, key_id: DHTID, nearest: Sequence[NodeInfo]) -> bool:
+        """Whether a first-round answer names a node that should hold the key and was not sent it:
+        nearer than a first-round target, or any other node while there are too few of them."""
+        worst, targets = self.worst[key_id], self.first_targets[key_id]
+        for node in nearest:  # nearest first
+            if node.node_id ^ key_id >= worst:
+                return False
+            if node.node_id not in targets and node.node_id != self.node_id:
+                return True
+        return False
+
+    def decide(self, suffices: bool) -> None:
+        if not self.verdict.done():
+            self.verdict.set_result(suffices)
+            if not suffices:
+                self.send_second_wave()  # a lookup starts: it asks every node at once anyway
+
+    # -- the lookup -------------------------------------------------------------------------------
+
+    async def ask(self, node: NodeInfo, keys: list[DHTID]) -> dict[DHTID, list[NodeInfo]] | None:
+        """A lookup step: the answer to the first-round store for keys it carried to this node, a
+        Find for the others."""
+        requests = self.first_round.get(node.node_id, {})
+        stores = list({requests[key_id] for key_id in keys if key_id in requests})
+        find_keys = [key_id for key_id in keys if key_id not in requests]
+        finds = self.protocol.call_find(node, find_keys, nodes_only=True, count=self.replicas) if find_keys else None
+        # shielded: a store belongs to the whole operation, and completes even if the lookup ends first
+        *stored, found = await asyncio.gather(*(asyncio.shield(task) for task in stores), _maybe(finds))
+        if any(answers is None for answers in stored) or (find_keys and found is None):
+            return None
+        answer: dict[DHTID, list[NodeInfo]] = {}
+        for task, answers in zip(stores, stored):
+            for index, result in zip(self.carried[task], answers):
+                answer.setdefault(self.key_ids[index], result.nearest)
+        if found is not None:
+            for key_id, found_answer in found.items():
+                if found_answer.nearest:
+                    self.learn(key_id, found_answer.nearest)
+                answer[key_id] = found_answer.nearest
+        return answer
+
+    def finished(self, results: list[tuple[DHTID, LookupResult]]) -> None:
+        """Keys whose lookup ended: their records go to the nearest nodes not sent them yet."""
+        batches: dict[DHTID, tuple[NodeInfo, list[int]]] = {}
+        for key_id, result in results:
+            self.replicator.stats.record(result.hops, result.requests, timed_out=result.timed_out)
+            for target in self.targets(key_id, result.nearest):
+                if target.node_id in self.sent[key_id]:
+                    continue
+                batch = batches.get(target.node_id)
+                if batch is None:
+                    batch = batches[target.node_id] = (target, [])
+                batch[1].extend(self.by_key[key_id])
+        for target, indices in batches.values():
+            sizes = [len(self.records[index].value) for index in indices]
+            for chunk in chunks(indices, sizes, self.config.max_keys_per_call):
+                self.start(target, chunk)
+        for key_id, _ in results:
+            for index in self.by_key[key_id]:
+                self.release(index)
+
+    async def run(self, deadline: float) -> None:
+        """Looks the keys up if the first round did not find their nearest nodes, and stores their
+        records where the lookup ends; ends when every store has ended (or at the deadline)."""
+        loop = asyncio.get_running_loop()
+        try:
+            if self.first_left:
+                await asyncio.wait([self.verdict], timeout=max(0.0, deadline - loop.time()))
+            if self.verdict.done() and self.verdict.result():
+                # §2.3: the lookup is over when the nearest nodes known all answered and none of
+                # them knows a nearer one
+                self.finished([
+                    (key_id, LookupResult(sorted(targets.values(), key=lambda n: n.node_id ^ key_id), 1, len(targets)))
+                    for key_id, targets in self.first_targets.items()
+                ])
+            else:
+                traversal = self.node.lookup(  # it asks the first-round nodes again for nothing (`ask`)
+                    list(self.by_key), self.ask, self.replicas, self.finished,
+                    alpha=max(self.config.alpha, self.replicas),
+                )
+                await traversal.run(max(0.0, deadline - loop.time()))
+            while self.sends and loop.time() < deadline:
+                await asyncio.wait(list(self.sends), timeout=max(0.0, deadline - loop.time()))
+        except Exception as e:
+            if self.settled.done():
+                raise  # every caller has its answer: the failure is logged (`DHTNode.spawn`)
+            self.settled.set_exception(e)  # the caller sees the error instead of outcomes
+            self.failed = True
+        finally:
+            self.cancel()
+            if self.sends:
+                await asyncio.gather(*self.sends, return_exceptions=True)
+            for index in range(len(self.records)):
+                self.settle(index)  # the deadline passed, or the node is shutting down
