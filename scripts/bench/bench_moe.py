@@ -10,11 +10,17 @@
       with batching vs without (max_batch_tasks=1).
 
 Local and remote calls alternate one by one and each ratio is the median of the per-pair
-ratios, because the machine is shared and its load moves within seconds. The local baseline
-uses as many torch threads as the server's compute thread. One line per figure.
+ratios, because the machine is shared and its load moves within seconds. Each timed call starts
+after a pause (--settle-ms): after a parallel region, libgomp's idle threads spin for ~20 ms, and
+on one 2-core machine the client's spinning threads (after its local step) took a core from the
+server's next forward, and the server's from the next local step (measured on (a): remote/local
+1.22-1.28x without the pause, 1.14-1.16x with it, the local step unchanged); on two machines,
+as in use, neither happens. The local baseline uses as many torch threads as the server's compute
+threads and the servers' optimizer (`swarm.moe.layers.default_optimizer`). One line per figure.
 
 Usage: .venv/bin/python scripts/bench/bench_moe.py [--hidden-dim 1024] [--batch 256] [--pairs 12]
          [--server-threads 1,2] [--clients 8] [--client-batch 32] [--seconds 8] [--only abc]
+         [--settle-ms 50]
 """
 
 from __future__ import annotations
@@ -72,14 +78,18 @@ class Server:
         self.proc.wait(60)
 
 
-def paired(local: Callable[[], None], remote: Callable[[], None], pairs: int) -> tuple[float, float, float]:
+def paired(
+    local: Callable[[], None], remote: Callable[[], None], pairs: int, settle: float
+) -> tuple[float, float, float]:
     """Times `local` and `remote` alternately, call by call, so both see the same load on a shared
-    machine; returns (median local s, median remote s, median of the per-pair remote/local ratios)."""
+    machine, each after `settle` seconds of pause (see the module docstring); returns (median
+    local s, median remote s, median of the per-pair remote/local ratios)."""
     local()
     remote()
     local_times, remote_times = [], []
     for _ in range(pairs):
         for fn, times in ((local, local_times), (remote, remote_times)):
+            time.sleep(settle)
             started = time.perf_counter()
             fn()
             times.append(time.perf_counter() - started)
@@ -102,17 +112,17 @@ def bench_expert(args: argparse.Namespace, client) -> None:
     import torch
 
     from swarm.moe import RemoteExpert
-    from swarm.moe.layers import FeedforwardExpert
+    from swarm.moe.layers import FeedforwardExpert, default_optimizer
 
     hid, batch = args.hidden_dim, args.batch
     x, grad = torch.randn(batch, hid), torch.randn(batch, hid)
     local = FeedforwardExpert(hid)
-    local_step = local_step_fn([local], [torch.optim.Adam(local.parameters(), lr=1e-3)], x, grad)
+    local_step = local_step_fn([local], [default_optimizer(list(local.parameters()))], x, grad)
     for threads in args.server_threads:
         torch.set_num_threads(threads)  # the local baseline gets the same compute threads as the server
         with Server("ffn.0", hid, threads) as server:
             expert = RemoteExpert(client, "ffn.0", server.addr, forward_timeout=120, backward_timeout=120)
-            loc, rem, ratio = paired(local_step, remote_step_fn(expert, x, grad), args.pairs)
+            loc, rem, ratio = paired(local_step, remote_step_fn(expert, x, grad), args.pairs, args.settle_ms / 1e3)
         print(f"(a) RemoteExpert ffn {batch}x{hid} fwd+bwd, torch threads={threads}: {1 / rem:.2f} calls/s "
               f"({rem * 1e3:.0f} ms) vs local fwd+bwd+step {1 / loc:.2f} calls/s ({loc * 1e3:.0f} ms): "
               f"remote/local time {ratio:.2f}x (goal <= 1.25x, hivemind ~2x)", flush=True)
@@ -129,13 +139,13 @@ def bench_mixture(args: argparse.Namespace, client_factory) -> None:
     import torch
 
     from swarm.moe import RemoteMixtureOfExperts
-    from swarm.moe.layers import FeedforwardExpert
+    from swarm.moe.layers import FeedforwardExpert, default_optimizer
 
     hid, batch = args.hidden_dim, args.batch
     x, grad = torch.randn(batch, hid), torch.randn(batch, hid)
     gate = torch.nn.Linear(hid, 4)
     experts = [FeedforwardExpert(hid) for _ in range(4)]
-    optimizers = [torch.optim.Adam(e.parameters(), lr=1e-3) for e in experts]
+    optimizers = [default_optimizer(list(e.parameters())) for e in experts]  # the servers' optimizer
     gate_opt = torch.optim.Adam(gate.parameters(), lr=1e-3)
 
     def local_step() -> None:  # the same work done in one process: gate, 4 experts on every sample, steps
@@ -163,7 +173,7 @@ def bench_mixture(args: argparse.Namespace, client_factory) -> None:
             moe_opt.step()
             moe_opt.zero_grad(set_to_none=True)
 
-        loc, rem, ratio = paired(local_step, remote_step, args.pairs)
+        loc, rem, ratio = paired(local_step, remote_step, args.pairs, args.settle_ms / 1e3)
         failures = moe.caller.failures
         client.shutdown()
     if failures:
@@ -234,6 +244,8 @@ def main() -> None:
     parser.add_argument("--client-batch", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--only", default="abc", help="which figures to measure, e.g. 'a' or 'bc'")
+    parser.add_argument("--settle-ms", type=float, default=50.0,
+                        help="pause before each timed call of (a) and (b), so idle OpenMP threads stop spinning")
     args = parser.parse_args()
     if args.role == "server":
         return serve(args)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from swarm.core.errors import InvalidRequest, ResourceExhausted
 from swarm.moe.schema import TensorSchema, dtype_name
 from swarm.proto import tensor_pb2
 
-__all__ = ["Admission", "check_declared"]
+__all__ = ["Admission", "check_declared", "check_declared_batch", "drain_request"]
 
 
 def check_declared(
@@ -41,9 +41,31 @@ def check_declared(
     metas = header.tensors
     if len(metas) != len(schemas):
         raise InvalidRequest(f"{what}: expected {len(schemas)} tensors, got {len(metas)}")
-    rows: set[int] = set()
+    return check_declared_batch(metas, schemas, max_batch_size, what)[1]
+
+
+def check_declared_batch(
+    metas: Sequence[tensor_pb2.TensorMeta], schemas: Sequence[TensorSchema], max_batch_size: int, what: str,
+    rows: int | None = None,
+) -> tuple[int, int]:
+    """Checks declared tensors (as many as `schemas`) that form one batch against the schemas.
+
+    Args:
+        metas: the declared tensors, one per schema.
+        schemas: one schema per tensor.
+        max_batch_size: the most rows accepted.
+        what: names the request in messages.
+        rows: the batch size the tensors must have (None: any, as long as they agree).
+
+    Returns:
+        ``(rows, bytes)`` of the batch.
+
+    Raises:
+        InvalidRequest, ResourceExhausted: as `check_declared`.
+    """
+    batches: set[int] = set()
     total = 0
-    for i, (meta, schema) in enumerate(zip(metas, schemas)):
+    for i, (meta, schema) in enumerate(zip(metas, schemas, strict=True)):
         shape = tuple(meta.shape)
         expected = ("batch", *schema.shape_without_batch)
         if meta.dtype != dtype_name(schema.dtype):
@@ -52,16 +74,34 @@ def check_declared(
             raise InvalidRequest(
                 f"{what}: tensor {i} has shape {shape}, expected ({', '.join(map(str, expected))})"
             )
-        rows.add(shape[0])
+        batches.add(shape[0])
         total += meta.nbytes
-    if len(rows) != 1:
-        raise InvalidRequest(f"{what}: tensors disagree on the batch size: {sorted(rows)}")
-    (batch,) = rows
+    if rows is not None:
+        batches.add(rows)
+    if len(batches) != 1:
+        raise InvalidRequest(f"{what}: tensors disagree on the batch size: {sorted(batches)}")
+    (batch,) = batches
     if batch < 1:
         raise InvalidRequest(f"{what}: the batch is empty")
     if batch > max_batch_size:
         raise ResourceExhausted(f"{what}: batch of {batch} rows exceeds the limit of {max_batch_size}; split it")
-    return total
+    return batch, total
+
+
+async def drain_request(stream: AsyncIterator[bytes], limit: int) -> None:
+    """Reads and drops up to `limit` bytes of what is left of a refused request stream.
+
+    A call that ends while the caller is still writing reaches it as INTERNAL instead of the
+    status that says why it was refused.
+    """
+    drained = 0
+    try:
+        async for chunk in stream:
+            drained += len(chunk)
+            if drained > limit:
+                return
+    except Exception:  # noqa: BLE001 - the call may already be over; the refusal is what matters
+        return
 
 
 class Admission:

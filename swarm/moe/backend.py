@@ -3,9 +3,9 @@
 Experts are trained where they live: a backward call computes the gradients w.r.t. the
 inputs for the caller *and* applies the expert's own optimizer step to its parameters.
 
-Threading: `ExpertBackend.forward` and `ExpertBackend.backward` are called from ONE thread,
-the runtime's compute thread (`swarm.moe.runtime.Runtime`); they are not safe to call
-concurrently with each other. `state_dict` and `load_state_dict` may be called from any
+Threading: `ExpertBackend.forward` and `ExpertBackend.backward` are called by the runtime's
+compute threads (`swarm.moe.runtime.Runtime`), one batch of an expert at a time (its pools form
+one group); they are not safe to call concurrently with each other. `state_dict` and `load_state_dict` may be called from any
 thread (e.g. a checkpoint saver): they take a lock that the parameter update in `backward`
 also holds, so a snapshot never sees a half-applied optimizer step.
 """
@@ -102,15 +102,26 @@ class ExpertBackend:
         """
         self._validate(inputs, self.args_schema + self.outputs_schema, "argument", check_finite)
 
+    def validate_grad_outputs(self, grads: Sequence[Any], *, check_finite: bool = True) -> None:
+        """Checks the output gradients of a backward through a kept graph (no inputs).
+
+        Raises:
+            InvalidRequest: as `validate_forward_inputs`, for one gradient per output.
+        """
+        self._validate(grads, self.outputs_schema, "gradient", check_finite, first_grad=0)
+
     def _validate(
-        self, tensors: Sequence[Any], schemas: tuple[TensorSchema, ...], label: str, check_finite: bool
+        self, tensors: Sequence[Any], schemas: tuple[TensorSchema, ...], label: str, check_finite: bool,
+        first_grad: int | None = None,
     ) -> None:
         if len(tensors) != len(schemas):
             raise InvalidRequest(f"expert {self.name} expects {len(schemas)} tensors, got {len(tensors)}")
+        if first_grad is None:
+            first_grad = len(self.args_schema)
         for i, (tensor, schema) in enumerate(zip(tensors, schemas)):
             what = f"{label} {i} of expert {self.name}"
-            if i >= len(self.args_schema):
-                what = f"gradient {i - len(self.args_schema)} of expert {self.name}"
+            if i >= first_grad:
+                what = f"gradient {i - first_grad} of expert {self.name}"
             schema.validate(tensor, self.max_batch_size, check_finite=check_finite, what=what)
         batches = {t.shape[0] for t in tensors}
         if len(batches) > 1:
@@ -118,7 +129,7 @@ class ExpertBackend:
                 f"expert {self.name}: all tensors must share the batch size, got {sorted(batches)}"
             )
 
-    # ---- compute (compute thread only) --------------------------------------------------------
+    # ---- compute (compute threads, one batch at a time) ----------------------------------------
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Runs the expert on a batch, without building a graph.
@@ -269,7 +280,7 @@ class ExpertBackend:
     def state_dict(self) -> dict[str, Any]:
         """Returns a consistent snapshot (a deep copy) of module, optimizer and scheduler state.
 
-        Safe to call from any thread while the compute thread trains the expert.
+        Safe to call from any thread while a compute thread trains the expert.
         """
         with self._state_lock:
             return copy.deepcopy(

@@ -1,12 +1,17 @@
-"""A mixture's calls to its experts: one request per chosen expert per batch, all at once.
+"""A mixture's calls to its experts: one group call per server per batch, all at once.
 
-Each expert chosen by any sample gets ONE Forward carrying every row that chose it (hivemind
-sends one request per sample and expert). The calls run concurrently on the peer's loop and are
-awaited under the k_min policy (SPEC.md §4): a forward succeeds while every sample has at least
-`k_min` experts that answered within the deadline; once that holds, stragglers get
-`timeout_after_k_min` more seconds. Experts that fail are skipped for this batch (a debug log,
-not an error: peers vanish) and excluded from the next searches for a few seconds. The backward
-sends each expert that answered its rows' output gradients under the same policy.
+Each expert chosen by any sample gets one job carrying every row that chose it, and the jobs of
+one server travel in one group call (`swarm.moe.jobs`, `swarm.moe.group_calls`): the rows are
+sent once, the server computes its experts side by side and answers each as it finishes. The
+calls run concurrently on the peer's loop and are awaited under the k_min policy (SPEC.md §4): a
+forward succeeds while every sample has at least `k_min` experts that answered within the
+deadline; once that holds, stragglers get `timeout_after_k_min` more seconds. Experts that fail
+are skipped for this batch (a debug log, not an error: peers vanish) and excluded from the next
+searches for a few seconds. The backward sends each expert that answered its rows' output
+gradients under the same policy, and gets back the input gradients summed per server.
+
+Row gathers and scatters run with numpy on the calling thread (`swarm.moe.rows`): torch's thread
+pool, on a 2-core machine shared with the servers, made them cost milliseconds each.
 
 `MixtureCall` ties this to autograd: its forward returns the experts' outputs per (sample, slot)
 and which slots answered; its backward returns the gradient w.r.t. the mixture's input.
@@ -16,16 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from swarm.core.errors import MoEError
+from swarm.core.errors import InvalidRequest, MoEError, RPCError
+from swarm.moe import rows as row_ops
 from swarm.moe.beam_search import ExpertChoice
-from swarm.moe.expert import as_payload, new_graph_id
-from swarm.moe.protocol import call_backward, call_forward
+from swarm.moe.expert import as_payload
+from swarm.moe.group_calls import GroupMember, call_backward_group, call_forward_group
+from swarm.moe.jobs import ExpertJob, ServerShare, plan_jobs, plan_shares
 
 __all__ = ["DispatchPolicy", "ExpertJob", "MixtureCall", "plan_jobs"]
 
@@ -68,72 +75,73 @@ class DispatchPolicy:
             raise ValueError("exclude_failed_for must be >= 0")
 
 
-@dataclass(frozen=True)
-class ExpertJob:
-    """One expert's share of a batch: which (sample, slot) pairs chose it."""
-
-    uid: str
-    addr: str
-    rows: torch.Tensor
-    slots: torch.Tensor
-    graph_id: int | None
-
-
-def plan_jobs(choice: ExpertChoice, keep_graphs: bool) -> list[ExpertJob]:
-    """Groups the chosen (sample, slot) pairs by expert: one job, hence one request, per expert."""
-    codes = choice.codes.masked_fill(~choice.valid, -1)
-    jobs = []
-    for code, (uid, addr) in sorted(choice.experts.items()):
-        rows, slots = (codes == code).nonzero(as_tuple=True)
-        if rows.numel():
-            jobs.append(ExpertJob(uid, addr, rows, slots, new_graph_id() if keep_graphs else None))
-    return jobs
-
-
 OnFailure = Callable[[ExpertJob, BaseException], None]
 
 
-async def _gather_with_k_min(
-    calls: Sequence[Awaitable[list[torch.Tensor]]],
-    jobs: Sequence[ExpertJob],
-    batch: int,
-    needed: torch.Tensor,
-    timeout: float,
-    after_k_min: float | None,
-    on_failure: OnFailure,
-) -> list[list[torch.Tensor] | None]:
-    """Runs the calls concurrently; returns each one's result, or None if it failed or was too late."""
-    loop = asyncio.get_running_loop()
-    tasks = {asyncio.ensure_future(c): i for i, c in enumerate(calls)}
-    results: list[list[torch.Tensor] | None] = [None] * len(jobs)
-    answered = torch.zeros(batch, dtype=torch.long)
-    deadline = loop.time() + timeout
-    k_min_at: float | None = None
-    pending = set(tasks)
-    try:
-        while pending:
-            until = deadline if k_min_at is None or after_k_min is None else min(deadline, k_min_at + after_k_min)
-            left = until - loop.time()
-            if left <= 0:
-                break
-            done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = tasks[task]
-                if task.exception() is not None:
-                    on_failure(jobs[i], task.exception())  # type: ignore[arg-type]
-                else:
-                    results[i] = task.result()
-                    answered[jobs[i].rows] += 1
-            if k_min_at is None and bool((answered >= needed).all()):
-                k_min_at = loop.time()
-    finally:
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-    for task in pending:
-        on_failure(jobs[tasks[task]], TimeoutError("no answer before the mixture stopped waiting"))
-    return results
+class _Answers:
+    """Which jobs of a batch answered, and the k_min rule over them (used on the peer's loop)."""
+
+    def __init__(self, jobs: Sequence[ExpertJob], batch: int, needed: torch.Tensor, on_failure: OnFailure) -> None:
+        self.jobs = jobs
+        self.needed = needed
+        self.on_failure = on_failure
+        self.results: list[list[torch.Tensor] | None] = [None] * len(jobs)
+        self.answered = torch.zeros(batch, dtype=torch.long)
+        self._open = set(range(len(jobs)))
+        self._changed = asyncio.Event()
+
+    def ok(self, j: int, result: list[torch.Tensor]) -> None:
+        if j in self._open:
+            self._open.discard(j)
+            self.results[j] = result
+            self.answered[self.jobs[j].rows] += 1
+            self._changed.set()
+
+    def fail(self, j: int, error: BaseException) -> None:
+        if j in self._open:
+            self._open.discard(j)
+            self.on_failure(self.jobs[j], error)
+            self._changed.set()
+
+    async def gather(
+        self, calls: Sequence[Coroutine[Any, Any, None]], shares: Sequence[ServerShare], timeout: float,
+        after_k_min: float | None,
+    ) -> None:
+        """Runs the calls concurrently until every job answered or failed, or the policy stops waiting;
+        jobs without an answer then fail."""
+
+        async def guarded(call: Coroutine[Any, Any, None], share: ServerShare) -> None:
+            try:
+                await call
+                error: BaseException = MoEError("the server's answer left this expert out")
+            except Exception as e:  # noqa: BLE001 - any failure of the call fails its open jobs
+                error = e
+            for j in share.jobs:
+                self.fail(j, error)
+
+        loop = asyncio.get_running_loop()
+        tasks = [asyncio.ensure_future(guarded(c, s)) for c, s in zip(calls, shares)]
+        deadline = loop.time() + timeout
+        k_min_at: float | None = None
+        try:
+            while self._open:
+                if k_min_at is None and bool((self.answered >= self.needed).all()):
+                    k_min_at = loop.time()
+                until = deadline if k_min_at is None or after_k_min is None else min(deadline, k_min_at + after_k_min)
+                left = until - loop.time()
+                if left <= 0:
+                    break
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except TimeoutError:
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for j in list(self._open):
+            self.fail(j, TimeoutError("no answer before the mixture stopped waiting"))
 
 
 class MixtureCall(torch.autograd.Function):
@@ -185,25 +193,36 @@ class MixtureCaller:
         self.failures += 1
         self.on_failure(job, error)
 
+    @staticmethod
+    def _members(jobs: Sequence[ExpertJob], share: ServerShare) -> list[GroupMember]:
+        return [GroupMember(jobs[j].uid, jobs[j].graph_id, rows) for j, rows in zip(share.jobs, share.member_rows)]
+
     def forward(
         self, jobs: list[ExpertJob], x: torch.Tensor, choice: ExpertChoice
     ) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor] | None]]:
         policy = self.policy
         batch, k = choice.codes.shape
-        needed = torch.full((batch,), policy.k_min, dtype=torch.long)
         payload = as_payload(x)
-        inputs = [payload[job.rows] for job in jobs]  # here, not on the event loop (see schema._all_finite)
+        shares = plan_shares(jobs, batch)
+        inputs = [payload if s.rows is None else row_ops.take_rows(payload, s.rows) for s in shares]
+        answers = _Answers(jobs, batch, torch.full((batch,), policy.k_min, dtype=torch.long), self._failed)
 
-        async def run() -> list[list[torch.Tensor] | None]:
-            calls = [
-                call_forward(self.peer.pool.get(job.addr), job.uid, [x_job], graph_id=job.graph_id,
-                             timeout=policy.forward_timeout)
-                for job, x_job in zip(jobs, inputs)
-            ]
-            return await _gather_with_k_min(calls, jobs, batch, needed, policy.forward_timeout,
-                                            policy.timeout_after_k_min, self._failed)
+        async def call(share: ServerShare, x_share: torch.Tensor) -> None:
+            def on_answer(i: int, outcome: list[torch.Tensor] | RPCError) -> None:
+                if isinstance(outcome, RPCError):
+                    answers.fail(share.jobs[i], outcome)
+                else:
+                    answers.ok(share.jobs[i], outcome)
 
-        results = self.peer.run(run(), policy.forward_timeout + 5.0)
+            await call_forward_group(self.peer.pool.get(share.addr), self._members(jobs, share), [x_share], on_answer,
+                                     timeout=policy.forward_timeout)
+
+        async def run() -> None:
+            await answers.gather([call(s, xs) for s, xs in zip(shares, inputs)], shares, policy.forward_timeout,
+                                 policy.timeout_after_k_min)
+
+        self.peer.run(run(), policy.forward_timeout + 5.0)
+        results = answers.results
         for i, (job, result) in enumerate(zip(jobs, results)):
             if result is not None and not self._well_formed(result, job):
                 self._failed(job, MoEError(f"expert {job.uid} answered with malformed outputs"))
@@ -211,10 +230,10 @@ class MixtureCaller:
         if self.output_shape is None:
             raise MoEError(f"none of the {len(jobs)} chosen experts answered, and none ever has")
         answered = torch.zeros(batch, k, dtype=torch.bool)
-        outputs = torch.zeros(batch, k, *self.output_shape, dtype=self.output_dtype)
+        outputs = row_ops.zeros((batch, k, *self.output_shape), self.output_dtype)
         for job, result in zip(jobs, results):
             if result is not None:
-                outputs[job.rows, job.slots] = result[0].to(self.output_dtype)
+                row_ops.put_pairs_(outputs, job.rows, job.slots, result[0])
                 answered[job.rows, job.slots] = True
         counts = answered.sum(dim=1)
         short = counts < policy.k_min
@@ -242,31 +261,44 @@ class MixtureCaller:
     ) -> torch.Tensor:
         policy = self.policy
         batch = x.shape[0]
-        needed = torch.clamp(forward_answers, max=policy.backward_k_min)
         payload, grads = as_payload(x), as_payload(grad_outputs)
-        pieces = [(payload[job.rows], grads[job.rows, job.slots]) for job in jobs]
+        shares = plan_shares(jobs, batch)
+        inputs = [payload if s.rows is None else row_ops.take_rows(payload, s.rows) for s in shares]
+        job_grads = [row_ops.take_pairs(grads, job.rows, job.slots) for job in jobs]
+        needed = torch.clamp(forward_answers, max=policy.backward_k_min)
+        answers = _Answers(jobs, batch, needed, self._failed)
+        sums: list[torch.Tensor | None] = [None] * len(shares)
 
-        async def run() -> list[list[torch.Tensor] | None]:
-            calls = [
-                call_backward(self.peer.pool.get(job.addr), job.uid, [x_job], [g_job], graph_id=job.graph_id,
-                              timeout=policy.backward_timeout)
-                for job, (x_job, g_job) in zip(jobs, pieces)
-            ]
-            return await _gather_with_k_min(calls, jobs, batch, needed, policy.backward_timeout,
-                                            policy.timeout_after_k_min, self._failed)
+        async def call(s: int, share: ServerShare, x_share: torch.Tensor) -> None:
+            answered, summed = await call_backward_group(
+                self.peer.pool.get(share.addr), self._members(jobs, share), [x_share],
+                [[job_grads[j]] for j in share.jobs], lambda i, e: answers.fail(share.jobs[i], e),
+                timeout=policy.backward_timeout,
+            )
+            if answered:
+                if len(summed) != 1 or summed[0].shape != x_share.shape:
+                    raise InvalidRequest(f"malformed gradients from {share.addr}")
+                sums[s] = summed[0]
+            for i in answered:
+                answers.ok(share.jobs[i], [])
 
-        results = self.peer.run(run(), policy.backward_timeout + 5.0)
-        grad_x = torch.zeros_like(payload)
-        answered = torch.zeros(batch, dtype=torch.long)
-        for job, result in zip(jobs, results):
-            if result is not None and len(result) == 1 and result[0].shape == (job.rows.numel(), *x.shape[1:]):
-                grad_x.index_add_(0, job.rows, result[0].to(grad_x.dtype))
-                answered[job.rows] += 1
-        short = answered < needed
+        async def run() -> None:
+            await answers.gather([call(s, share, xs) for s, (share, xs) in enumerate(zip(shares, inputs))], shares,
+                                 policy.backward_timeout, policy.timeout_after_k_min)
+
+        self.peer.run(run(), policy.backward_timeout + 5.0)
+        grad_x = row_ops.zeros(tuple(payload.shape), payload.dtype)
+        for share, summed in zip(shares, sums):
+            if summed is not None:
+                if share.rows is None:
+                    row_ops.add_(grad_x, summed)
+                else:
+                    row_ops.add_rows_(grad_x, share.rows, summed)
+        short = answers.answered < needed
         if bool(short.any()):
             raise MoEError(
-                f"backward: only {int(answered[short].min())} experts answered for some samples, fewer than "
-                f"backward_k_min={policy.backward_k_min} ({sum(r is not None for r in results)} of {len(jobs)} "
-                f"experts answered)"
+                f"backward: only {int(answers.answered[short].min())} experts answered for some samples, fewer "
+                f"than backward_k_min={policy.backward_k_min} ({sum(r is not None for r in answers.results)} of "
+                f"{len(jobs)} experts answered)"
             )
         return grad_x.to(x.device)

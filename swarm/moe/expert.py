@@ -6,12 +6,13 @@ expert with its own optimizer. Both are blocking calls through the peer's loop b
 (`peer.run`); `acall_forward`/`acall_backward` are the awaitable forms (no autograd).
 
 A forward made with grad mode on carries a random graph id, so the server can keep that
-forward's graph for the backward instead of recomputing it (`swarm.moe.saved_graphs`).
+forward's graph for the backward instead of recomputing it (`swarm.moe.saved_graphs`); when the
+server says it kept it, the backward sends the output gradients without the inputs (and the
+inputs only if the graph is gone by then).
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,17 +20,13 @@ import torch
 from torch import nn
 
 from swarm.core.errors import MoEError
-from swarm.moe.protocol import ExpertInfo, call_backward, call_forward, call_info
+from swarm.moe.jobs import new_graph_id
+from swarm.moe.protocol import ExpertInfo, call_backward, call_forward_keeping, call_info
 from swarm.moe.sources import ExpertSource
 
 __all__ = ["RemoteExpert"]
 
 _BRIDGE_SLACK = 5.0  # the blocking bridge waits this much longer than the RPC deadline
-
-
-def new_graph_id() -> int:
-    """A random id naming one forward pass (63 bits, so msgpack carries it as an int)."""
-    return random.getrandbits(63)
 
 
 def as_payload(tensor: torch.Tensor) -> torch.Tensor:
@@ -100,19 +97,28 @@ class RemoteExpert(nn.Module):
 
     async def acall_forward(self, *inputs: torch.Tensor, graph_id: int | None = None) -> list[torch.Tensor]:
         """Runs the expert on `inputs` (no autograd); raises swarm's `RPCError` subclasses."""
+        outputs, _ = await self._forward(inputs, graph_id)
+        return outputs
+
+    async def _forward(self, inputs: Sequence[torch.Tensor], graph_id: int | None) -> tuple[list[torch.Tensor], bool]:
         channel = self.peer.pool.get(await self.aresolve())
-        return await call_forward(
+        return await call_forward_keeping(
             channel, self.uid, [as_payload(x) for x in inputs], graph_id=graph_id, timeout=self.forward_timeout
         )
 
     async def acall_backward(
-        self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], graph_id: int | None = None
+        self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], graph_id: int | None = None,
+        graph_kept: bool = False,
     ) -> list[torch.Tensor]:
-        """Sends output gradients; returns input gradients (the server trains the expert)."""
+        """Sends output gradients; returns input gradients (the server trains the expert).
+
+        With `graph_kept` (the forward's server kept its graph), the inputs are sent only if the
+        server no longer has that graph.
+        """
         channel = self.peer.pool.get(await self.aresolve())
         return await call_backward(
             channel, self.uid, [as_payload(x) for x in inputs], [as_payload(g) for g in grad_outputs],
-            graph_id=graph_id, timeout=self.backward_timeout,
+            graph_id=graph_id, timeout=self.backward_timeout, graph_kept=graph_kept,
         )
 
     # ---- blocking forms ---------------------------------------------------------------------------
@@ -145,10 +151,8 @@ class _RemoteExpertCall(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, dummy: torch.Tensor, expert: RemoteExpert, graph_id: int | None, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        outputs = expert.peer.run(
-            expert.acall_forward(*inputs, graph_id=graph_id), expert.forward_timeout + _BRIDGE_SLACK
-        )
-        ctx.expert, ctx.graph_id = expert, graph_id
+        outputs, kept = expert.peer.run(expert._forward(inputs, graph_id), expert.forward_timeout + _BRIDGE_SLACK)
+        ctx.expert, ctx.graph_id, ctx.graph_kept = expert, graph_id, kept
         ctx.save_for_backward(*inputs)
         return tuple(outputs)
 
@@ -157,6 +161,7 @@ class _RemoteExpertCall(torch.autograd.Function):
         expert: RemoteExpert = ctx.expert
         inputs = ctx.saved_tensors
         grads = expert.peer.run(
-            expert.acall_backward(inputs, grad_outputs, ctx.graph_id), expert.backward_timeout + _BRIDGE_SLACK
+            expert.acall_backward(inputs, grad_outputs, ctx.graph_id, ctx.graph_kept),
+            expert.backward_timeout + _BRIDGE_SLACK,
         )
         return (None, None, None, *(g.to(x.device) for g, x in zip(grads, inputs)))

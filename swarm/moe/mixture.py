@@ -2,10 +2,11 @@
 
 A gating network (one linear map, split into one score vector per grid dimension) scores the
 grid coordinates; the beam search (`swarm.moe.beam_search`) picks each sample's `k_best` live
-experts; one request per chosen expert carries all its rows (`swarm.moe.dispatch`); the output
-is the gate-weighted sum of the experts that answered, the weights renormalized over those
-(Learning@home, Ryabinin & Gusev 2020, §3). Gradients reach the gating network through the
-weights and the experts through their Backward calls (each expert trains itself on them).
+experts; one group call per server carries the rows of all its chosen experts
+(`swarm.moe.dispatch`); the output is the gate-weighted sum of the experts that answered, the
+weights renormalized over those (Learning@home, Ryabinin & Gusev 2020, §3). Gradients reach the
+gating network through the weights and the experts through their Backward calls (each expert
+trains itself on them).
 """
 
 from __future__ import annotations

@@ -2,9 +2,12 @@
 
 Forward and Backward are bidirectional raw-bytes streams carrying one tensor bundle each way
 (`swarm.net.streaming`: a header, then ~1 MiB chunks); the request header's metadata names the
-expert and, optionally, a graph id. Info is a unary call with protobuf messages. The server side
-(`rpc_*`) lives in `swarm.moe.server`; this module holds the client side (`call_*`) and what
-both sides share.
+expert and, optionally, a graph id. A Forward's answer says ``{"kept": true}`` when the server
+kept that forward's graph; the Backward may then carry the output gradients alone
+(``"inputs": false``), and resends with the inputs if the answer is ``{"graph": "gone"}``. Info is
+a unary call with protobuf messages. The server side (`rpc_*`) lives in `swarm.moe.server`; this
+module holds the client side (`call_*`) and what both sides share. Several experts of one server
+can share one stream: `swarm.moe.group_calls`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +30,16 @@ from swarm.proto import moe_pb2, tensor_pb2
 __all__ = [
     "BACKWARD",
     "FORWARD",
+    "GRAPH_GONE",
     "INFO",
     "ExpertCall",
     "ExpertInfo",
     "call_backward",
     "call_forward",
+    "call_forward_keeping",
     "call_info",
     "parse_call_header",
+    "stream_slot",
 ]
 
 FORWARD = "/swarm.moe.Expert/Forward"
@@ -42,6 +48,10 @@ INFO = "/swarm.moe.Expert/Info"
 
 MAX_RESPONSE_BYTES = 1 << 31
 """The largest tensor bundle a client accepts in a response."""
+
+GRAPH_GONE = "gone"
+"""A Backward answer's metadata ``{"graph": GRAPH_GONE}`` (and no tensors): the request left out the
+inputs, but the server no longer keeps that forward's graph; send them."""
 
 
 @dataclass(frozen=True)
@@ -52,13 +62,19 @@ class ExpertCall:
         uid: the expert asked for.
         graph_id: names a forward whose autograd graph the server may keep for the backward
             that follows (None: the caller will not call backward, or does not care).
+        inputs: whether a Backward carries the forward's inputs before the output gradients;
+            without them (the forward's answer said the server kept its graph) it needs `graph_id`.
     """
 
     uid: str
     graph_id: int | None = None
+    inputs: bool = True
 
     def to_metadata(self) -> dict[str, Any]:
-        return {"uid": self.uid, "graph": self.graph_id}
+        metadata: dict[str, Any] = {"uid": self.uid, "graph": self.graph_id}
+        if not self.inputs:
+            metadata["inputs"] = False
+        return metadata
 
 
 def parse_call_header(header_bytes: bytes) -> tuple[ExpertCall, tensor_pb2.TensorBundleHeader]:
@@ -79,7 +95,12 @@ def parse_call_header(header_bytes: bytes) -> tuple[ExpertCall, tensor_pb2.Tenso
     graph_id = metadata.get("graph")
     if graph_id is not None and (not isinstance(graph_id, int) or isinstance(graph_id, bool)):
         raise InvalidRequest(f"expert request graph id must be an int, got {type(graph_id).__name__}")
-    return ExpertCall(metadata["uid"], graph_id), header
+    inputs = metadata.get("inputs", True)
+    if not isinstance(inputs, bool):
+        raise InvalidRequest(f"expert request 'inputs' must be a bool, got {type(inputs).__name__}")
+    if not inputs and graph_id is None:
+        raise InvalidRequest("a backward without its inputs must name the kept forward's graph id")
+    return ExpertCall(metadata["uid"], graph_id, inputs), header
 
 
 @dataclass(frozen=True)
@@ -167,9 +188,14 @@ a burst from one caller orderly; the server's own limits (`swarm.moe.admission`)
 _slots: weakref.WeakKeyDictionary[PeerChannel, asyncio.Semaphore] = weakref.WeakKeyDictionary()
 
 
-async def _call(
-    channel: PeerChannel, method: str, call: ExpertCall, tensors: Sequence[torch.Tensor], timeout: float | None
-) -> list[torch.Tensor]:
+@contextlib.asynccontextmanager
+async def stream_slot(channel: PeerChannel, what: str, timeout: float | None) -> AsyncIterator[float]:
+    """Holds one of the `MAX_STREAMS_PER_PEER` stream slots to `channel`'s peer; yields the seconds
+    left of `timeout` (default: the pool's) once the slot is held.
+
+    Raises:
+        DeadlineExceeded: no slot came free within `timeout`.
+    """
     timeout = timeout or channel.pool.config.default_timeout
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -180,17 +206,22 @@ async def _call(
         await asyncio.wait_for(slots.acquire(), timeout)
     except TimeoutError:
         raise DeadlineExceeded(
-            f"{method} of {call.uid} waited {timeout:.1f} s for one of {MAX_STREAMS_PER_PEER} streams to {channel.peer_id}",
+            f"{what} waited {timeout:.1f} s for one of {MAX_STREAMS_PER_PEER} streams to {channel.peer_id}",
             peer_id=channel.peer_id,
         ) from None
     try:
-        remaining = max(deadline - loop.time(), 1e-3)
-        responses = channel.stream(method, tensors_to_messages(tensors, call.to_metadata()), remaining)
-        async with contextlib.aclosing(responses):
-            outputs, _ = await receive_tensors(responses, MAX_RESPONSE_BYTES)
-        return outputs
+        yield max(deadline - loop.time(), 1e-3)
     finally:
         slots.release()
+
+
+async def _call(
+    channel: PeerChannel, method: str, call: ExpertCall, tensors: Sequence[torch.Tensor], timeout: float | None
+) -> tuple[list[torch.Tensor], Any]:
+    async with stream_slot(channel, f"{method} of {call.uid}", timeout) as remaining:
+        responses = channel.stream(method, tensors_to_messages(tensors, call.to_metadata()), remaining)
+        async with contextlib.aclosing(responses):
+            return await receive_tensors(responses, MAX_RESPONSE_BYTES)
 
 
 async def call_forward(
@@ -217,7 +248,22 @@ async def call_forward(
         RPCError: a subclass saying why (InvalidRequest, ResourceExhausted, NotFound,
             PeerUnreachable, DeadlineExceeded, RemoteError).
     """
-    return await _call(channel, FORWARD, ExpertCall(uid, graph_id), inputs, timeout)
+    outputs, _ = await call_forward_keeping(channel, uid, inputs, graph_id=graph_id, timeout=timeout)
+    return outputs
+
+
+async def call_forward_keeping(
+    channel: PeerChannel,
+    uid: str,
+    inputs: Sequence[torch.Tensor],
+    *,
+    graph_id: int | None = None,
+    timeout: float | None = None,
+) -> tuple[list[torch.Tensor], bool]:
+    """As `call_forward`, and whether the server kept the forward's graph under `graph_id` (the
+    backward may then leave the inputs out: ``call_backward(..., graph_kept=True)``)."""
+    outputs, metadata = await _call(channel, FORWARD, ExpertCall(uid, graph_id), inputs, timeout)
+    return outputs, graph_id is not None and isinstance(metadata, dict) and metadata.get("kept") is True
 
 
 async def call_backward(
@@ -228,6 +274,7 @@ async def call_backward(
     *,
     graph_id: int | None = None,
     timeout: float | None = None,
+    graph_kept: bool = False,
 ) -> list[torch.Tensor]:
     """Sends the gradients of expert `uid`'s outputs; the expert trains on them.
 
@@ -238,6 +285,8 @@ async def call_backward(
         grad_outputs: one gradient per output.
         graph_id: the id passed to the matching `call_forward`, if any.
         timeout: the call's deadline in seconds.
+        graph_kept: the forward's answer said the server kept its graph: send the gradients
+            alone, and the inputs only if the server no longer has that graph.
 
     Returns:
         The gradients w.r.t. the inputs.
@@ -245,7 +294,18 @@ async def call_backward(
     Raises:
         RPCError: as `call_forward`.
     """
-    return await _call(channel, BACKWARD, ExpertCall(uid, graph_id), [*inputs, *grad_outputs], timeout)
+    timeout = timeout or channel.pool.config.default_timeout
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    if graph_kept and graph_id is not None:
+        grads, metadata = await _call(channel, BACKWARD, ExpertCall(uid, graph_id, inputs=False), grad_outputs, timeout)
+        if not (isinstance(metadata, dict) and metadata.get("graph") == GRAPH_GONE):
+            return grads
+        timeout = deadline - loop.time()
+        if timeout <= 0:
+            raise DeadlineExceeded(f"{BACKWARD} of {uid}: no time left to resend the inputs", peer_id=channel.peer_id)
+    grads, _ = await _call(channel, BACKWARD, ExpertCall(uid, graph_id), [*inputs, *grad_outputs], timeout)
+    return grads
 
 
 async def call_info(channel: PeerChannel, uid: str, timeout: float | None = None) -> ExpertInfo:

@@ -1,7 +1,8 @@
 """ExpertServer: hosts experts on a peer, trains them on the backward calls of remote clients.
 
-It registers three RPCs on the peer's gRPC server (proto/moe.proto): Forward and Backward
-(tensor streams, batched across callers by one `Runtime` compute thread) and Info (schemas).
+It registers five RPCs on the peer's gRPC server (proto/moe.proto): Forward and Backward
+(tensor streams, batched across callers by the `Runtime`'s compute threads), their group forms
+ForwardGroup and BackwardGroup (several experts per stream, `swarm.moe.group_serving`) and Info.
 Each request is checked before it costs anything (`swarm.moe.admission`): the expert must be
 hosted (NOT_FOUND), the declared tensors must fit its schemas (INVALID_ARGUMENT) and its batch
 limit, and the server's bounds on requests and bytes in flight must allow it
@@ -24,13 +25,15 @@ import torch
 from torch import nn
 
 from swarm.core.errors import ConfigError, InvalidRequest, NotFound, PeerUnreachable, SwarmError
-from swarm.moe.admission import Admission, check_declared
+from swarm.moe.admission import Admission, check_declared, drain_request
 from swarm.moe.backend import ExpertBackend
 from swarm.moe.checkpoints import CheckpointSaver
 from swarm.moe.dht_declare import ExpertDeclarer
-from swarm.moe.hosted import HostedExpert
+from swarm.moe.group_calls import BACKWARD_GROUP, FORWARD_GROUP
+from swarm.moe.group_serving import GroupCallHandlers
+from swarm.moe.hosted import GraphGone, HostedExpert
 from swarm.moe.layers import OptimizerFactory, backend_for_module, default_optimizer, make_backend
-from swarm.moe.protocol import BACKWARD, FORWARD, INFO, ExpertInfo, parse_call_header
+from swarm.moe.protocol import BACKWARD, FORWARD, GRAPH_GONE, INFO, ExpertCall, ExpertInfo, parse_call_header
 from swarm.moe.runtime import Runtime
 from swarm.moe.schema import TensorSchema
 from swarm.moe.server_config import ExpertServerConfig
@@ -47,7 +50,7 @@ logger = logging.getLogger(__name__)
 _servers: weakref.WeakKeyDictionary[Any, ExpertServer] = weakref.WeakKeyDictionary()
 
 
-class ExpertServer:
+class ExpertServer(GroupCallHandlers):
     """Serves experts from a peer; attaches to it, so `peer.shutdown()` stops it and saves checkpoints.
 
     Example::
@@ -106,8 +109,10 @@ class ExpertServer:
         self.restored: list[str] = self.checkpoints.load() if self.checkpoints is not None else []
         """UIDs restored from checkpoints at start."""
         self.experts = {uid: HostedExpert(b, self.config.batching) for uid, b in self.backends.items()}
+        threads = self.config.compute_threads or torch.get_num_threads()
         self.runtime = Runtime(
-            [pool for hosted in self.experts.values() for pool in hosted.pools], self.config.compute_threads
+            [pool for hosted in self.experts.values() for pool in hosted.pools], threads,
+            self.config.compute_workers or threads,
         )
         self.admission = Admission(self.config.max_inflight_requests, self.config.max_inflight_bytes)
         self.declarer: ExpertDeclarer | None = None
@@ -153,7 +158,7 @@ class ExpertServer:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def astart(self) -> None:
-        """Starts serving: registers the RPCs, starts the compute thread, declares the experts."""
+        """Starts serving: registers the RPCs, starts the compute threads, declares the experts."""
         if self.peer.loop.loop is not _running_loop():
             return await self.peer.loop.wrap(self.astart())
         if self._started:
@@ -168,6 +173,8 @@ class ExpertServer:
         server = self.peer.server
         server.add_stream(FORWARD, self.rpc_forward)
         server.add_stream(BACKWARD, self.rpc_backward)
+        server.add_stream(FORWARD_GROUP, self.rpc_forward_group)
+        server.add_stream(BACKWARD_GROUP, self.rpc_backward_group)
         server.add_unary(INFO, self.rpc_info, moe_pb2.ExpertInfoRequest)
         self.peer.attach(self)
         self.peer.served_experts = sorted(self.experts)
@@ -181,7 +188,7 @@ class ExpertServer:
                     ", ..." if len(self.experts) > 1 else "")
 
     async def ashutdown(self) -> None:
-        """Stops declaring, fails queued requests, stops the compute thread, saves checkpoints."""
+        """Stops declaring, fails queued requests, stops the compute threads, saves checkpoints."""
         if self._closing:
             return
         self._closing = True
@@ -214,7 +221,7 @@ class ExpertServer:
     @contextlib.asynccontextmanager
     async def _request(
         self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool
-    ) -> AsyncIterator[tuple[HostedExpert, list[torch.Tensor], Hashable | None]]:
+    ) -> AsyncIterator[tuple[HostedExpert, ExpertCall, list[torch.Tensor], Hashable | None]]:
         """Admits one request, receives and checks its tensors; holds its slot and bytes until exit."""
         stream = aiter(requests)
         async with contextlib.AsyncExitStack() as held:
@@ -223,13 +230,13 @@ class ExpertServer:
             except SwarmError:
                 # Read what the caller still sends before refusing: a call that ends while the caller
                 # is still writing reaches it as INTERNAL instead of the status that says why.
-                await _drain(stream, self.config.max_drain_bytes)
+                await drain_request(stream, self.config.max_drain_bytes)
                 raise
             yield received
 
     async def _receive(
         self, stream: AsyncIterator[bytes], ctx: CallContext, backward: bool, held: contextlib.AsyncExitStack
-    ) -> tuple[HostedExpert, list[torch.Tensor], Hashable | None]:
+    ) -> tuple[HostedExpert, ExpertCall, list[torch.Tensor], Hashable | None]:
         what = "backward" if backward else "forward"
         held.enter_context(self.admission.request(what))
         header_bytes = await anext(stream, None)
@@ -239,7 +246,10 @@ class ExpertServer:
         hosted = self._hosted(call.uid, what)
         backend = hosted.backend
         what = f"{what} of {call.uid}"
-        schemas = backend.args_schema + (backend.outputs_schema if backward else ())
+        if not backward:
+            schemas = backend.args_schema
+        else:
+            schemas = (backend.args_schema if call.inputs else ()) + backend.outputs_schema
         nbytes = check_declared(header, schemas, backend.max_batch_size, what)
         held.enter_context(self.admission.reserve(nbytes, what))
         receiver = TensorReceiver(header_bytes, max_bytes=nbytes)
@@ -249,25 +259,35 @@ class ExpertServer:
                 break
             receiver.feed(chunk)
         tensors = receiver.result()
-        if backward:
+        if not backward:
+            backend.validate_forward_inputs(tensors, check_finite=self.config.check_finite)
+        elif call.inputs:
             backend.validate_backward_inputs(tensors, check_finite=self.config.check_finite)
         else:
-            backend.validate_forward_inputs(tensors, check_finite=self.config.check_finite)
+            backend.validate_grad_outputs(tensors, check_finite=self.config.check_finite)
         key = (ctx.peer_id, call.graph_id) if call.graph_id is not None else None
-        return hosted, tensors, key
+        return hosted, call, tensors, key
 
     async def rpc_forward(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
-        """Forward: one bundle of inputs in, one bundle of outputs out."""
-        async with self._request(requests, ctx, backward=False) as (hosted, inputs, key):
-            outputs = await hosted.forward(inputs, key)
-            for message in tensors_to_messages(outputs):
+        """Forward: one bundle of inputs in, one bundle of outputs out (saying whether the graph was kept)."""
+        async with self._request(requests, ctx, backward=False) as (hosted, _, inputs, key):
+            outputs, kept = await hosted.forward(inputs, key)
+            for message in tensors_to_messages(outputs, {"kept": True} if kept else None):
                 yield message
 
     async def rpc_backward(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
-        """Backward: inputs and output gradients in, input gradients out; the expert takes a step."""
-        async with self._request(requests, ctx, backward=True) as (hosted, tensors, key):
-            grads = await hosted.backward(tensors, key)
-            for message in tensors_to_messages(grads):
+        """Backward: inputs (unless the forward's graph was kept) and output gradients in, input
+        gradients out; the expert takes a step."""
+        async with self._request(requests, ctx, backward=True) as (hosted, call, tensors, key):
+            metadata = None
+            if call.inputs:
+                grads = await hosted.backward(tensors, key)
+            else:
+                try:
+                    grads = await hosted.backward_kept(tensors, key)
+                except GraphGone:  # the caller resends with the inputs
+                    grads, metadata = (), {"graph": GRAPH_GONE}
+            for message in tensors_to_messages(grads, metadata):
                 yield message
 
     async def rpc_info(self, request: moe_pb2.ExpertInfoRequest, ctx: CallContext) -> moe_pb2.ExpertInfo:
@@ -302,18 +322,6 @@ class ExpertServer:
 
     def __repr__(self) -> str:
         return f"ExpertServer({self.peer.peer_id}, {len(self.experts)} experts)"
-
-
-async def _drain(stream: AsyncIterator[bytes], limit: int) -> None:
-    """Reads and drops up to `limit` bytes of what is left of a request stream."""
-    drained = 0
-    try:
-        async for chunk in stream:
-            drained += len(chunk)
-            if drained > limit:
-                return
-    except Exception:  # noqa: BLE001 - the call may already be over; the refusal is what matters
-        return
 
 
 def _public_addr(addrs: Sequence[str]) -> str:

@@ -22,7 +22,12 @@ class ExpertServerConfig:
         check_finite: refuse inputs and gradients holding NaN or Inf.
         declare_ttl: seconds a DHT declaration lives; re-announced every third of it.
         checkpoint_interval: seconds between periodic checkpoints (None: only at shutdown).
-        compute_threads: torch intra-op threads of the compute thread (None: torch's default).
+        compute_threads: torch intra-op threads the compute threads use together (None: torch's
+            default, one per core).
+        compute_workers: compute threads, hence batches of different experts running at once
+            (None: one per compute thread). A batch running alone gets all `compute_threads`;
+            concurrent ones share them (`swarm.moe.runtime`). The experts of one group call
+            (a mixture's share of a batch) are split among the workers at once.
         runtime_shutdown_timeout: seconds a running batch gets to finish at shutdown.
         max_drain_bytes: how much of a refused request is still read (and dropped) so that the
             caller sees the refusal's status; a caller that sends more sees a broken call.
@@ -36,6 +41,7 @@ class ExpertServerConfig:
     declare_ttl: float = 60.0
     checkpoint_interval: float | None = 300.0
     compute_threads: int | None = None
+    compute_workers: int | None = None
     runtime_shutdown_timeout: float = 5.0
     max_drain_bytes: int = 128 << 20
 
@@ -48,3 +54,5 @@ class ExpertServerConfig:
             raise ConfigError("checkpoint_interval must be positive or None")
         if self.compute_threads is not None and self.compute_threads < 1:
             raise ConfigError("compute_threads must be positive or None")
+        if self.compute_workers is not None and self.compute_workers < 1:
+            raise ConfigError("compute_workers must be positive or None")

@@ -3,7 +3,7 @@
 A `TaskPool` wraps one function (say, one expert's forward). Callers on an asyncio event loop
 ``await pool.submit(*tensors)``; the pool queues the task and returns control to the loop at
 once. The `swarm.moe.runtime.Runtime` that owns the pool takes the tasks at its head,
-concatenates them along dim 0 into one batch, runs the pool's function on its compute thread,
+concatenates them along dim 0 into one batch, runs the pool's function on a compute thread,
 splits the outputs back by rows, and hands each caller its own slice through
 ``loop.call_soon_threadsafe``.
 
@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +124,7 @@ class TaskPool:
 
     Args:
         process_fn: the batch function, e.g. ``backend.forward``; it runs only on the
-            runtime's compute thread.
+            runtime's compute threads, one batch of the pool's group at a time.
         name: names the pool in stats, logs and error messages (unique within a runtime).
         min_batch_size: after ``max_wait``, run only batches with at least this many rows,
             unless the first task has waited ``min_batch_timeout``.
@@ -136,6 +136,9 @@ class TaskPool:
         max_batch_tasks: the most tasks merged into one batch; ``1`` disables batching,
             ``None`` (default) means no limit beyond ``max_batch_size``.
         pass_tags: call ``process_fn(*tensors, tags=[...])`` with each task's tag, in batch order.
+        group: pools sharing a group never run batches at the same time, even on a runtime with
+            several workers (e.g. one expert's forward and backward pools, which share its
+            parameters). None: the pool is a group of its own (its batches never overlap).
 
     Raises:
         ValueError: an argument is invalid.
@@ -153,6 +156,7 @@ class TaskPool:
         *,
         max_batch_tasks: int | None = None,
         pass_tags: bool = False,
+        group: Hashable | None = None,
     ) -> None:
         if not callable(process_fn):
             raise TypeError("process_fn must be callable")
@@ -180,6 +184,7 @@ class TaskPool:
         self.name = name
         self.max_batch_tasks = max_batch_tasks
         self.pass_tags = pass_tags
+        self.group: Hashable = self if group is None else group
         self.min_batch_size = min_batch_size
         self.max_batch_size = max_batch_size
         self.max_wait = float(max_wait)
@@ -217,6 +222,10 @@ class TaskPool:
             MoEError: the runtime is not running or shut down before the task ran, or the
                 function failed (a `SwarmError` it raised is passed on as is).
         """
+        return await self._wait(self._enqueue(tensors, tag))
+
+    def _enqueue(self, tensors: tuple[Any, ...], tag: Any) -> _Task:
+        """Checks and queues one task (on the caller's loop, which `_wait` must then await on)."""
         rows = self._check_task(tensors)
         loop = asyncio.get_running_loop()
         task = _Task(tuple(tensors), rows, loop.create_future(), loop, tag)
@@ -231,6 +240,9 @@ class TaskPool:
             self._queue.append(task)
             self._queued_rows += rows
             self._cond.notify_all()
+        return task
+
+    async def _wait(self, task: _Task) -> tuple[torch.Tensor, ...]:
         try:
             return await task.future
         except asyncio.CancelledError:
@@ -322,7 +334,7 @@ class TaskPool:
         return tasks
 
     def _run_batch(self, tasks: list[_Task]) -> None:
-        """Runs one batch and delivers the results. Called on the compute thread, lock NOT held."""
+        """Runs one batch and delivers the results. Called on a compute thread, lock NOT held."""
         tasks = self._drop_incompatible(tasks)
         if not tasks:
             return

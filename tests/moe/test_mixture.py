@@ -53,7 +53,7 @@ def local_mixture(moe: RemoteMixtureOfExperts, local: dict[str, nn.Module], x: t
     return sum(weights[:, i : i + 1] * local[u](x) for i, u in enumerate(uids))
 
 
-def test_mixture_matches_local_and_sends_one_request_per_expert(swarm_of_two) -> None:
+def test_mixture_matches_local_and_sends_one_request_per_server(swarm_of_two) -> None:
     client, servers, local = swarm_of_two
     moe = RemoteMixtureOfExperts(client, in_features=HID, grid_size=GRID, uid_prefix="ffn.", k_best=4)
     x = torch.randn(32, HID, requires_grad=True)
@@ -74,9 +74,10 @@ def test_mixture_matches_local_and_sends_one_request_per_expert(swarm_of_two) ->
         torch.testing.assert_close(g, p.grad, **SUM_TOL)
     for server in servers:
         stats = server.stats()
-        assert stats["admitted"] == 4  # 2 experts x (1 forward + 1 backward) for 32 samples
+        assert stats["admitted"] == 2  # 1 forward + 1 backward, each carrying both experts of the server
         assert stats["saved_graph_hits"] == 2 and stats["saved_graph_misses"] == 0
-        assert all(s.rows_processed == 32 for s in stats["pools"].values())
+        pools = stats["pools"]
+        assert all(pools[f"{uid}.{kind}"].rows_processed == 32 for uid in server.experts for kind in ("forward", "backward"))
 
 
 def test_dead_server_is_skipped_weights_renormalized_and_k_min_enforced(swarm_of_two) -> None:
@@ -180,3 +181,35 @@ def test_stragglers_are_dropped_after_timeout_after_k_min(make_peer) -> None:
         slow.release.set()
     torch.testing.assert_close(y, fast(x).detach(), **TOL)  # the only answer gets all the weight
     assert moe.caller.failures == 1
+
+
+class Fragile(nn.Module):
+    """A linear expert that raises on inputs holding a value above 100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(HID, HID)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x > 100).any()):
+            raise ValueError("input too large")
+        return self.lin(x)
+
+
+def test_an_expert_failing_inside_its_servers_group_call_is_skipped_alone(make_peer) -> None:
+    peer = make_peer()
+    fragile, healthy = Fragile(), nn.Linear(HID, HID)
+    server = ExpertServer(peer, {"ffn.0.0": fragile, "ffn.0.1": healthy}, optimizer_factory=sgd)
+    client = make_peer(initial_peers=peer.addrs, client_mode=True)
+    moe = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(1, 2), uid_prefix="ffn.", k_best=2)
+    x = torch.randn(4, HID)
+    x[0, 0] = 1000.0
+    x.requires_grad_()
+    expected = healthy(x.detach()).detach()  # before its training step
+    y = moe(x)
+    torch.testing.assert_close(y, expected, **TOL)  # the only answer gets all the weight
+    assert moe.caller.failures == 1
+    weight = healthy.weight.detach().clone()  # the backward's gradients use the weights before its step
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(dim=0).expand(4, HID), **TOL)  # the gate's weight is constant
+    assert server.backends["ffn.0.1"].updates == 1 and server.backends["ffn.0.0"].updates == 0

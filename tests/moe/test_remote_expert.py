@@ -17,6 +17,7 @@ from swarm.core.errors import MoEError
 from swarm.moe import ExpertServer, RemoteExpert
 from swarm.moe.backend import ExpertBackend
 from swarm.moe.layers import FeedforwardExpert
+from swarm.moe.protocol import BACKWARD
 from swarm.moe.schema import TensorSchema
 
 pytestmark = pytest.mark.timeout(60)
@@ -138,3 +139,36 @@ def test_address_is_looked_up_in_the_dht(make_peer) -> None:
         torch.testing.assert_close(RemoteExpert(client, "lin.4")(x), module(x), **TOL)
     with pytest.raises(MoEError, match="lin.5 is not declared by any live server"):
         RemoteExpert(client, "lin.5")(x)
+
+
+def test_backward_sends_the_inputs_only_when_the_server_lost_the_graph(make_peer) -> None:
+    torch.manual_seed(3)
+    module = nn.Linear(HID, HID)
+    local = copy.deepcopy(module)
+    server_peer, client = make_peer(), make_peer(client_mode=True)
+    server = ExpertServer(server_peer, {"lin.0": module}, optimizer_factory=sgd, declare=False)
+    expert = RemoteExpert(client, "lin.0", server_peer.addrs[0])
+    received = server_peer.server.metrics.method(BACKWARD).received
+    tensor_bytes = 64 * HID * 4
+
+    x = torch.randn(64, HID, requires_grad=True)
+    before = received.value
+    expert(x).sum().backward()  # the graph was kept: the gradients travel alone
+    assert tensor_bytes <= received.value - before < 2 * tensor_bytes
+
+    xa, xb = torch.randn(64, HID, requires_grad=True), torch.randn(64, HID, requires_grad=True)
+    ya, yb = expert(xa), expert(xb)
+    ya.sum().backward()  # a step: b's graph is gone, so b's backward is sent again with its inputs
+    before = received.value
+    yb.sum().backward()
+    assert received.value - before >= 3 * tensor_bytes
+    local_opt = sgd(list(local.parameters()))
+    for inputs in (x, xa, xb):
+        x_local = inputs.detach().clone().requires_grad_()
+        local(x_local).sum().backward()
+        local_opt.step()
+        local_opt.zero_grad()
+        torch.testing.assert_close(inputs.grad, x_local.grad, **TOL)
+    for p_remote, p_local in zip(module.parameters(), local.parameters()):
+        torch.testing.assert_close(p_remote.detach(), p_local.detach(), **TOL)
+    assert server.stats()["saved_graph_hits"] == 2 and server.stats()["saved_graph_misses"] == 1

@@ -1,0 +1,284 @@
+"""The expert server's side of group calls (`swarm.moe.group_calls`): several experts per stream.
+
+A group request is admitted and checked like a single-expert one (`swarm.moe.admission`): one
+request slot, every declared tensor held against the schemas of the experts it goes to and its
+bytes reserved before any is read, the received inputs checked in full (NaN/Inf). What concerns
+one expert only fails that expert, in its own response bundle: it is not hosted (forward), its
+output gradients hold NaN/Inf, its queue is full, its module raised. Every expert's task is queued
+at once (`Runtime.submit_together`), so the compute workers split them from the start; forward
+outputs go back as each expert finishes, backward input gradients once, summed over the experts.
+Row gathers and sums run on the event loop with numpy (`swarm.moe.rows`), never on torch's
+thread pool, which the compute threads use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from swarm.core.errors import InvalidRequest, NotFound, PeerUnreachable, SwarmError
+from swarm.moe import rows as row_ops
+from swarm.moe.admission import check_declared_batch, drain_request
+from swarm.moe.group_calls import GroupRequest, error_metadata, parse_group_header
+from swarm.moe.hosted import HostedExpert
+from swarm.net.server import CallContext
+from swarm.net.streaming import TensorReceiver, tensors_to_messages
+
+if TYPE_CHECKING:
+    from swarm.moe.admission import Admission
+    from swarm.moe.runtime import Runtime
+    from swarm.moe.server_config import ExpertServerConfig
+
+__all__ = ["GroupCallHandlers"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Member:
+    index: int
+    uid: str
+    hosted: HostedExpert | None
+    key: Hashable | None
+    rows: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Received:
+    members: list[_Member]
+    inputs: list[torch.Tensor]
+    grads: list[list[torch.Tensor]]
+    refused: dict[int, SwarmError]
+
+
+class GroupCallHandlers:
+    """The ForwardGroup and BackwardGroup handlers of `swarm.moe.server.ExpertServer` (a mixin)."""
+
+    peer: Any
+    config: ExpertServerConfig
+    experts: dict[str, HostedExpert]
+    admission: Admission
+    runtime: Runtime
+    _closing: bool
+
+    async def rpc_forward_group(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+        """ForwardGroup: shared inputs in; each expert's outputs out, in the order they finish."""
+        async with self._group_request(requests, ctx, backward=False) as received:
+            for message in _refusals(received):
+                yield message
+            members = [m for m in received.members if m.index not in received.refused]
+            futures = self.runtime.submit_together(
+                [(m.hosted.forward_pool, _share(received.inputs, m.rows), m.key) for m in members]  # type: ignore[union-attr]
+            )
+            async with contextlib.aclosing(_each_completed(members, futures)) as completed:
+                async for member, outcome in completed:
+                    if isinstance(outcome, SwarmError):
+                        outputs, metadata = (), error_metadata(member.index, outcome)
+                    else:
+                        outputs, metadata = HostedExpert.split_forward(outcome)[0], {"expert": member.index}
+                    for message in tensors_to_messages(outputs, metadata):
+                        yield message
+
+    async def rpc_backward_group(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+        """BackwardGroup: shared inputs and each expert's output gradients in; the input gradients
+        summed over the experts out; each expert takes a training step."""
+        async with self._group_request(requests, ctx, backward=True) as received:
+            for message in _refusals(received):
+                yield message
+            members = [m for m in received.members if m.index not in received.refused]
+            futures = self.runtime.submit_together([
+                (m.hosted.backward_pool, [*_share(received.inputs, m.rows), *received.grads[m.index]], m.key)  # type: ignore[union-attr]
+                for m in members
+            ])
+            sums = _GradientSum(received.inputs)
+            async with contextlib.aclosing(_each_completed(members, futures)) as completed:
+                async for member, outcome in completed:
+                    if isinstance(outcome, SwarmError):
+                        for message in tensors_to_messages([], error_metadata(member.index, outcome)):
+                            yield message
+                    else:
+                        sums.add(member, outcome)
+            for message in tensors_to_messages(sums.totals or [], {"experts": sorted(sums.answered)}):
+                yield message
+
+    # ---- receiving --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _group_request(
+        self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool
+    ) -> AsyncIterator[_Received]:
+        """Admits one group request, receives and checks its tensors; holds its slot and bytes until exit."""
+        stream = aiter(requests)
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                received = await self._receive_group(stream, ctx, backward, held)
+            except SwarmError:
+                await drain_request(stream, self.config.max_drain_bytes)
+                raise
+            yield received
+
+    async def _receive_group(
+        self, stream: AsyncIterator[bytes], ctx: CallContext, backward: bool, held: contextlib.AsyncExitStack
+    ) -> _Received:
+        what = "backward group" if backward else "forward group"
+        held.enter_context(self.admission.request(what))
+        header_bytes = await anext(stream, None)
+        if header_bytes is None:
+            raise InvalidRequest(f"{what}: empty request stream")
+        request = parse_group_header(header_bytes)
+        if self._closing:
+            raise PeerUnreachable(f"expert server {self.peer.peer_id} is shutting down")
+        hosted, refused = self._resolve(request, what, backward)
+        nbytes = self._check_layout(request, hosted, what, backward)
+        held.enter_context(self.admission.reserve(nbytes, what))
+        receiver = TensorReceiver(header_bytes, max_bytes=nbytes)
+        while not receiver.complete:
+            chunk = await anext(stream, None)
+            if chunk is None:
+                break
+            receiver.feed(chunk)
+        tensors = receiver.result()
+        first = next(h for h in hosted if h is not None).backend
+        inputs = tensors[: request.num_inputs]
+        first.validate_forward_inputs(inputs, check_finite=self.config.check_finite)
+        batch = inputs[0].shape[0]
+        grads: list[list[torch.Tensor]] = []
+        offset = request.num_inputs
+        num_grads = sum(len(h.backend.outputs_schema) for h in hosted if h is not None) if backward else 0
+        row_tensors = iter(tensors[offset + num_grads :])
+        members = []
+        for i, ((uid, graph_id, has_rows), h) in enumerate(zip(request.members, hosted)):
+            rows = _checked_rows(next(row_tensors), batch, uid, what) if has_rows else None
+            if backward and h is not None:
+                count = len(h.backend.outputs_schema)
+                grads.append(tensors[offset : offset + count])
+                offset += count
+                if self.config.check_finite:
+                    try:
+                        for j, (g, schema) in enumerate(zip(grads[-1], h.backend.outputs_schema)):
+                            schema.validate(g, h.backend.max_batch_size, what=f"gradient {j} of expert {uid}")
+                    except InvalidRequest as e:
+                        refused[i] = e
+            key = (ctx.peer_id, graph_id) if graph_id is not None else None
+            members.append(_Member(i, uid, h, key, rows))
+        return _Received(members, inputs, grads, refused)
+
+    def _resolve(
+        self, request: GroupRequest, what: str, backward: bool
+    ) -> tuple[list[HostedExpert | None], dict[int, SwarmError]]:
+        hosted: list[HostedExpert | None] = []
+        refused: dict[int, SwarmError] = {}
+        for i, (uid, _, _) in enumerate(request.members):
+            expert = self.experts.get(uid)
+            if expert is None:
+                error = NotFound(f"{what}: expert {uid!r} is not hosted by {self.peer.peer_id}")
+                if backward:  # the layout of the gradients depends on the expert's outputs
+                    raise error
+                refused[i] = error
+            hosted.append(expert)
+        if len(refused) == len(hosted):
+            raise NotFound(f"{what}: none of the {len(hosted)} experts asked for is hosted by {self.peer.peer_id}")
+        return hosted, refused
+
+    def _check_layout(
+        self, request: GroupRequest, hosted: Sequence[HostedExpert | None], what: str, backward: bool
+    ) -> int:
+        """Checks every declared tensor against the experts' schemas; returns the request's bytes."""
+        present = [h.backend for h in hosted if h is not None]
+        args_schema = present[0].args_schema
+        if any(b.args_schema != args_schema for b in present):
+            raise InvalidRequest(f"{what}: the experts of one group call must take the same inputs")
+        if request.num_inputs != len(args_schema):
+            raise InvalidRequest(f"{what}: expected {len(args_schema)} shared inputs, got {request.num_inputs}")
+        metas = list(request.header.tensors)
+        num_grads = sum(len(b.outputs_schema) for b in present) if backward else 0
+        expected = request.num_inputs + num_grads + sum(has_rows for _, _, has_rows in request.members)
+        if len(metas) != expected:
+            raise InvalidRequest(f"{what}: expected {expected} tensors, got {len(metas)}")
+        max_rows = min(b.max_batch_size for b in present)
+        batch, nbytes = check_declared_batch(metas[: request.num_inputs], args_schema, max_rows, what)
+        row_metas = iter(metas[request.num_inputs + num_grads :])
+        offset = request.num_inputs
+        for (uid, _, has_rows), h in zip(request.members, hosted):
+            share = batch
+            if has_rows:
+                meta = next(row_metas)
+                if meta.dtype != "int64" or len(meta.shape) != 1 or not 1 <= meta.shape[0] <= batch:
+                    raise InvalidRequest(
+                        f"{what}: the rows of {uid} must be an int64 vector of 1 to {batch} indices, "
+                        f"got {meta.dtype}{list(meta.shape)}"
+                    )
+                share = meta.shape[0]
+                nbytes += meta.nbytes
+            if backward and h is not None:
+                schemas = h.backend.outputs_schema
+                _, grad_bytes = check_declared_batch(
+                    metas[offset : offset + len(schemas)], schemas, h.backend.max_batch_size,
+                    f"{what}: gradients of {uid}", rows=share,
+                )
+                nbytes += grad_bytes
+                offset += len(schemas)
+        return nbytes
+
+
+def _checked_rows(rows: torch.Tensor, batch: int, uid: str, what: str) -> torch.Tensor:
+    index = rows.numpy()
+    if index[0] < 0 or index[-1] >= batch or bool((np.diff(index) <= 0).any()):
+        raise InvalidRequest(f"{what}: the rows of {uid} must be strictly increasing indices below {batch}")
+    return rows
+
+
+def _share(inputs: Sequence[torch.Tensor], rows: torch.Tensor | None) -> list[torch.Tensor]:
+    return list(inputs) if rows is None else [row_ops.take_rows(t, rows) for t in inputs]
+
+
+def _refusals(received: _Received) -> Iterator[bytes]:
+    for index, error in sorted(received.refused.items()):
+        logger.debug("group call: expert %s refused: %s", received.members[index].uid, error)
+        yield from tensors_to_messages([], error_metadata(index, error))
+
+
+class _GradientSum:
+    """The input gradients summed over the experts of a backward group that answered."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        self.inputs = inputs
+        self.totals: list[torch.Tensor] | None = None
+        self.answered: list[int] = []
+
+    def add(self, member: _Member, grads: tuple[torch.Tensor, ...]) -> None:
+        if self.totals is None:
+            self.totals = [row_ops.zeros(tuple(t.shape), t.dtype) for t in self.inputs]
+        for total, grad in zip(self.totals, grads):
+            if member.rows is None:
+                row_ops.add_(total, grad)
+            else:
+                row_ops.add_rows_(total, member.rows, grad)
+        self.answered.append(member.index)
+
+
+async def _each_completed(
+    members: Sequence[_Member], futures: Sequence[asyncio.Future[tuple[torch.Tensor, ...]]]
+) -> AsyncIterator[tuple[_Member, tuple[torch.Tensor, ...] | SwarmError]]:
+    """Yields ``(member, outputs or SwarmError)`` as each expert's task finishes; cancels the
+    tasks not finished when closed early (the call was cancelled)."""
+    by_future = dict(zip(futures, members))
+    pending = set(futures)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                error = future.exception()
+                if error is not None and not isinstance(error, SwarmError):
+                    raise error
+                yield by_future[future], error if error is not None else future.result()  # type: ignore[misc]
+    finally:
+        for future in pending:
+            future.cancel()
