@@ -32,8 +32,7 @@ import grpc
 import torch
 
 from swarm.core.errors import InvalidRequest, RPCError
-from swarm.core.serialization import unpack
-from swarm.moe.protocol import MAX_RESPONSE_BYTES, stream_slot
+from swarm.moe.protocol import MAX_RESPONSE_BYTES, decode_request_header, stream_slot
 from swarm.net.channels import PeerChannel
 from swarm.net.errors import from_status, to_status
 from swarm.net.streaming import receive_tensors, tensors_to_messages
@@ -93,11 +92,7 @@ def parse_group_header(header_bytes: bytes) -> GroupRequest:
     Raises:
         InvalidRequest: the header or its metadata is malformed.
     """
-    try:
-        header = tensor_pb2.TensorBundleHeader.FromString(header_bytes)
-        metadata = unpack(header.metadata) if header.metadata else None
-    except Exception as e:  # noqa: BLE001 - any decoding failure is the caller's malformed request
-        raise InvalidRequest(f"malformed group request header: {e}") from None
+    header, metadata = decode_request_header(header_bytes, "group request")
     usage = "group request metadata must be {'inputs': int, 'experts': [{'uid': str, 'graph': int | None, 'rows': bool}]}"
     if not isinstance(metadata, dict) or not isinstance(metadata.get("experts"), list):
         raise InvalidRequest(usage)

@@ -111,18 +111,23 @@ class GroupCallHandlers:
     # ---- receiving --------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _group_request(
-        self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool
-    ) -> AsyncIterator[_Received]:
-        """Admits one group request, receives and checks its tensors; holds its slot and bytes until exit."""
+    async def _admitted(self, requests: AsyncIterator[bytes], receive: Any) -> AsyncIterator[Any]:
+        """Runs `receive(stream, held)` (admit one request, receive and check its tensors) and holds
+        what it took (queue slot, bytes) in `held` until exit."""
         stream = aiter(requests)
         async with contextlib.AsyncExitStack() as held:
             try:
-                received = await self._receive_group(stream, ctx, backward, held)
+                received = await receive(stream, held)
             except SwarmError:
+                # Read what the caller still sends before refusing: a call that ends while the caller
+                # is still writing reaches it as INTERNAL instead of the status that says why.
                 await drain_request(stream, self.config.max_drain_bytes)
                 raise
             yield received
+
+    def _group_request(self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool) -> Any:
+        """Admits one group request; yields its `_Received`."""
+        return self._admitted(requests, lambda stream, held: self._receive_group(stream, ctx, backward, held))
 
     async def _receive_group(
         self, stream: AsyncIterator[bytes], ctx: CallContext, backward: bool, held: contextlib.AsyncExitStack

@@ -77,19 +77,28 @@ class ExpertCall:
         return metadata
 
 
+def decode_request_header(header_bytes: bytes, what: str) -> tuple[tensor_pb2.TensorBundleHeader, Any]:
+    """The first message of a call: its tensor bundle header and unpacked metadata.
+
+    Raises:
+        InvalidRequest: either cannot be decoded.
+    """
+    from swarm.core.serialization import unpack
+
+    try:
+        header = tensor_pb2.TensorBundleHeader.FromString(header_bytes)
+        return header, (unpack(header.metadata) if header.metadata else None)
+    except Exception as e:  # noqa: BLE001 - any decoding failure is the caller's malformed request
+        raise InvalidRequest(f"malformed {what} header: {e}") from None
+
+
 def parse_call_header(header_bytes: bytes) -> tuple[ExpertCall, tensor_pb2.TensorBundleHeader]:
     """Reads the expert call out of a request's first message, before any tensor is allocated.
 
     Raises:
         InvalidRequest: the header or its metadata is malformed.
     """
-    from swarm.core.serialization import unpack
-
-    try:
-        header = tensor_pb2.TensorBundleHeader.FromString(header_bytes)
-        metadata = unpack(header.metadata) if header.metadata else None
-    except Exception as e:  # noqa: BLE001 - any decoding failure is the caller's malformed request
-        raise InvalidRequest(f"malformed expert request header: {e}") from None
+    header, metadata = decode_request_header(header_bytes, "expert request")
     if not isinstance(metadata, dict) or not isinstance(metadata.get("uid"), str):
         raise InvalidRequest("expert request header must carry metadata {'uid': str, 'graph': int | None}")
     graph_id = metadata.get("graph")

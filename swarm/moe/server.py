@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarm.core.errors import ConfigError, InvalidRequest, NotFound, PeerUnreachable, SwarmError
-from swarm.moe.admission import Admission, check_declared, drain_request
+from swarm.core.errors import ConfigError, InvalidRequest, NotFound, PeerUnreachable
+from swarm.moe.admission import Admission, check_declared
 from swarm.moe.backend import ExpertBackend
 from swarm.moe.checkpoints import CheckpointSaver
 from swarm.moe.dht_declare import ExpertDeclarer
@@ -218,21 +218,10 @@ class ExpertServer(GroupCallHandlers):
             raise NotFound(f"{what}: expert {uid!r} is not hosted by {self.peer.peer_id}")
         return hosted
 
-    @contextlib.asynccontextmanager
-    async def _request(
-        self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool
-    ) -> AsyncIterator[tuple[HostedExpert, ExpertCall, list[torch.Tensor], Hashable | None]]:
-        """Admits one request, receives and checks its tensors; holds its slot and bytes until exit."""
-        stream = aiter(requests)
-        async with contextlib.AsyncExitStack() as held:
-            try:
-                received = await self._receive(stream, ctx, backward, held)
-            except SwarmError:
-                # Read what the caller still sends before refusing: a call that ends while the caller
-                # is still writing reaches it as INTERNAL instead of the status that says why.
-                await drain_request(stream, self.config.max_drain_bytes)
-                raise
-            yield received
+    def _request(self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool) -> Any:
+        """Admits one request; yields (hosted expert, call, tensors, graph key) and holds its slot and
+        bytes until exit."""
+        return self._admitted(requests, lambda stream, held: self._receive(stream, ctx, backward, held))
 
     async def _receive(
         self, stream: AsyncIterator[bytes], ctx: CallContext, backward: bool, held: contextlib.AsyncExitStack
