@@ -198,16 +198,31 @@ class ProgressTracker:
         try:
             found = await self.peer.dht.aget(self.key, latest=True)
         except (TimeoutError, SwarmError, OSError) as e:
+            # keep what we knew: a failed read is no news (taking it for "everyone left" would make
+            # this peer step alone and leave the swarm's state)
             logger.debug("reading the swarm's progress failed: %s", e)
-            found = None
+            self._fetched.set()
+            self._next_fetch = self.clock() + cfg.min_refresh_period
+            return
         reports: dict[str, PeerProgress] = {}
+        left: set[str] = set()
         value = getattr(found, "value", None)
         if isinstance(value, dict):
             for subkey, item in value.items():
-                report = PeerProgress.from_record(subkey, getattr(item, "value", None))
+                record = getattr(item, "value", None)
+                if isinstance(record, dict) and record.get("left"):
+                    left.add(subkey)
+                    continue
+                report = PeerProgress.from_record(subkey, record)
                 if report is not None:
                     reports[report.peer_id] = report
+        now = self.clock()
         with self._lock:
+            # a lookup that missed a record (a replica slow to answer) does not make its peer leave:
+            # it counts until its report expires, unless it said it left
+            for peer_id, previous in self._reports.items():
+                if peer_id not in reports and peer_id not in left and previous.time + cfg.progress_expiration > now:
+                    reports[peer_id] = previous
             self._reports = reports
             self._changed.notify_all()
         self._fetched.set()

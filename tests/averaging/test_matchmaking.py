@@ -150,10 +150,18 @@ def test_abandoning_matchmaking_stops_a_step_that_is_still_looking():
         assert a.run(_abandon_soon(avg)) is False  # no step running: nothing to stop
 
         async def step_and_abandon() -> tuple[bool, BaseException | None]:
+            declared = asyncio.Event()
+            store = a.dht.astore
+
+            async def astore(*args: Any, **kwargs: Any) -> bool:
+                ok = await store(*args, **kwargs)
+                declared.set()
+                return ok
+
+            a.dht.astore = astore
             step = asyncio.ensure_future(avg.astep(timeout=60.0))
-            # the step is looking for a partner that never comes; it has declared itself in the DHT
-            while not a.dht.data.get("abandon.group.0"):
-                await asyncio.sleep(0)
+            # the step is looking for a partner that never comes once it has declared itself
+            await asyncio.wait_for(declared.wait(), 10)
             stopped = avg.abandon_matchmaking("the swarm moved on")
             error = (await asyncio.gather(step, return_exceptions=True))[0]
             return stopped, error

@@ -202,13 +202,25 @@ def test_oversized_or_malformed_frames_close_the_connection(make_peer):
     assert call(b, a, [b"ok"])[0] == b"ko"
 
 
+class _Watched(bulk.FrameConnection):
+    """A FrameConnection that wakes `arrived` whenever bytes land (so a test waits on an event)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.arrived = asyncio.Event()
+
+    def buffer_updated(self, nbytes):
+        super().buffer_updated(nbytes)
+        self.arrived.set()
+
+
 async def _connected_pair(sink_choose=None):
     """Two FrameConnections over a real loopback TCP connection; the server's has the sink."""
     loop = asyncio.get_running_loop()
     accepted: asyncio.Future = loop.create_future()
 
     def make_server_side():
-        conn = bulk.FrameConnection(1 << 20)
+        conn = _Watched(1 << 20)
         if sink_choose is not None:
             conn.set_sink(sink_choose)
         accepted.set_result(conn)
@@ -241,8 +253,9 @@ def test_sink_receives_payloads_in_place_and_stops_mid_frame_when_detached():
             # index 2: half of it arrives, then the sink is detached: the rest goes nowhere
             payload = b"HDR2" + b"\x02" * 8192
             client.transport.write(struct.pack("<BI", bulk.DATA, len(payload)) + payload[:4100])
-            while target[4095] != 2:
-                await asyncio.sleep(0)  # let the loop deliver the bytes already sent
+            while target[4095] != 2:  # wait until the first half has landed
+                conn.arrived.clear()
+                await asyncio.wait_for(conn.arrived.wait(), 10)
             conn.detach_sink()
             client.transport.write(payload[4100:])
             client.write_frame(bulk.DATA, b"after")

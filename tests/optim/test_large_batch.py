@@ -228,3 +228,39 @@ def test_peers_holding_different_states_at_one_epoch_converge_on_one(make_peer):
         opt.zero_grad()
     assert sum(o.state_loaded for o in outcomes) == 1, outcomes
     assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models)))
+
+
+def test_a_failed_or_partial_read_of_progress_does_not_make_a_peer_think_it_is_alone(make_peer):
+    # A DHT read that times out, or a lookup that misses a record, is no news: a peer that took it
+    # for "everyone left" would step alone and leave the swarm's state.
+    config = replace(FAST, target_batch_size=10_000)
+    a_peer, b_peer = make_peer(), make_peer()
+    opt_a = Optimizer(a_peer, run_id="news", params=make_model().parameters(), optimizer=adam, config=config)
+    opt_b = Optimizer(b_peer, run_id="news", params=make_model().parameters(), optimizer=adam, config=config)
+    assert opt_a.wait_for_peers(2, timeout=10) and opt_b.wait_for_peers(2, timeout=10)
+    real_aget = a_peer.dht.aget
+    mode = {"now": "fail"}
+    reads = threading.Semaphore(0)
+
+    async def faulty_aget(key, latest=False):
+        try:
+            if mode["now"] == "fail":
+                raise TimeoutError("injected: the read timed out")
+            found = await real_aget(key, latest=latest)
+            if found is not None and isinstance(found.value, dict):  # the lookup missed B's record
+                found.value.pop(b_peer.peer_id, None)
+            return found
+        finally:
+            reads.release()
+
+    a_peer.dht.aget = faulty_aget
+    for now in ("fail", "miss"):
+        mode["now"] = now
+        for _ in range(3):  # a few reads of each kind
+            opt_a.tracker.request_refresh()
+            assert reads.acquire(timeout=10)
+        assert opt_a.progress.num_peers == 2, now
+    # B leaves for real: its "left" record is news, and A is alone at once
+    a_peer.dht.aget = real_aget
+    opt_b.shutdown()
+    assert opt_a.tracker.wait_for(lambda p: p.num_peers == 1, timeout=10)
