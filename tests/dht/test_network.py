@@ -125,6 +125,7 @@ def test_gets_survive_killing_30_percent_of_the_nodes(network):
     now = get_dht_time()
     keys = [f"durable-{i}" for i in range(16)]
     assert all(nodes[1].dht.store_many(keys, list(range(16)), now + 300))
+    assert nodes[1].run(nodes[1].dht.node.wait_for_stores(timeout=5))  # every replica written before the kills
     rng = random.Random(7)
     victims = rng.sample(nodes[2:], int(0.3 * SIZE))  # keep nodes[0] (owns the loop) and the writer
     for victim in victims:
