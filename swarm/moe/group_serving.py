@@ -125,6 +125,19 @@ class GroupCallHandlers:
                 raise
             yield received
 
+    async def _receive_tensors(self, stream: AsyncIterator[bytes], header_bytes: bytes, nbytes: int, what: str,
+                               held: contextlib.AsyncExitStack) -> list[torch.Tensor]:
+        """Reserves `nbytes` of the admission budget (held until `held` exits) and receives the
+        request's tensors into it; a stream that ends early or says more than it declared is refused."""
+        held.enter_context(self.admission.reserve(nbytes, what))
+        receiver = TensorReceiver(header_bytes, max_bytes=nbytes)
+        while not receiver.complete:
+            chunk = await anext(stream, None)
+            if chunk is None:
+                break
+            receiver.feed(chunk)
+        return receiver.result()
+
     def _group_request(self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool) -> Any:
         """Admits one group request; yields its `_Received`."""
         return self._admitted(requests, lambda stream, held: self._receive_group(stream, ctx, backward, held))
@@ -142,14 +155,7 @@ class GroupCallHandlers:
             raise PeerUnreachable(f"expert server {self.peer.peer_id} is shutting down")
         hosted, refused = self._resolve(request, what, backward)
         nbytes = self._check_layout(request, hosted, what, backward)
-        held.enter_context(self.admission.reserve(nbytes, what))
-        receiver = TensorReceiver(header_bytes, max_bytes=nbytes)
-        while not receiver.complete:
-            chunk = await anext(stream, None)
-            if chunk is None:
-                break
-            receiver.feed(chunk)
-        tensors = receiver.result()
+        tensors = await self._receive_tensors(stream, header_bytes, nbytes, what, held)
         first = next(h for h in hosted if h is not None).backend
         inputs = tensors[: request.num_inputs]
         first.validate_forward_inputs(inputs, check_finite=self.config.check_finite)

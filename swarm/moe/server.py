@@ -40,7 +40,7 @@ from swarm.moe.server_config import ExpertServerConfig
 from swarm.moe.task_pool import PoolStats
 from swarm.moe.uids import expand_pattern
 from swarm.net.server import CallContext
-from swarm.net.streaming import TensorReceiver, tensors_to_messages
+from swarm.net.streaming import tensors_to_messages
 from swarm.proto import moe_pb2
 
 __all__ = ["ExpertServer", "ExpertServerConfig"]
@@ -240,14 +240,7 @@ class ExpertServer(GroupCallHandlers):
         else:
             schemas = (backend.args_schema if call.inputs else ()) + backend.outputs_schema
         nbytes = check_declared(header, schemas, backend.max_batch_size, what)
-        held.enter_context(self.admission.reserve(nbytes, what))
-        receiver = TensorReceiver(header_bytes, max_bytes=nbytes)
-        while not receiver.complete:
-            chunk = await anext(stream, None)
-            if chunk is None:
-                break
-            receiver.feed(chunk)
-        tensors = receiver.result()
+        tensors = await self._receive_tensors(stream, header_bytes, nbytes, what, held)
         if not backward:
             backend.validate_forward_inputs(tensors, check_finite=self.config.check_finite)
         elif call.inputs:
