@@ -146,3 +146,22 @@ def check_agreement(results: dict[int, dict[str, Any] | None], timeout: float, t
         assert r["untouched"], f"peer {i} raised but its tensors changed"
     assert len({r["round_id"] for r in survivors.values()}) == 1, f"survivors failed in different rounds: {survivors}"
     return "failed"
+
+
+def run_steps(avgs: list[Any], weights: list[float] | None = None, timeout: float = 10.0, **step: Any) -> list[Any]:
+    """Runs one `step` on every in-process averager at once (a thread each); returns each result or
+    the exception it raised."""
+    out: list[Any] = [None] * len(avgs)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = avgs[i].step(timeout=timeout, weight=1.0 if weights is None else weights[i], **step)
+        except Exception as e:  # noqa: BLE001 - returned for the test to inspect
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(avgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    return out

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Any
 
 import pytest
 import torch
+from avg_harness import run_steps
 
 from swarm.averaging import AllReduceConfig, Averager, AveragerConfig
 from swarm.compression import CompressionType
@@ -26,23 +26,6 @@ def peers():
     yield make
     for p in made:
         p.shutdown()
-
-
-def run_steps(avgs: list[Averager], weights: list[float], timeout: float = 10.0) -> list[Any]:
-    out: list[Any] = [None] * len(avgs)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = avgs[i].step(timeout=timeout, weight=weights[i])
-        except Exception as e:  # noqa: BLE001
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(avgs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 10)
-    return out
 
 
 def make_averagers(peers: list[Peer], tensors: list[list[torch.Tensor]], **kwargs: Any) -> list[Averager]:

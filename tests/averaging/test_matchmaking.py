@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from avg_harness import run_steps
 
 from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig
 from swarm.averaging.matchmaking import moshpit_group_key, moshpit_next_coords
@@ -67,23 +68,6 @@ def test_moshpit_group_keys_mix_peers_across_rounds():
     assert all(len({c[1] for c in g}) == 4 for g in groups1.values())
 
 
-def _run_steps(avgs: list[Averager], timeout: float) -> list[Any]:
-    out: list[Any] = [None] * len(avgs)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = avgs[i].step(timeout=timeout)
-        except Exception as e:  # noqa: BLE001
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(avgs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 10)
-    return out
-
-
 @pytest.mark.timeout(60)
 def test_dht_matchmaking_forms_a_group_and_averages():
     dht = FakeDHT()
@@ -94,7 +78,7 @@ def test_dht_matchmaking_forms_a_group_and_averages():
         tensors = [[torch.full((100,), float(i))] for i in range(4)]
         config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.2))
         avgs = [Averager(p, t, prefix="mm", target_group_size=4, config=config) for p, t in zip(peers, tensors)]
-        results = _run_steps(avgs, timeout=10)
+        results = run_steps(avgs, timeout=10)
         assert all(not isinstance(r, Exception) for r in results), results
         assert len({r.round_id for r in results}) == 1 and len(results[0].group) == 4
         assert peers[3].peer_id != results[0].group[0]  # a client-mode peer never leads
@@ -122,7 +106,7 @@ def test_dht_matchmaking_skips_a_dead_leader_and_starts_with_min_group_size():
         config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.2))
         avgs = [Averager(p, t, prefix="mm", target_group_size=5, min_group_size=3, config=config)
                 for p, t in zip(peers, tensors)]
-        results = _run_steps(avgs, timeout=10)
+        results = run_steps(avgs, timeout=10)
         assert all(not isinstance(r, Exception) for r in results), results
         assert dead_id not in results[0].group and len(results[0].group) == 3
     finally:
@@ -189,17 +173,8 @@ def test_expected_size_starts_the_round_without_waiting_for_the_target():
         config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=60.0, matchmaking_share=0.9))
         avgs = [Averager(p, [torch.full((4,), float(i))], prefix="exp", target_group_size=4, min_group_size=2,
                          config=config) for i, p in enumerate((a, b))]
-        out: list[Any] = [None, None]
-
-        def run(i: int) -> None:
-            out[i] = avgs[i].step(timeout=100.0, expected_size=2)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(25)
-        assert all(len(r.group) == 2 for r in out), out
+        out = run_steps(avgs, timeout=100.0, expected_size=2)
+        assert all(not isinstance(r, Exception) and len(r.group) == 2 for r in out), out
         assert all(torch.equal(avg.tensors[0], torch.full((4,), 0.5)) for avg in avgs)
 
 
@@ -209,7 +184,7 @@ def test_static_group_refuses_peers_with_other_tensors():
         addrs = [a.addrs[0], b.addrs[0]]
         avg_a = Averager(a, [torch.zeros(4)], initial_group=addrs, target_group_size=2)
         avg_b = Averager(b, [torch.zeros(5)], initial_group=addrs, target_group_size=2)
-        results = _run_steps([avg_a, avg_b], timeout=2.0)
+        results = run_steps([avg_a, avg_b], timeout=2.0)
         assert all(isinstance(r, AveragingError) for r in results), results
 
 
@@ -226,7 +201,7 @@ def test_real_dht_matchmaking_with_real_peers():
         config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.5))
         avgs = [Averager(p, t, prefix="dhtmm", target_group_size=4, config=config) for p, t in zip(peers, tensors)]
         for _ in range(2):
-            results = _run_steps(avgs, timeout=15)
+            results = run_steps(avgs, timeout=15)
             assert all(not isinstance(r, Exception) for r in results), results
             assert len({r.round_id for r in results}) == 1 and len(results[0].group) == 4
             for t in tensors:
