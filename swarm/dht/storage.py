@@ -22,173 +22,25 @@ keeps the serialized original key (`raw_key`, whose sha256 is the DHT key), whic
 need to check owner markers and schemas, so that replication and republication can forward it
 too, and when a store for the key last arrived (Kademlia §2.5: a node that received a store
 recently need not republish the record).
+
+`ValueWithExpiration` (from `expiring.py`, with the expiring map both stores build on) and
+`DictionaryValue` (from `dictionary_value.py`) are re-exported here.
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
-import msgpack
+from swarm.dht.dictionary_value import DictionaryValue
+from swarm.dht.expiring import ExpiringMap, ValueWithExpiration, check_bytes, check_expiration
 
-_NEVER = -math.inf
-
-
-class ValueWithExpiration(NamedTuple):
-    """A value and the time (seconds since the epoch) after which it no longer exists.
-
-    `value` is serialized bytes for a plain value and a `DictionaryValue` for a dictionary.
-    """
-
-    value: Any
-    expiration_time: float
+__all__ = ["CacheStorage", "DHTLocalStorage", "DictionaryValue", "ValueWithExpiration", "latest", "merge", "merge_all"]
 
 
-class _ExpiringMap:
-    """A dict whose entries carry expiration times, with a lazy min-heap over them.
-
-    A heap entry (expiration, key) is live only while the entry's current expiration still
-    equals it; stale entries are skipped when popped and the heap is rebuilt when mostly stale.
-    """
-
-    def __init__(self) -> None:
-        self._data: dict[bytes, ValueWithExpiration] = {}
-        self._heap: list[tuple[float, bytes]] = []
-
-    def _set(self, key: bytes, value: Any, expiration_time: float) -> None:
-        self._data[key] = ValueWithExpiration(value, expiration_time)
-        heapq.heappush(self._heap, (expiration_time, key))
-        if len(self._heap) > 2 * len(self._data) + 64:
-            self._heap = [(entry.expiration_time, k) for k, entry in self._data.items()]
-            heapq.heapify(self._heap)
-
-    def _is_live_heap_entry(self, expiration_time: float, key: bytes) -> bool:
-        entry = self._data.get(key)
-        return entry is not None and entry.expiration_time == expiration_time
-
-    def _dropped(self, key: bytes) -> None:
-        """Called whenever an entry leaves the map (expired or evicted); for subclasses."""
-
-    def _pop_soonest(self) -> tuple[bytes, ValueWithExpiration] | None:
-        while self._heap:
-            expiration_time, key = heapq.heappop(self._heap)
-            if self._is_live_heap_entry(expiration_time, key):
-                entry = self._data.pop(key)
-                self._dropped(key)
-                return key, entry
-        return None
-
-    def _soonest_expiration(self) -> float | None:
-        while self._heap and not self._is_live_heap_entry(*self._heap[0]):
-            heapq.heappop(self._heap)
-        return self._heap[0][0] if self._heap else None
-
-    def _remove_outdated(self, now: float) -> None:
-        while self._heap and self._heap[0][0] <= now:
-            expiration_time, key = heapq.heappop(self._heap)
-            if self._is_live_heap_entry(expiration_time, key):
-                del self._data[key]
-                self._dropped(key)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._data
-
-
-class DictionaryValue(_ExpiringMap):
-    """A dictionary value: serialized subkey -> `ValueWithExpiration` of serialized bytes.
-
-    Each subkey follows the store rule on its own; the dictionary expires with its latest
-    subkey (`latest_expiration_time`). It keeps expired subkeys until `remove_outdated(now)`;
-    `DHTLocalStorage` purges them before handing a dictionary out.
-    """
-
-    def __init__(self, items: Iterable[tuple[bytes, bytes, float]] = ()) -> None:
-        super().__init__()
-        self._latest = _NEVER
-        for subkey, value, expiration_time in items:
-            self.store(subkey, value, expiration_time)
-
-    @property
-    def latest_expiration_time(self) -> float:
-        """The latest expiration of any subkey (-inf when empty): the dictionary's expiration."""
-        return self._latest
-
-    def store(self, subkey: bytes, value: bytes, expiration_time: float) -> bool:
-        """Stores a subkey unless it already holds one expiring later or at the same time."""
-        _check_bytes(subkey=subkey, value=value)
-        _check_expiration(expiration_time)
-        current = self._data.get(subkey)
-        if current is not None and current.expiration_time >= expiration_time:
-            return False
-        self._set(subkey, value, expiration_time)
-        self._latest = max(self._latest, expiration_time)
-        return True
-
-    def get(self, subkey: bytes) -> ValueWithExpiration | None:
-        return self._data.get(subkey)
-
-    def items(self) -> Iterator[tuple[bytes, ValueWithExpiration]]:
-        return iter(list(self._data.items()))
-
-    def remove_outdated(self, now: float) -> None:
-        """Drops subkeys that expired at or before `now`."""
-        self._remove_outdated(now)
-        if not self._data:
-            self._latest = _NEVER
-
-    def copy(self) -> DictionaryValue:
-        return DictionaryValue((k, v.value, v.expiration_time) for k, v in self._data.items())
-
-    def packb(self) -> bytes:
-        """Serializes to msgpack `[[subkey, value, expiration_time], ...]` for the wire."""
-        return msgpack.packb(
-            [[k, v.value, float(v.expiration_time)] for k, v in self._data.items()], use_bin_type=True
-        )
-
-    @classmethod
-    def unpackb(cls, data: bytes) -> DictionaryValue:
-        """Parses `packb` output.
-
-        Raises:
-            ValueError: `data` is not a serialized dictionary value.
-        """
-        try:
-            rows = msgpack.unpackb(data, raw=False)
-        except (ValueError, TypeError) as e:  # msgpack's errors for bad input
-            raise ValueError(f"not a serialized dictionary value: {e}") from e
-        result = cls()
-        for row in rows if isinstance(rows, list) else [rows]:
-            if not (
-                isinstance(row, list)
-                and len(row) == 3
-                and isinstance(row[0], bytes)
-                and isinstance(row[1], bytes)
-                and isinstance(row[2], int | float)
-                and not isinstance(row[2], bool)
-            ):
-                raise ValueError(f"not a serialized dictionary value: bad row {row!r:.80}")
-            result.store(row[0], row[1], float(row[2]))
-        return result
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, DictionaryValue):
-            return NotImplemented
-        return self._data == other._data
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"DictionaryValue({dict(self._data)!r})"
-
-
-class DHTLocalStorage(_ExpiringMap):
+class DHTLocalStorage(ExpiringMap):
     """The records this node is responsible for (Kademlia §2.3 STORE targets).
 
     Args:
@@ -232,10 +84,10 @@ class DHTLocalStorage(_ExpiringMap):
         Raises:
             ValueError: `raw_key` does not hash to `key`.
         """
-        _check_bytes(key=key, value=value)
+        check_bytes(key=key, value=value)
         if subkey is not None and not isinstance(subkey, bytes):
             raise TypeError(f"subkey must be bytes or None, got {type(subkey).__name__}")
-        _check_expiration(expiration_time)
+        check_expiration(expiration_time)
         _check_raw_key(key, raw_key)
         stored = self._store(key, value, expiration_time, subkey)
         if stored:
@@ -291,7 +143,7 @@ class DHTLocalStorage(_ExpiringMap):
         Returns:
             True if anything was stored.
         """
-        _check_bytes(key=key)
+        check_bytes(key=key)
         if not isinstance(dictionary, DictionaryValue):
             raise TypeError(f"dictionary must be a DictionaryValue, got {type(dictionary).__name__}")
         _check_raw_key(key, raw_key)
@@ -421,12 +273,6 @@ def merge_all(results: Iterable[ValueWithExpiration | None]) -> ValueWithExpirat
     return merged
 
 
-def _check_bytes(**values: object) -> None:
-    for name, value in values.items():
-        if not isinstance(value, bytes):
-            raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
-
-
 def _check_raw_key(key: bytes, raw_key: bytes | None) -> None:
     if raw_key is None:
         return
@@ -434,10 +280,3 @@ def _check_raw_key(key: bytes, raw_key: bytes | None) -> None:
         raise TypeError(f"raw_key must be bytes or None, got {type(raw_key).__name__}")
     if hashlib.sha256(raw_key).digest() != key:
         raise ValueError("raw_key does not hash to key")
-
-
-def _check_expiration(expiration_time: float) -> None:
-    if isinstance(expiration_time, bool) or not isinstance(expiration_time, int | float):
-        raise TypeError(f"expiration_time must be a number, got {type(expiration_time).__name__}")
-    if math.isnan(expiration_time):
-        raise ValueError("expiration_time is NaN")

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.batching import BATCH_BYTES, chunks
 from swarm.dht.routing import DHTID, NodeInfo
+from swarm.dht.store_outcome import OutcomeLedger, StoreOutcome
 from swarm.dht.traversal import LookupResult
 from swarm.dht.validation import DHTRecord
 from swarm.dht.wire import OUTDATED, STORED, StoreResult, store_item
@@ -31,52 +32,9 @@ from swarm.proto import dht_pb2
 if TYPE_CHECKING:
     from swarm.dht.replication import Replicator
 
+__all__ = ["BATCH_BYTES", "StoreOperation", "StoreOutcome", "chunks"]
+
 T = TypeVar("T")
-
-
-@dataclass
-class StoreOutcome:
-    """What became of one record sent to the DHT, when its outcome was settled.
-
-    Attributes:
-        stored: Nodes that stored it (this one included).
-        kept_here: This node stored a replica itself.
-        outdated: Nodes that already held a value expiring as late or later.
-        rejected: `PeerID: reason` for each node whose validators refused it.
-        unanswered: Nodes that did not answer.
-    """
-
-    stored: int = 0
-    kept_here: bool = False
-    outdated: int = 0
-    rejected: list[str] = field(default_factory=list)
-    unanswered: int = 0
-
-    def __bool__(self) -> bool:
-        return self.stored > 0
-
-    def copy(self) -> StoreOutcome:
-        return StoreOutcome(self.stored, self.kept_here, self.outdated, list(self.rejected), self.unanswered)
-
-
-BATCH_BYTES = 4 << 20
-"""Most value bytes in one Store request (the transport caps messages at 8 MiB)."""
-
-
-def chunks(items: Sequence[T], sizes: Sequence[int], max_items: int) -> list[list[T]]:
-    """`items` cut into batches of at most `max_items` and `BATCH_BYTES` (a bigger item goes alone)."""
-    batches: list[list[T]] = []
-    current: list[T] = []
-    total = 0
-    for item, size in zip(items, sizes):
-        if current and (len(current) >= max_items or total + size > BATCH_BYTES):
-            batches.append(current)
-            current, total = [], 0
-        current.append(item)
-        total += size
-    if current:
-        batches.append(current)
-    return batches
 
 
 async def _maybe(call: Awaitable[T] | None) -> T | None:
@@ -103,21 +61,17 @@ class StoreOperation:
         self.config = replicator.config
         self.replicas = self.config.num_replicas
         self.records = records
-        self.on_result = on_result
-        self.settled: asyncio.Future[None] = loop.create_future()
+        self.ledger = OutcomeLedger(len(records), on_result)
+        """Each record's outcome, and which are settled (`store_outcome.py`)."""
+        self.settled = self.ledger.settled
         """Done once every record's outcome is settled (or with the error that ended the store)."""
-        self.outcomes = [StoreOutcome() for _ in records]
-        self.pending = [0] * len(records)  # answers (and the key's lookup) each record still waits for
-        self.reported: list[StoreOutcome | None] = [None] * len(records)
-        self.unsettled = len(records)
-        self.failed = False
         self.items: dict[int, dht_pb2.DHTStoreItem] = {}
         self.key_ids = [DHTID.from_bytes(record.key) for record in records]
         self.by_key: dict[DHTID, list[int]] = {}
         now = get_dht_time()
         for index, record in enumerate(records):
             if record.expiration_time <= now:
-                self.settle(index)
+                self.ledger.settle(index)
             else:
                 self.by_key.setdefault(self.key_ids[index], []).append(index)
         self.sent: dict[DHTID, set[DHTID]] = {key_id: set() for key_id in self.by_key}
@@ -145,24 +99,7 @@ class StoreOperation:
     # -- outcomes ---------------------------------------------------------------------------------
 
     def results(self) -> list[StoreOutcome]:
-        return [reported if reported is not None else outcome for reported, outcome in zip(self.reported, self.outcomes)]
-
-    def settle(self, index: int) -> None:
-        """Reports a record's outcome (once): a copy, as later answers go on updating the original."""
-        if self.reported[index] is not None or self.failed:
-            return
-        outcome = self.reported[index] = self.outcomes[index].copy()
-        self.unsettled -= 1
-        if self.on_result is not None:
-            self.on_result(index, outcome)
-        if self.unsettled == 0 and not self.settled.done():
-            self.settled.set_result(None)
-
-    def release(self, index: int) -> None:
-        """One awaited answer (or the key's lookup) is in; the outcome is final when none are left."""
-        self.pending[index] -= 1
-        if self.pending[index] == 0:
-            self.settle(index)
+        return self.ledger.results()
 
     def learn(self, key_id: DHTID, nearest: Sequence[NodeInfo]) -> None:
         """Notes the nearest node an answer names (answers list the nearest first)."""
@@ -175,7 +112,7 @@ class StoreOperation:
         first round's requests (`launch`), 0 for the others."""
         first = wave > 0
         for position, index in enumerate(indices):
-            outcome = self.outcomes[index]
+            outcome = self.ledger.outcomes[index]
             if answers is None:
                 outcome.unanswered += 1
             else:
@@ -188,12 +125,12 @@ class StoreOperation:
                 if answer.status == STORED:
                     outcome.stored += 1
                     if node.node_id ^ key_id <= self.closest.get(key_id, math.inf):
-                        self.settle(index)  # the nearest node any reader asks has it
+                        self.ledger.settle(index)  # the nearest node any reader asks has it
                 elif answer.status == OUTDATED:
                     outcome.outdated += 1
                 else:
                     outcome.rejected.append(f"{node.peer_id}: {answer.reason}")
-            self.release(index)
+            self.ledger.release(index)
         if first:
             if answers is None:
                 self.decide(False)  # a lookup finds the next nearest node instead
@@ -217,7 +154,7 @@ class StoreOperation:
             if node_id not in self.sent[key_id]:
                 self.sent[key_id].add(node_id)
                 for index in self.by_key[key_id]:
-                    self.replicator.store_locally(self.records[index], self.outcomes[index])
+                    self.replicator.store_locally(self.records[index], self.ledger.outcomes[index])
         return chosen
 
     def item(self, index: int) -> dht_pb2.DHTStoreItem:
@@ -241,7 +178,7 @@ class StoreOperation:
         """Sends records to a node, in a task of the node's own (it completes even if the lookup
         ends first, and is cancelled if the node shuts down)."""
         for index in indices:
-            self.pending[index] += 1
+            self.ledger.pending[index] += 1
             self.sent[self.key_ids[index]].add(node.node_id)
         task = self.node.spawn(self.send(node, indices, count, wave), f"dht-store-{node.peer_id[-8:]}")
         self.sends.add(task)
@@ -273,7 +210,7 @@ class StoreOperation:
         rounds: dict[DHTID, tuple[int, NodeInfo, list[int]]] = {}
         for key_id, indices in self.by_key.items():
             for index in indices:
-                self.pending[index] = 1  # the lookup's share, released when the key's lookup ends
+                self.ledger.pending[index] = 1  # the lookup's share, released when the key's lookup ends
             nearest = self.replicator.routing_table.get_nearest_neighbors(key_id, self.replicas)
             if nearest:
                 self.learn(key_id, nearest)
@@ -378,7 +315,7 @@ class StoreOperation:
                 self.start(target, chunk)
         for key_id, _ in results:
             for index in self.by_key[key_id]:
-                self.release(index)
+                self.ledger.release(index)
 
     async def run(self, deadline: float) -> None:
         """Looks the keys up if the first round did not find their nearest nodes, and stores their
@@ -405,11 +342,10 @@ class StoreOperation:
         except Exception as e:
             if self.settled.done():
                 raise  # every caller has its answer: the failure is logged (`DHTNode.spawn`)
-            self.settled.set_exception(e)  # the caller sees the error instead of outcomes
-            self.failed = True
+            self.ledger.fail(e)  # the caller sees the error instead of outcomes
         finally:
             self.cancel()
             if self.sends:
                 await asyncio.gather(*self.sends, return_exceptions=True)
             for index in range(len(self.records)):
-                self.settle(index)  # the deadline passed, or the node is shutting down
+                self.ledger.settle(index)  # the deadline passed, or the node is shutting down
