@@ -6,18 +6,8 @@ way. The leader starts as soon as `target_group_size` members are in, or, once
 `min_group_size` is met, after a short `join_window` without new arrivals (never always waiting
 out a fixed window). A joiner whose call is gone (it died or gave up) is left out.
 
-Who leads comes from an `Election`:
-
-- `StaticElection`: a fixed list of peers' multiaddrs; the peer with the smallest PeerID that
-  is not known to be down leads (useful for tests and benchmarks);
-- `DHTElection`: peers declare themselves under ``{prefix}.group.{group_key}`` (subkey: their
-  PeerID; expiration: when they give up waiting); the live declaration that expires first leads,
-  because that peer must start soonest (as in hivemind's matchmaking). A vanished leader is
-  skipped after one failed call; a leader that sees an earlier one appear steps down.
-
-`moshpit_group_key` gives Moshpit SGD's group keys (Ryabinin et al., 2021, §3.2): peers sit in a
-virtual grid and, in round t, group with the peers that share all their coordinates except
-coordinate t mod d, so hundreds of peers form many small groups that mix across rounds.
+Who leads comes from an `Election` (`election`: a static list of peers, or declarations in the
+DHT). `moshpit.moshpit_group_key` names the group to look for in each round of Moshpit SGD.
 """
 
 from __future__ import annotations
@@ -26,17 +16,30 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from swarm.averaging.election import Candidate, DHTElection, Election, StaticElection
 from swarm.averaging.group import GroupInfo, MemberInfo
+from swarm.averaging.moshpit import moshpit_group_key, moshpit_next_coords, random_coords
 from swarm.averaging.service import JOIN, AveragingService
 from swarm.core.errors import AveragingError, ConfigError, DeadlineExceeded, PeerUnreachable, RPCError
-from swarm.core.multiaddr import Multiaddr
 from swarm.core.timeutil import get_dht_time
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
+
+# The elections and Moshpit group keys live in `election` and `moshpit`; others import them from here.
+__all__ = [
+    "Candidate",
+    "DHTElection",
+    "Election",
+    "Matchmaking",
+    "MatchmakingConfig",
+    "StaticElection",
+    "moshpit_group_key",
+    "moshpit_next_coords",
+    "random_coords",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,143 +72,6 @@ class MatchmakingConfig:
             raise ConfigError("need join_window >= 0 and 0 < matchmaking_share < 1")
         if self.retry_interval <= 0 or self.poll_interval <= 0:
             raise ConfigError("retry_interval and poll_interval must be > 0")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A peer that may lead: its PeerID and where to dial it."""
-
-    peer_id: str
-    addr: str
-
-
-class Election(Protocol):
-    """Decides who leads the group this peer is looking for."""
-
-    async def begin(self, me: MemberInfo, deadline_wall: float) -> None:
-        """Called once per step before looking for a leader (e.g. declare in the DHT)."""
-
-    async def leader(self, me: MemberInfo, down: set[str]) -> Candidate | None:
-        """The peer that should lead now (None: no leader known yet), skipping `down` peers."""
-
-    async def end(self, me: MemberInfo) -> None:
-        """Called when the step found a group or gave up."""
-
-
-class StaticElection:
-    """A fixed set of peers; the smallest PeerID not known to be down leads.
-
-    Args:
-        addrs: multiaddrs (with /p2p/<PeerID>) of the other server-mode members; may include this peer's own.
-    """
-
-    def __init__(self, addrs: Sequence[str]) -> None:
-        self.candidates: dict[str, Candidate] = {}
-        for addr in addrs:
-            parsed = Multiaddr.parse(addr)
-            if not parsed.peer_id:
-                raise ConfigError(f"static group address {addr} must end with /p2p/<PeerID>")
-            self.candidates[parsed.peer_id] = Candidate(parsed.peer_id, addr)
-
-    async def begin(self, me: MemberInfo, deadline_wall: float) -> None:
-        if me.is_reducer:
-            self.candidates.setdefault(me.peer_id, Candidate(me.peer_id, me.addr))
-
-    async def leader(self, me: MemberInfo, down: set[str]) -> Candidate | None:
-        alive = sorted(pid for pid in self.candidates if pid not in down)
-        return self.candidates[alive[0]] if alive else None
-
-    async def end(self, me: MemberInfo) -> None:
-        return None
-
-
-class DHTElection:
-    """Leader election through DHT declarations under ``{prefix}.group.{group_key}``.
-
-    Args:
-        dht: an object with ``astore(key, value, expiration_time, subkey=None)`` and
-            ``aget(key, latest=False)`` (`swarm.dht` on `peer.dht`).
-        prefix: the averager's prefix.
-        group_key: which group to look for (see `moshpit_group_key`).
-    """
-
-    def __init__(self, dht: Any, prefix: str, group_key: str = "0") -> None:
-        self.dht = dht
-        self.prefix = prefix
-        self.group_key = group_key
-        self._expiration = 0.0
-
-    @property
-    def key(self) -> str:
-        return f"{self.prefix}.group.{self.group_key}"
-
-    async def begin(self, me: MemberInfo, deadline_wall: float) -> None:
-        self._expiration = deadline_wall
-        value = {"addr": me.addr, "client_mode": me.client_mode}
-        ok = await self.dht.astore(self.key, value, expiration_time=deadline_wall, subkey=me.peer_id)
-        if not ok:
-            logger.debug("declaration under %s was not stored", self.key)
-
-    async def leader(self, me: MemberInfo, down: set[str]) -> Candidate | None:
-        found = await self.dht.aget(self.key, latest=True)
-        now = get_dht_time()
-        entries: list[tuple[float, str, str]] = []
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                value = getattr(item, "value", None)
-                expiration = getattr(item, "expiration_time", 0.0)
-                if not isinstance(subkey, str) or not isinstance(value, dict) or expiration <= now:
-                    continue
-                if value.get("client_mode") or value.get("done") or not value.get("addr") or subkey in down:
-                    continue
-                entries.append((float(expiration), subkey, str(value["addr"])))
-        if me.is_reducer and me.peer_id not in down and not any(pid == me.peer_id for _, pid, _ in entries):
-            entries.append((self._expiration, me.peer_id, me.addr))  # our own store may not be visible yet
-        if not entries:
-            return None
-        _, peer_id, addr = min(entries)
-        return Candidate(peer_id, addr)
-
-    async def end(self, me: MemberInfo) -> None:
-        # withdraw: a later expiration replaces our declaration with one that says we stopped looking
-        try:
-            await self.dht.astore(self.key, {"addr": me.addr, "client_mode": me.client_mode, "done": True},
-                                  expiration_time=self._expiration + 0.001, subkey=me.peer_id)
-        except Exception:  # best effort; it expires on its own anyway
-            logger.debug("could not withdraw the declaration under %s", self.key, exc_info=True)
-
-
-def moshpit_group_key(round_number: int, coords: Sequence[int]) -> str:
-    """Moshpit SGD group key: in round t, peers that share every grid coordinate except t mod d.
-
-    Args:
-        round_number: the averaging round (the same on every peer, e.g. the training epoch).
-        coords: this peer's coordinates in the virtual grid (d = len(coords)).
-
-    Returns:
-        A key naming the dimension averaged this round and the other coordinates.
-    """
-    if not coords:
-        return "0"
-    dim = round_number % len(coords)
-    rest = ".".join(str(c) for i, c in enumerate(coords) if i != dim)
-    return f"d{dim}.{rest}" if rest else f"d{dim}"
-
-
-def moshpit_next_coords(round_number: int, coords: Sequence[int], index_in_group: int, grid: Sequence[int]) -> list[int]:
-    """After a round, a peer's coordinate along the averaged dimension becomes its index in the group,
-    so the members of one group spread to different groups in the next rounds (Moshpit §3.2)."""
-    if len(coords) != len(grid):
-        raise ValueError("coords and grid must have the same length")
-    new = list(coords)
-    dim = round_number % len(coords)
-    new[dim] = index_in_group % grid[dim]
-    return new
-
-
-def random_coords(grid: Sequence[int], rng: random.Random | None = None) -> list[int]:
-    rng = rng or random.Random()
-    return [rng.randrange(size) for size in grid]
 
 
 @dataclass
