@@ -134,6 +134,10 @@ class Contacts:
             self.blacklist.register_failure(node.peer_id)
             self.routing_table.remove(node.node_id)
 
+    def timeouts_in_a_row(self, node: NodeInfo) -> int:
+        """How many of `node`'s calls in a row timed out (0 once it answers again)."""
+        return self._timeouts.get(node.peer_id, 0)
+
     def unusable(self, node: NodeInfo) -> None:
         """Drops a node whose address cannot be dialled."""
         self.routing_table.remove(node.node_id)

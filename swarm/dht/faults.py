@@ -25,18 +25,23 @@ class LinkFault:
         jitter: Up to this many more seconds, uniformly at random.
         loss: Probability that a request is lost (the caller times out).
         refuse: Every request fails at once, as if the callee were down.
+        lose_first: The first this many requests over each link the rule covers are lost (a
+            short outage), counted per (caller, callee) link.
     """
 
     delay: float = 0.0
     jitter: float = 0.0
     loss: float = 0.0
     refuse: bool = False
+    lose_first: int = 0
 
     def __post_init__(self) -> None:
         if self.delay < 0 or self.jitter < 0:
             raise ValueError("delay and jitter must be >= 0")
         if not 0.0 <= self.loss <= 1.0:
             raise ValueError(f"loss is a probability, got {self.loss}")
+        if self.lose_first < 0:
+            raise ValueError(f"lose_first must be >= 0, got {self.lose_first}")
 
 
 @dataclass
@@ -69,6 +74,7 @@ class FaultPlan:
         self._rng = random.Random(self.seed)
         self._links: dict[tuple[str, str], LinkFault] = {}
         self._peers: dict[str, LinkFault] = {}
+        self._sent: dict[tuple[str, str, LinkFault], int] = {}  # requests per link under a `lose_first` rule
 
     def set_link(self, caller: str, callee: str, fault: LinkFault) -> None:
         """Sets how calls from `caller` to `callee` (PeerIDs) misbehave."""
@@ -82,6 +88,7 @@ class FaultPlan:
         """Forgets every link and peer rule (the default stays)."""
         self._links.clear()
         self._peers.clear()
+        self._sent.clear()
 
     def fault_for(self, caller: str, callee: str) -> LinkFault:
         return self._links.get((caller, callee)) or self._peers.get(callee) or self.default
@@ -101,7 +108,12 @@ class FaultPlan:
         if fault.refuse:
             self.stats.refused += 1
             raise PeerUnreachable(f"fault plan: {callee} is unreachable", peer_id=callee)
-        if fault.loss and self._rng.random() < fault.loss:
+        lost = False
+        if fault.lose_first:
+            sent = self._sent.get((caller, callee, fault), 0)
+            self._sent[caller, callee, fault] = sent + 1
+            lost = sent < fault.lose_first
+        if lost or (fault.loss and self._rng.random() < fault.loss):
             self.stats.lost += 1
             await asyncio.sleep(timeout)
             raise DeadlineExceeded(f"fault plan: request to {callee} was lost", peer_id=callee)

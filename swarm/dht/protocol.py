@@ -22,7 +22,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from swarm.core.errors import IdentityError, MultiaddrError, RPCError
+from swarm.core.errors import DeadlineExceeded, IdentityError, MultiaddrError, RPCError
 from swarm.core.multiaddr import Multiaddr
 from swarm.dht.config import DHTConfig
 from swarm.dht.contacts import Contacts
@@ -121,28 +121,44 @@ class DHTProtocol:
         return self.pool.get(addr)
 
     async def _call(
-        self, node: NodeInfo, method: str, request: Message, response_type: type[Message], reraise: bool = False
+        self, node: NodeInfo, method: str, request: Message, response_type: type[Message], reraise: bool = False,
+        *, resend_lost: bool = False,
     ) -> Any:
-        timeout = self.config.request_timeout
-        self.calls_sent[method] += 1
+        """One request to `node`; its answer, or None (or the error, with `reraise`) if it failed.
+
+        With `resend_lost` (for requests that are safe to repeat), a request that timed out is
+        sent once more if the node had answered its calls until then: a lost request or answer
+        is the likely cause, and a lookup that gave up on a live node at the first loss would
+        drop it for every key the request carried. A node that already timed out before is not
+        asked twice, so a dead one costs one extra timeout, not one per request.
+        """
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        try:
-            plan = self.config.fault_plan
-            if plan is not None:
-                timeout -= await plan.apply(self.peer_id, node.peer_id, timeout)
-            response = await self._channel(node).unary(method, request, response_type, timeout=timeout)
-        except RPCError as e:
-            self.contacts.failed(node, e, method)
-            if reraise:
-                raise
-            return None
-        except MultiaddrError as e:
-            logger.debug("DHT node %s has an unusable address: %s", node.peer_id, e)
-            self.contacts.unusable(node)
-            if reraise:
-                raise
-            return None
+        while True:
+            timeout = self.config.request_timeout
+            self.calls_sent[method] += 1
+            start = loop.time()
+            try:
+                plan = self.config.fault_plan
+                if plan is not None:
+                    timeout -= await plan.apply(self.peer_id, node.peer_id, timeout)
+                response = await self._channel(node).unary(method, request, response_type, timeout=timeout)
+                break
+            except RPCError as e:
+                self.contacts.failed(node, e, method)
+                if resend_lost and isinstance(e, DeadlineExceeded) and self.contacts.timeouts_in_a_row(node) == 1:
+                    resend_lost = False
+                    logger.debug("DHT %s to %s timed out; sending it once more", method.rsplit("/", 1)[-1],
+                                 node.peer_id)
+                    continue
+                if reraise:
+                    raise
+                return None
+            except MultiaddrError as e:
+                logger.debug("DHT node %s has an unusable address: %s", node.peer_id, e)
+                self.contacts.unusable(node)
+                if reraise:
+                    raise
+                return None
         self.round_trip += 0.1 * (loop.time() - start - self.round_trip)
         self.contacts.answered(node)
         return response
@@ -223,7 +239,7 @@ class DHTProtocol:
             caller=self._caller, keys=[key.to_bytes() for key in keys], nodes_only=nodes_only,
             values_suffice=values_suffice, count=count,
         )
-        response = await self._call(node, FIND, request, dht_pb2.DHTFindResponse)
+        response = await self._call(node, FIND, request, dht_pb2.DHTFindResponse, resend_lost=True)
         if response is None:
             return None
         if len(response.results) != len(keys):

@@ -64,3 +64,24 @@ def test_link_fault_checks_its_values() -> None:
         LinkFault(loss=1.5)
     with pytest.raises(ValueError):
         LinkFault(delay=-1)
+
+
+def test_lose_first_loses_that_many_requests_per_link_then_heals() -> None:
+    plan = FaultPlan()
+    plan.set_peer("flaky", LinkFault(lose_first=2))
+
+    async def outcomes(caller: str) -> list[bool]:
+        results = []
+        for _ in range(4):
+            try:
+                await plan.apply(caller, "flaky", 0.0)
+                results.append(True)
+            except DeadlineExceeded:
+                results.append(False)
+        return results
+
+    assert asyncio.run(outcomes("a")) == [False, False, True, True]
+    assert asyncio.run(outcomes("b")) == [False, False, True, True]  # counted per link
+    assert plan.stats.lost == 4
+    with pytest.raises(ValueError, match="lose_first"):
+        LinkFault(lose_first=-1)
