@@ -1,14 +1,17 @@
 """swarm's Kademlia DHT (SPEC.md §2 layer 4, §4): `peer.dht` is a `DHT`.
 
-One concept per module: `keys` (how user keys become DHT keys), `routing` (k-buckets, blacklist),
-`storage` (values with expiration), `validation` (owner signatures), `schema` (pydantic schemas,
-imported on first use so that peers without one never load pydantic), `wire` (what travels:
-method paths, statuses, answers), `handlers` (the Ping/Store/Find/Leave handlers), `protocol`
-(the calls to other nodes), `contacts` (the routing table kept in step with the traffic, and
-goodbyes), `traversal` (the iterative lookup), `replication` (stores), `retrieval` (gets and
-caching), `handoff` (records handed to new nodes), `node` (joining, upkeep and leaving),
-`coalescer` (bursts of single calls into batches), `dht` (the user-facing facade), `config`, and
-`faults` (link faults for tests and simulations).
+One concept per module: `keys` (how user keys become DHT keys), `ids` (node and key IDs, XOR
+distance), `buckets` (k-buckets and their nodes), `blacklist` (bans with backoff), `routing` (the
+routing table), `expiring` (values with expiration), `dictionary_value` (subkeys), `storage` (a
+node's records and cache), `validation` (owner signatures), `schema` (pydantic schemas, imported
+on first use so that peers without one never load pydantic), `wire` (what travels: method paths,
+statuses, answers), `handlers` (the Ping/Store/Find/Leave handlers), `protocol` (the calls to
+other nodes), `contacts` (the routing table kept in step with the traffic, and goodbyes),
+`traversal` (the iterative lookup), `batching` (records packed into requests), `store_operation`
+and `store_outcome` (one store and what became of each record), `replication` (stores),
+`retrieval` (gets and caching), `handoff` (records handed to new nodes), `node` (joining, upkeep
+and leaving), `coalescer` (bursts of single calls into batches), `dht` (the user-facing facade),
+`config`, and `faults` (link faults for tests and simulations).
 """
 
 from typing import Any
