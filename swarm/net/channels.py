@@ -30,6 +30,7 @@ from swarm.core.multiaddr import Multiaddr
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
 from swarm.net import bulk as bulk_channel
 from swarm.net.auth import TicketSigner, check_handshake
+from swarm.net.calls import MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
 from swarm.net.errors import from_grpc_error
 from swarm.proto import peer_pb2
 
@@ -72,6 +73,8 @@ class PeerChannel:
         self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._verified: asyncio.Future[None] | None = None
         self.bulk_reachable: bool | None = None  # None: not tried yet; False: use gRPC streams only
+        self._calls: CallStream | None = None  # small unary calls, multiplexed (swarm.net.calls)
+        self.calls_supported = True  # False: the peer has no Calls stream (an older version)
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -122,9 +125,38 @@ class PeerChannel:
         self, method: str, request: Message | bytes, response_type: type[Message] | None = None,
         timeout: float | None = None,
     ) -> Any:
-        """One request, one response; raises swarm's `RPCError` subclasses on failure."""
+        """One request, one response; raises swarm's `RPCError` subclasses on failure.
+
+        Small requests travel on the channel's Calls stream (`swarm.net.calls`), others as gRPC
+        unary calls of their own; both reach the same handler and fail with the same errors.
+        """
         await self.verify()
-        return await self._raw_unary(method, request, response_type, timeout, self._metadata())
+        payload = request if isinstance(request, bytes) else request.SerializeToString()
+        if self.calls_supported and len(payload) <= MAX_MULTIPLEXED_REQUEST:
+            try:
+                return await self._multiplexed(method, payload, response_type, timeout)
+            except StreamRefused as e:  # the request reached no handler: send it on its own
+                if e.unsupported:
+                    logger.debug("%s has no Calls stream: unary calls of their own", self.peer_id)
+                    self.calls_supported = False
+        return await self._raw_unary(method, payload, response_type, timeout, self._metadata())
+
+    async def _multiplexed(
+        self, method: str, payload: bytes, response_type: type[Message] | None, timeout: float | None,
+    ) -> Any:
+        calls = self._calls
+        if calls is None or calls.broken:
+            calls = self._calls = CallStream(self.channel, self._metadata(), self.peer_id)
+        stats = self.pool.metrics.method(method)  # metrics (issue #7)
+        started, ok = stats.start(), False  # metrics
+        stats.sent.value += len(payload)  # metrics
+        try:
+            data = await calls.call(method, payload, timeout or self.pool.config.default_timeout)
+            stats.received.value += len(data)  # metrics
+            ok = True
+        finally:
+            stats.finish(started, ok)  # metrics
+        return self._decode(data, response_type)
 
     async def _raw_unary(
         self, method: str, request: Message | bytes, response_type: type[Message] | None,
@@ -145,6 +177,9 @@ class PeerChannel:
             raise from_grpc_error(e, self.peer_id or str(self.addr), method) from None
         finally:
             stats.finish(started, ok)  # metrics
+        return self._decode(data, response_type)
+
+    def _decode(self, data: bytes, response_type: type[Message] | None) -> Any:
         if response_type is None:
             return data
         try:
@@ -256,6 +291,9 @@ class PeerChannel:
         return await self.unary(INFO, peer_pb2.InfoRequest(), peer_pb2.PeerInfo, timeout)
 
     async def close(self) -> None:
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None
         if self._channel is not None:
             await self._channel.close()
 

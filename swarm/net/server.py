@@ -24,6 +24,7 @@ from swarm.core.multiaddr import Multiaddr
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
 from swarm.net.auth import TicketVerifier
 from swarm.net.bulk import OPEN_BULK, BulkListener
+from swarm.net.calls import ACCEPTED, CALLS, Admission, serve_calls
 from swarm.net.errors import to_status
 from swarm.proto import peer_pb2
 
@@ -62,7 +63,8 @@ class ServerConfig:
 @dataclass(frozen=True)
 class CallContext:
     """What a handler knows about the call: the authenticated caller, and the gRPC context (None
-    for a stream on the bulk side channel, which has a `deadline` in loop time instead)."""
+    for a stream on the bulk side channel; the Calls stream's for a multiplexed call). Calls that
+    did not come as gRPC calls of their own have a `deadline` in loop time instead."""
 
     peer_id: str
     grpc_context: grpc.aio.ServicerContext | None
@@ -79,11 +81,11 @@ class CallContext:
         return True
 
     def time_remaining(self) -> float | None:
+        if self.deadline is not None:
+            return max(0.0, self.deadline - asyncio.get_running_loop().time())
         if self.grpc_context is not None:
             return self.grpc_context.time_remaining()
-        if self.deadline is None:
-            return None
-        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+        return None
 
 
 UnaryHandler = Callable[[Any, CallContext], Awaitable[Any]]
@@ -154,6 +156,10 @@ class RPCServer:
         self.metrics = RPCMetrics("server")  # metrics (issue #7)
         self.bulk = BulkListener({}, lambda caller, deadline, conn: CallContext(caller, None, deadline, conn),
                                  self.config.max_message_bytes)
+        self._unary: dict[str, tuple[UnaryHandler, type[Message] | None, bool, MethodMetrics]] = {}
+        self._call_streams: set[asyncio.Task[None]] = set()  # the readers of open Calls streams
+        self._calls_admission = Admission(self.config.max_concurrent_rpcs)
+        self._dispatcher.handlers[CALLS] = grpc.stream_stream_rpc_method_handler(self._serve_calls)
         self.add_unary(OPEN_BULK, self._open_bulk, peer_pb2.BulkOpenRequest)
 
     # -- registration -------------------------------------------------------------------------
@@ -196,6 +202,32 @@ class RPCServer:
             )
 
         self._dispatcher.handlers[path] = grpc.unary_unary_rpc_method_handler(behavior)
+        self._unary[path] = (handler, request_type, authenticated, stats)
+
+    async def _serve_calls(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
+        """One caller's Calls stream (`swarm.net.calls`): its small unary calls, multiplexed."""
+        try:
+            caller = self._caller(context, True)
+        except Unauthenticated as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        await context.send_initial_metadata((ACCEPTED,))  # the caller may write now (swarm.net.calls)
+        unary = self._unary
+
+        async def invoke(path: str, payload: bytes, stream: Any, deadline: float | None) -> bytes:
+            handler, request_type, authenticated, stats = unary[path]
+            stats.received.value += len(payload)  # metrics
+            started, ok = stats.start(), False  # metrics
+            try:
+                ctx = CallContext(caller if authenticated else "", stream, deadline)
+                data = _serialize(await handler(_decode(request_type, payload), ctx))
+                stats.sent.value += len(data)  # metrics
+                ok = True
+                return data
+            finally:
+                stats.finish(started, ok)  # metrics
+
+        await serve_calls(context, invoke, unary.__contains__, self._calls_admission,
+                          self.config.max_message_bytes - 64, self._call_streams)
 
     def add_stream(self, path: str, handler: StreamHandler, *, request_streaming: bool = True,
                    bulk: bool = False) -> None:
@@ -293,9 +325,15 @@ class RPCServer:
         return port
 
     async def stop(self, grace: float | None = None) -> None:
+        grace = self.config.shutdown_grace if grace is None else grace
+        streams = list(self._call_streams)
+        for task in streams:  # Calls streams last as long as their callers: end them (they answer what they took)
+            task.cancel()
+        if streams:
+            await asyncio.wait(streams, timeout=grace)
         await self.bulk.stop()
         if self._server is not None:
-            await self._server.stop(self.config.shutdown_grace if grace is None else grace)
+            await self._server.stop(grace)
             self._server = None
 
 

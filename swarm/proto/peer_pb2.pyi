@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -59,3 +59,39 @@ class BulkOpenResponse(_message.Message):
     port: int
     token: bytes
     def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class CallRequest(_message.Message):
+    __slots__ = ("id", "method", "payload", "timeout")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    method: str
+    payload: bytes
+    timeout: float
+    def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., payload: _Optional[bytes] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class CallResponse(_message.Message):
+    __slots__ = ("id", "code", "details", "payload")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    details: str
+    payload: bytes
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class CallRequests(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[CallRequest]
+    def __init__(self, calls: _Optional[_Iterable[_Union[CallRequest, _Mapping]]] = ...) -> None: ...
+
+class CallResponses(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[CallResponse]
+    def __init__(self, calls: _Optional[_Iterable[_Union[CallResponse, _Mapping]]] = ...) -> None: ...
