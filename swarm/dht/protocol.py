@@ -22,7 +22,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from swarm.core.errors import DeadlineExceeded, IdentityError, MultiaddrError, RPCError
+from swarm.core.errors import IdentityError, MultiaddrError, RPCError
 from swarm.core.multiaddr import Multiaddr
 from swarm.dht.config import DHTConfig
 from swarm.dht.contacts import Contacts
@@ -126,42 +126,72 @@ class DHTProtocol:
     ) -> Any:
         """One request to `node`; its answer, or None (or the error, with `reraise`) if it failed.
 
-        With `resend_lost` (for requests that are safe to repeat), a request that timed out is
-        sent once more if the node had answered its calls until then: a lost request or answer
-        is the likely cause, and a lookup that gave up on a live node at the first loss would
-        drop it for every key the request carried. A node that already timed out before is not
-        asked twice, so a dead one costs one extra timeout, not one per request.
+        With `resend_lost` (for requests that are safe to repeat), see `_send_or_resend`.
         """
+        timeout = self.config.request_timeout
+        self.calls_sent[method] += 1
         loop = asyncio.get_running_loop()
-        while True:
-            timeout = self.config.request_timeout
-            self.calls_sent[method] += 1
-            start = loop.time()
-            try:
-                plan = self.config.fault_plan
-                if plan is not None:
-                    timeout -= await plan.apply(self.peer_id, node.peer_id, timeout)
-                response = await self._channel(node).unary(method, request, response_type, timeout=timeout)
-                break
-            except RPCError as e:
-                self.contacts.failed(node, e, method)
-                if resend_lost and isinstance(e, DeadlineExceeded) and self.contacts.timeouts_in_a_row(node) == 1:
-                    resend_lost = False
-                    logger.debug("DHT %s to %s timed out; sending it once more", method.rsplit("/", 1)[-1],
-                                 node.peer_id)
-                    continue
-                if reraise:
-                    raise
-                return None
-            except MultiaddrError as e:
-                logger.debug("DHT node %s has an unusable address: %s", node.peer_id, e)
-                self.contacts.unusable(node)
-                if reraise:
-                    raise
-                return None
+        start = loop.time()
+        try:
+            if resend_lost and not self.contacts.timeouts_in_a_row(node):
+                response = await self._send_or_resend(node, method, request, response_type, timeout)
+            else:
+                response = await self._send(node, method, request, response_type, timeout)
+        except RPCError as e:
+            self.contacts.failed(node, e, method)
+            if reraise:
+                raise
+            return None
+        except MultiaddrError as e:
+            logger.debug("DHT node %s has an unusable address: %s", node.peer_id, e)
+            self.contacts.unusable(node)
+            if reraise:
+                raise
+            return None
         self.round_trip += 0.1 * (loop.time() - start - self.round_trip)
         self.contacts.answered(node)
         return response
+
+    async def _send(self, node: NodeInfo, method: str, request: Message, response_type: type[Message],
+                    timeout: float) -> Any:
+        plan = self.config.fault_plan
+        if plan is not None:
+            timeout -= await plan.apply(self.peer_id, node.peer_id, timeout)
+        return await self._channel(node).unary(method, request, response_type, timeout=timeout)
+
+    async def _send_or_resend(self, node: NodeInfo, method: str, request: Message, response_type: type[Message],
+                              timeout: float) -> Any:
+        """Sends a request to a node that has been answering, and, if no answer came within a few
+        round trips, once more, racing the first, with the same deadline.
+
+        The likely cause is a lost request or answer; a lookup that gave up on a live node at the
+        first loss would drop it for every key the request carried, and waiting out the whole
+        timeout before asking again would hold the lookup up. A dead node costs no more than
+        the one timeout; a node that timed out before gets no second request (`_call`).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        attempts = {asyncio.ensure_future(self._send(node, method, request, response_type, timeout))}
+        try:
+            done, _ = await asyncio.wait(attempts, timeout=min(max(5 * self.round_trip, 0.02), timeout / 2))
+            if not done:
+                self.calls_sent[method] += 1
+                logger.debug("DHT %s to %s unanswered for a while: sending it once more", method.rsplit("/", 1)[-1],
+                             node.peer_id)
+                attempts.add(asyncio.ensure_future(
+                    self._send(node, method, request, response_type, deadline - loop.time())))
+            error: BaseException | None = None
+            while attempts:
+                done, attempts = await asyncio.wait(attempts, return_when=asyncio.FIRST_COMPLETED)
+                for attempt in done:
+                    if attempt.exception() is None:
+                        return attempt.result()
+                    error = attempt.exception()
+            assert error is not None
+            raise error
+        finally:
+            for attempt in attempts:
+                attempt.cancel()
 
     async def call_ping(self, node: NodeInfo, *, reraise: bool = False) -> bool:
         """True if `node` answered (it is then in the routing table).
