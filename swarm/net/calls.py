@@ -40,7 +40,7 @@ ACCEPTED = ("swarm-calls", "1")
 MAX_MULTIPLEXED_REQUEST = 256 << 10
 """Requests up to this many bytes travel on the stream; larger ones as unary calls of their own
 (a large message would hold up the small ones queued behind it)."""
-_MAX_BATCH_BYTES = 1 << 20  # a stream message past this size is sent and the rest waits for the next
+_MAX_BATCH_BYTES = 1 << 20  # a stream message holds items up to this size in all, or one larger item
 
 _OK = grpc.StatusCode.OK.value[0]
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
@@ -112,14 +112,17 @@ class _Outbox:
             self._idle.set()
 
     def _take(self) -> tuple[list[Any], list[Any], int]:
+        """The items for the next message: all, or as many as fit in `_MAX_BATCH_BYTES` (one at
+        least), so that a message is never much larger than the largest single item."""
         if self._size <= _MAX_BATCH_BYTES:
             return self._queue, [], 0
         taken, size = 0, 0
-        for item in self._queue:  # send about one batch's worth; the rest goes in the next message
-            taken += 1
-            size += item.ByteSize()
-            if size > _MAX_BATCH_BYTES:
+        for item in self._queue:
+            item_size = item.ByteSize()
+            if taken and size + item_size > _MAX_BATCH_BYTES:
                 break
+            taken += 1
+            size += item_size
         rest = self._queue[taken:]
         return self._queue[:taken], rest, sum(item.ByteSize() for item in rest)
 

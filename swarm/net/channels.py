@@ -50,12 +50,15 @@ class ChannelConfig:
         handshake_timeout: deadline for proving the callee's identity on a new channel.
         bulk_connect_timeout: how long dialing a peer's bulk port may take before its streams
             fall back to gRPC.
+        multiplex: send small unary calls on one Calls stream per peer (`swarm.net.calls`);
+            False sends each as a gRPC unary call of its own.
     """
 
     default_timeout: float = 10.0
     max_message_bytes: int = 8 << 20
     handshake_timeout: float = 5.0
     bulk_connect_timeout: float = 1.0
+    multiplex: bool = True
 
     def __post_init__(self) -> None:
         if self.default_timeout <= 0 or self.handshake_timeout <= 0:
@@ -74,7 +77,7 @@ class PeerChannel:
         self._verified: asyncio.Future[None] | None = None
         self.bulk_reachable: bool | None = None  # None: not tried yet; False: use gRPC streams only
         self._calls: CallStream | None = None  # small unary calls, multiplexed (swarm.net.calls)
-        self.calls_supported = True  # False: the peer has no Calls stream (an older version)
+        self.calls_supported = pool.config.multiplex  # False: unary calls of their own (or an older peer)
 
     @property
     def channel(self) -> grpc.aio.Channel:

@@ -16,7 +16,8 @@ from swarm.core.errors import (
     ResourceExhausted,
     RPCError,
 )
-from swarm.net.calls import CALLS, MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
+from swarm.net.calls import ACCEPTED, CALLS, MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
+from swarm.net.channels import ChannelConfig
 from swarm.net.server import ServerConfig
 from swarm.proto import peer_pb2
 
@@ -56,6 +57,22 @@ def test_many_calls_in_flight_each_get_their_own_answer_in_any_order(make_peer):
         return await asyncio.gather(*(ch.unary("/test.T/Square", str(n).encode(), timeout=10) for n in range(500)))
 
     assert b.run(go()) == [str(n * n).encode() for n in range(500)]
+
+
+def test_responses_near_the_message_limit_each_travel_in_a_message_of_their_own(make_peer):
+    a = make_peer(server_config=ServerConfig(max_message_bytes=4 << 20))
+    b = make_peer(channel_config=ChannelConfig(max_message_bytes=4 << 20))
+
+    async def big(request: bytes, ctx):
+        return request * (3 << 20)  # 3 MiB: two of them in one message would be over the limit
+
+    a.server.add_unary("/test.T/Big", big)
+
+    async def go():
+        ch = b.pool.get(a.addrs[0])
+        return await asyncio.gather(*(ch.unary("/test.T/Big", bytes([n]), timeout=20) for n in range(6)))
+
+    assert b.run(go()) == [bytes([n]) * (3 << 20) for n in range(6)]
 
 
 def test_errors_are_those_of_a_unary_call_and_the_stream_keeps_serving(make_peer):
@@ -221,3 +238,39 @@ def test_the_concurrency_cap_holds_across_streams(make_peer):
     results = [r for peer, calls in zip(callers, started) for r in peer.run(outcomes(calls))]
     assert sum(r == b"done" for r in results) == 4
     assert sum(isinstance(r, ResourceExhausted) for r in results) == 8
+
+
+def test_a_lying_callee_fails_the_calls_without_hanging_them(make_peer):
+    b = make_peer()
+
+    async def lie(_requests, context):
+        await context.send_initial_metadata((ACCEPTED,))
+        data = await context.read()
+        request = peer_pb2.CallRequests.FromString(data).calls[0]
+        if request.method == "/lie/OtherId":  # an answer to a call nobody made: ignored
+            await context.write(peer_pb2.CallResponses(calls=[peer_pb2.CallResponse(id=request.id + 7)])
+                                .SerializeToString())
+            await context.read()
+        else:
+            await context.write(b"\xff\xff garbage")
+            await context.read()
+
+    async def go(method, timeout):
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "swarm.Peer", {"Calls": grpc.stream_stream_rpc_method_handler(lie)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            return await CallStream(channel, (), "liar").call(method, b"", timeout)
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="malformed call response"):
+        b.run(go("/lie/Garbage", 10))
+    assert time.monotonic() - start < 5
+    with pytest.raises(DeadlineExceeded):
+        b.run(go("/lie/OtherId", 0.3))
