@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """RPC benchmark (issue: foundation). One run reports, between two peer processes on loopback:
 
-  * small unary RPC round trip, p50/p99 (authenticated, through swarm's channel pool), beside a
-    plain grpc.aio call to the same server with no swarm layer on either side (the floor);
+  * small unary RPC round trip, p50/p99 (authenticated, through swarm's channel pool, which sends
+    small calls on one multiplexed gRPC stream per peer pair: swarm.net.calls), beside the same
+    calls each sent as a gRPC unary call of its own, and a plain grpc.aio unary call to the same
+    server with no swarm layer on either side;
   * tensor streaming throughput for a 256 MB float32 tensor (header + 1 MiB raw chunks,
     received into a preallocated buffer), beside a raw uvloop TCP socket pair moving the
     same bytes in the same run (the ceiling);
@@ -73,6 +75,16 @@ def client_peer(addr: str, mb: int, calls: int, rounds: int) -> None:
             await ch.unary(PING, b"x" * 32)
             lat.append(time.perf_counter() - t0)
         lat.sort()
+        ch.calls_supported = False  # the same calls, each as a gRPC unary call of its own
+        for _ in range(200):
+            await ch.unary(PING, b"x" * 32)
+        own_lat = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            await ch.unary(PING, b"x" * 32)
+            own_lat.append(time.perf_counter() - t0)
+        own_lat.sort()
+        ch.calls_supported = True
         import grpc
 
         raw = grpc.aio.insecure_channel(ch.addr.grpc_target)
@@ -92,7 +104,7 @@ def client_peer(addr: str, mb: int, calls: int, rounds: int) -> None:
             await ch.stream_unary(SINK, tensors_to_messages([tensor]), timeout=120)
             times.append(time.perf_counter() - t0)
         return {"p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
-                "raw_p50_ms": raw_lat[len(raw_lat) // 2] * 1e3,
+                "raw_p50_ms": raw_lat[len(raw_lat) // 2] * 1e3, "own_p50_ms": own_lat[len(own_lat) // 2] * 1e3,
                 "stream_s": statistics.median(times)}
 
     print(json.dumps(peer.run(go())), flush=True)
@@ -213,6 +225,7 @@ def main() -> None:
     raw_gbs = nbytes / raw_result["stream_s"] / 1e9
     print(f"unary RPC round trip p50: {grpc_result['p50_ms']:.3f} ms (goal <= 0.5 ms)")
     print(f"unary RPC round trip p99: {grpc_result['p99_ms']:.3f} ms")
+    print(f"swarm unary call sent as a gRPC unary call of its own p50 (baseline): {grpc_result['own_p50_ms']:.3f} ms")
     print(f"plain grpc.aio unary p50, no swarm layer (baseline): {grpc_result['raw_p50_ms']:.3f} ms")
     print(f"stream {args.mb} MB float32, swarm/grpc: {grpc_gbs:.2f} GB/s ({grpc_result['stream_s']:.3f} s)")
     print(f"stream {args.mb} MB, raw uvloop TCP (baseline): {raw_gbs:.2f} GB/s ({raw_result['stream_s']:.3f} s)")
