@@ -18,6 +18,7 @@ operation it makes crosses the network. It reports, one line per figure:
     loaded torch, read from /proc/<pid>/maps).
 
 Usage: .venv/bin/python scripts/bench/bench_dht.py [--nodes 16] [--ops 1000] [--concurrent-ops 5000]
+       [--no-multiplex]
 """
 
 from __future__ import annotations
@@ -153,9 +154,13 @@ def main() -> None:
     parser.add_argument("--concurrent-ops", type=int, default=5000, help="stores, then gets, for throughput")
     parser.add_argument("--in-flight", type=int, default=500)
     parser.add_argument("--joins", type=int, default=5)
+    parser.add_argument("--no-multiplex", action="store_true",
+                        help="the client sends every call as a gRPC unary call of its own (the transport before "
+                             "swarm.net.calls), for comparison")
     args = parser.parse_args()
 
     from swarm.dht import DHTConfig
+    from swarm.net.channels import ChannelConfig
     from swarm.peer import Peer
 
     daemons = [start_daemon([])]
@@ -165,7 +170,8 @@ def main() -> None:
         rest = [start_daemon(addrs[:1]) for _ in range(args.nodes - 1)]
         daemons += rest
         addrs += [read_addr(p) for p in rest]
-        client = Peer(initial_peers=addrs, client_mode=True, dht_config=DHTConfig(cache_size=0))
+        client = Peer(initial_peers=addrs, client_mode=True, dht_config=DHTConfig(cache_size=0),
+                      channel_config=ChannelConfig(multiplex=not args.no_multiplex))
         dht = client.dht
         client.run(dht.aget_many([f"warm-{i}" for i in range(200)]))  # channels and handshakes to all
         floor = client.run(ping_floor(client, addrs, 500))
@@ -201,7 +207,8 @@ def main() -> None:
                 proc.kill()
 
     ms = 1e3
-    print(f"nodes: {args.nodes} daemons (one process each) + 1 client-mode peer issuing every operation, no cache")
+    print(f"nodes: {args.nodes} daemons (one process each) + 1 client-mode peer issuing every operation, no cache"
+          + (", every call a gRPC unary call of its own" if args.no_multiplex else ""))
     print(f"baseline, one Ping round trip (a get's floor, same run): p50 {percentile(floor, .5) * ms:.3f} ms, "
           f"p95 {percentile(floor, .95) * ms:.3f} ms")
     print(f"baseline, {client.dht.config.num_replicas} parallel Pings to distinct daemons (one store's requests): "

@@ -4,7 +4,7 @@
   * small unary RPC round trip, p50/p99 (authenticated, through swarm's channel pool, which sends
     small calls on one multiplexed gRPC stream per peer pair: swarm.net.calls), beside the same
     calls each sent as a gRPC unary call of its own, and a plain grpc.aio unary call to the same
-    server with no swarm layer on either side;
+    server with no swarm layer on either side; and calls per second with 200 in flight, both ways;
   * tensor streaming throughput for a 256 MB float32 tensor (header + 1 MiB raw chunks,
     received into a preallocated buffer), beside a raw uvloop TCP socket pair moving the
     same bytes in the same run (the ceiling);
@@ -75,7 +75,21 @@ def client_peer(addr: str, mb: int, calls: int, rounds: int) -> None:
             await ch.unary(PING, b"x" * 32)
             lat.append(time.perf_counter() - t0)
         lat.sort()
+
+        async def concurrent(total: int = 10_000, in_flight: int = 200) -> float:
+            limit = asyncio.Semaphore(in_flight)
+
+            async def one() -> None:
+                async with limit:
+                    await ch.unary(PING, b"x" * 32)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(total)))
+            return total / (time.perf_counter() - t0)
+
+        rate = await concurrent()
         ch.calls_supported = False  # the same calls, each as a gRPC unary call of its own
+        own_rate = await concurrent()
         for _ in range(200):
             await ch.unary(PING, b"x" * 32)
         own_lat = []
@@ -105,6 +119,7 @@ def client_peer(addr: str, mb: int, calls: int, rounds: int) -> None:
             times.append(time.perf_counter() - t0)
         return {"p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
                 "raw_p50_ms": raw_lat[len(raw_lat) // 2] * 1e3, "own_p50_ms": own_lat[len(own_lat) // 2] * 1e3,
+                "rate": rate, "own_rate": own_rate,
                 "stream_s": statistics.median(times)}
 
     print(json.dumps(peer.run(go())), flush=True)
@@ -227,6 +242,8 @@ def main() -> None:
     print(f"unary RPC round trip p99: {grpc_result['p99_ms']:.3f} ms")
     print(f"swarm unary call sent as a gRPC unary call of its own p50 (baseline): {grpc_result['own_p50_ms']:.3f} ms")
     print(f"plain grpc.aio unary p50, no swarm layer (baseline): {grpc_result['raw_p50_ms']:.3f} ms")
+    print(f"small calls with 200 in flight: {grpc_result['rate']:,.0f} /s; as gRPC unary calls of their own "
+          f"(baseline): {grpc_result['own_rate']:,.0f} /s")
     print(f"stream {args.mb} MB float32, swarm/grpc: {grpc_gbs:.2f} GB/s ({grpc_result['stream_s']:.3f} s)")
     print(f"stream {args.mb} MB, raw uvloop TCP (baseline): {raw_gbs:.2f} GB/s ({raw_result['stream_s']:.3f} s)")
     print(f"stream swarm/raw ratio: {grpc_gbs / raw_gbs:.0%} (goal >= 60%)")
