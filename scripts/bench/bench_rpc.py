@@ -67,14 +67,19 @@ def client_peer(addr: str, mb: int, calls: int, rounds: int) -> None:
     async def go() -> dict:
         ch = peer.pool.get(addr)
         await ch.unary(PING, b"x")
-        for _ in range(200):
-            await ch.unary(PING, b"x" * 32)
-        lat = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            await ch.unary(PING, b"x" * 32)
-            lat.append(time.perf_counter() - t0)
-        lat.sort()
+
+        async def round_trips(call) -> list[float]:
+            """Sorted round-trip times of `calls` calls, after 200 to warm up."""
+            for _ in range(200):
+                await call()
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                await call()
+                times.append(time.perf_counter() - t0)
+            return sorted(times)
+
+        lat = await round_trips(lambda: ch.unary(PING, b"x" * 32))
 
         async def concurrent(total: int = 10_000, in_flight: int = 200) -> float:
             limit = asyncio.Semaphore(in_flight)
@@ -90,27 +95,13 @@ def client_peer(addr: str, mb: int, calls: int, rounds: int) -> None:
         rate = await concurrent()
         ch.calls_supported = False  # the same calls, each as a gRPC unary call of its own
         own_rate = await concurrent()
-        for _ in range(200):
-            await ch.unary(PING, b"x" * 32)
-        own_lat = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            await ch.unary(PING, b"x" * 32)
-            own_lat.append(time.perf_counter() - t0)
-        own_lat.sort()
+        own_lat = await round_trips(lambda: ch.unary(PING, b"x" * 32))
         ch.calls_supported = True
         import grpc
 
         raw = grpc.aio.insecure_channel(ch.addr.grpc_target)
         raw_ping = raw.unary_unary(RAW_PING)
-        for _ in range(200):
-            await raw_ping(b"x" * 32, timeout=10)
-        raw_lat = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            await raw_ping(b"x" * 32, timeout=10)
-            raw_lat.append(time.perf_counter() - t0)
-        raw_lat.sort()
+        raw_lat = await round_trips(lambda: raw_ping(b"x" * 32, timeout=10))
         await raw.close()
         times = []
         for _ in range(rounds):
