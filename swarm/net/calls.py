@@ -140,14 +140,22 @@ class _Outbox:
 class CallStream:
     """The caller's end of one Calls stream (opened by `PeerChannel`, which replaces it once broken).
 
+    A stream with no call for `idle_timeout` seconds ends itself (the callee holds one open gRPC
+    call per stream, and its server caps those): the next call opens a new one.
+
     Args:
         channel: The gRPC channel to the callee.
         metadata: The call metadata (the caller's ticket).
         peer_id: The callee's PeerID, for error messages.
+        idle_timeout: Seconds without calls after which the stream ends.
     """
 
-    def __init__(self, channel: grpc.aio.Channel, metadata: Any, peer_id: str) -> None:
+    def __init__(self, channel: grpc.aio.Channel, metadata: Any, peer_id: str, idle_timeout: float = 60.0) -> None:
         self.peer_id = peer_id
+        self._loop = asyncio.get_running_loop()
+        self._idle_timeout = idle_timeout
+        self._last_used = self._loop.time()
+        self._idle_timer = self._loop.call_later(idle_timeout, self._close_if_idle)
         self._call = channel.stream_stream(CALLS)(metadata=metadata)
         self._pending: dict[int, asyncio.Future[peer_pb2.CallResponse | None]] = {}
         self._next_id = 0
@@ -183,7 +191,8 @@ class CallStream:
             raise self._error(method)
         self._next_id += 1
         call_id = self._next_id
-        future = self._pending[call_id] = asyncio.get_running_loop().create_future()
+        self._last_used = self._loop.time()
+        future = self._pending[call_id] = self._loop.create_future()
         self._outbox.put(peer_pb2.CallRequest(id=call_id, method=method, payload=payload, timeout=timeout),
                          len(payload) + len(method) + 16)
         try:
@@ -244,9 +253,31 @@ class CallStream:
             if not future.done():
                 future.set_result(None)
         self._outbox.close()
+        self._idle_timer.cancel()
+
+    def _close_if_idle(self) -> None:
+        if self._ended is not None:
+            return
+        idle_for = self._loop.time() - self._last_used
+        if self._pending or idle_for < self._idle_timeout:
+            self._idle_timer = self._loop.call_later(self._idle_timeout - min(idle_for, self._idle_timeout / 2),
+                                                     self._close_if_idle)
+            return
+        self._ended = (grpc.StatusCode.UNAVAILABLE, "the call stream was closed after being idle")
+        spawn(self._finish(), name=f"calls-to-{self.peer_id[-8:]}-idle")
+
+    async def _finish(self) -> None:
+        """Ends an idle stream cleanly: the callee reads its end and answers OK."""
+        await self._outbox.drain()
+        self._outbox.close()
+        try:
+            await self._call.done_writing()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass
 
     def close(self) -> None:
         """Cancels the stream and the calls in flight on it."""
+        self._idle_timer.cancel()
         self._call.cancel()
         self._reader.cancel()
         self._outbox.close()

@@ -52,6 +52,10 @@ class ChannelConfig:
             fall back to gRPC.
         multiplex: send small unary calls on one Calls stream per peer (`swarm.net.calls`);
             False sends each as a gRPC unary call of its own.
+        calls_idle_timeout: seconds without calls after which a Calls stream ends (the next call
+            opens another).
+        calls_retry_after: seconds during which calls to a peer that refused a Calls stream (it
+            had too many open, say) go as unary calls of their own before a stream is tried again.
     """
 
     default_timeout: float = 10.0
@@ -59,9 +63,11 @@ class ChannelConfig:
     handshake_timeout: float = 5.0
     bulk_connect_timeout: float = 1.0
     multiplex: bool = True
+    calls_idle_timeout: float = 60.0
+    calls_retry_after: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.default_timeout <= 0 or self.handshake_timeout <= 0:
+        if self.default_timeout <= 0 or self.handshake_timeout <= 0 or self.calls_idle_timeout <= 0:
             raise ConfigError("timeouts must be positive")
 
 
@@ -78,6 +84,7 @@ class PeerChannel:
         self.bulk_reachable: bool | None = None  # None: not tried yet; False: use gRPC streams only
         self._calls: CallStream | None = None  # small unary calls, multiplexed (swarm.net.calls)
         self.calls_supported = pool.config.multiplex  # False: unary calls of their own (or an older peer)
+        self._calls_refused_until = 0.0  # loop time until which calls skip the stream (it was refused)
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -135,13 +142,17 @@ class PeerChannel:
         """
         await self.verify()
         payload = request if isinstance(request, bytes) else request.SerializeToString()
-        if self.calls_supported and len(payload) <= MAX_MULTIPLEXED_REQUEST:
+        if (self.calls_supported and len(payload) <= MAX_MULTIPLEXED_REQUEST
+                and (not self._calls_refused_until or asyncio.get_running_loop().time() >= self._calls_refused_until)):
             try:
                 return await self._multiplexed(method, payload, response_type, timeout)
             except StreamRefused as e:  # the request reached no handler: send it on its own
                 if e.unsupported:
                     logger.debug("%s has no Calls stream: unary calls of their own", self.peer_id)
                     self.calls_supported = False
+                else:
+                    logger.debug("%s refused a Calls stream (%s): unary calls for a while", self.peer_id, e)
+                    self._calls_refused_until = asyncio.get_running_loop().time() + self.pool.config.calls_retry_after
         return await self._raw_unary(method, payload, response_type, timeout, self._metadata())
 
     async def _multiplexed(
@@ -149,7 +160,8 @@ class PeerChannel:
     ) -> Any:
         calls = self._calls
         if calls is None or calls.broken:
-            calls = self._calls = CallStream(self.channel, self._metadata(), self.peer_id)
+            calls = self._calls = CallStream(self.channel, self._metadata(), self.peer_id,
+                                             self.pool.config.calls_idle_timeout)
         stats = self.pool.metrics.method(method)  # metrics (issue #7)
         started, ok = stats.start(), False  # metrics
         stats.sent.value += len(payload)  # metrics

@@ -44,6 +44,10 @@ class ServerConfig:
             ``bulk=True``; without it they run over gRPC only (one port, slower tensors).
         bulk_port: the side channel's TCP port (0: any free port); a peer behind a port
             mapping publishes it too, or its callers fall back to gRPC.
+        max_call_streams: Calls streams (`swarm.net.calls`) open at once; each holds one of the
+            `max_concurrent_rpcs` slots for as long as its caller keeps it. Past it a caller is
+            refused the stream and sends its calls as unary calls of their own. 0: half of
+            `max_concurrent_rpcs`.
     """
 
     max_message_bytes: int = 8 << 20
@@ -52,6 +56,7 @@ class ServerConfig:
     shutdown_grace: float = 2.0
     bulk: bool = True
     bulk_port: int = 0
+    max_call_streams: int = 0
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < (1 << 20) + 4096:
@@ -210,6 +215,9 @@ class RPCServer:
             caller = self._caller(context, True)
         except Unauthenticated as e:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        limit = self.config.max_call_streams or max(1, self.config.max_concurrent_rpcs // 2)
+        if len(self._call_streams) >= limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit} call streams are open already")
         await context.send_initial_metadata((ACCEPTED,))  # the caller may write now (swarm.net.calls)
         unary = self._unary
 
