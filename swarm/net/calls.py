@@ -43,6 +43,7 @@ MAX_MULTIPLEXED_REQUEST = 256 << 10
 (a large message would hold up the small ones queued behind it)."""
 _MAX_BATCH_BYTES = 1 << 20  # a stream message holds items up to this size in all, or one larger item
 
+_CORE_OP_FAILED = "Internal error from Core"  # grpc.aio's status for a stream whose own operation failed
 _OK = grpc.StatusCode.OK.value[0]
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -244,6 +245,10 @@ class CallStream:
             return
         if isinstance(error, grpc.aio.AioRpcError):
             self._ended = (error.code(), error.details() or error.code().name)
+            if error.code() == grpc.StatusCode.INTERNAL and (error.details() or "").startswith(_CORE_OP_FAILED):
+                # an operation of this stream failed inside gRPC (a write to a connection that
+                # broke, as when the callee was killed): gone, as a unary call would report it
+                self._ended = (grpc.StatusCode.UNAVAILABLE, "the connection to the callee broke")
         elif isinstance(error, asyncio.CancelledError):
             self._ended = (grpc.StatusCode.CANCELLED, "the channel was closed")
         elif isinstance(error, ValueError):

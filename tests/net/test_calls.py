@@ -2,22 +2,25 @@
 servers on port 0: what a caller sees must be what a unary call of its own would give."""
 
 import asyncio
+import signal
 import threading
 import time
 
 import grpc
 import pytest
+from procs import PeerProcess
 
 from swarm.core.errors import (
     DeadlineExceeded,
     InvalidRequest,
     NotFound,
+    PeerUnreachable,
     RemoteError,
     ResourceExhausted,
     RPCError,
 )
 from swarm.net.calls import ACCEPTED, CALLS, MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
-from swarm.net.channels import ChannelConfig
+from swarm.net.channels import INFO, ChannelConfig
 from swarm.net.server import ServerConfig
 from swarm.proto import peer_pb2
 
@@ -315,3 +318,23 @@ def test_a_callee_with_too_many_streams_open_gets_unary_calls_instead(make_peer)
     assert b.run(to_a[0].unary("/test.T/Echo", b"b2", timeout=5)) == b"b2"
     assert contexts[0] is contexts[3]  # b's calls share its stream
     assert len({id(ctx) for ctx in contexts}) == 3 and to_a[1].calls_supported
+
+
+def test_calls_in_flight_fail_promptly_when_the_callee_process_is_killed(make_peer):
+    client = make_peer(client_mode=True)
+    with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", ready_timeout=60) as daemon:
+        ch = client.pool.get(daemon.addrs[0])
+        assert client.run(ch.info()).peer_id  # the Calls stream is open
+        daemon.signal(signal.SIGSTOP)  # calls from now on go unanswered
+
+        async def calls():
+            return await asyncio.gather(
+                *(ch.unary(INFO, peer_pb2.InfoRequest(), peer_pb2.PeerInfo, timeout=30) for _ in range(3)),
+                return_exceptions=True)
+
+        pending = asyncio.run_coroutine_threadsafe(calls(), client.loop.loop)
+        daemon.signal(signal.SIGKILL)
+        start = time.monotonic()
+        results = pending.result(20)
+        assert time.monotonic() - start < 10  # the calls' deadline is 30 s
+        assert all(isinstance(r, PeerUnreachable) for r in results), results
