@@ -179,19 +179,13 @@ class RPCServer:
         invoke: Callable[[CallContext], Awaitable[Any]],
     ) -> bytes:
         """One response for one call: authenticate, run the handler, map failures to statuses."""
-        started, ok = stats.start(), False  # metrics (issue #7)
         try:
-            data = _serialize(await invoke(CallContext(self._caller(context, authenticated), context)))
-            stats.sent.value += len(data)  # metrics
-            ok = True
-            return data
+            return await _handle(stats, lambda: CallContext(self._caller(context, authenticated), context), invoke)
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a dead server
             await _abort(context, e, path)
             raise AssertionError("unreachable") from None
-        finally:
-            stats.finish(started, ok)  # metrics
 
     def add_unary(
         self, path: str, handler: UnaryHandler, request_type: type[Message] | None = None, *, authenticated: bool = True
@@ -224,15 +218,8 @@ class RPCServer:
         async def invoke(path: str, payload: bytes, stream: Any, deadline: float | None) -> bytes:
             handler, request_type, authenticated, stats = unary[path]
             stats.received.value += len(payload)  # metrics
-            started, ok = stats.start(), False  # metrics
-            try:
-                ctx = CallContext(caller if authenticated else "", stream, deadline)
-                data = _serialize(await handler(_decode(request_type, payload), ctx))
-                stats.sent.value += len(data)  # metrics
-                ok = True
-                return data
-            finally:
-                stats.finish(started, ok)  # metrics
+            return await _handle(stats, lambda: CallContext(caller if authenticated else "", stream, deadline),
+                                 lambda ctx: handler(_decode(request_type, payload), ctx))
 
         await serve_calls(context, invoke, unary.__contains__, self._calls_admission,
                           self.config.max_message_bytes - 64, self._call_streams)
@@ -343,6 +330,21 @@ class RPCServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+
+
+async def _handle(
+    stats: MethodMetrics, make_context: Callable[[], CallContext], run: Callable[[CallContext], Awaitable[Any]],
+) -> bytes:
+    """What every call answered with one response shares, over gRPC or a Calls stream: its
+    context (authenticating the caller), the handler, the response's bytes, and metrics."""
+    started, ok = stats.start(), False  # metrics (issue #7)
+    try:
+        data = _serialize(await run(make_context()))
+        stats.sent.value += len(data)  # metrics
+        ok = True
+        return data
+    finally:
+        stats.finish(started, ok)  # metrics
 
 
 async def _single(request: Any, stats: MethodMetrics) -> AsyncIterator[Any]:
