@@ -18,7 +18,7 @@ from swarm.core.errors import (
 )
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
-from swarm.net.channels import INFO
+from swarm.net.channels import INFO, ChannelConfig
 from swarm.net.server import ServerConfig
 from swarm.proto import peer_pb2
 
@@ -144,15 +144,19 @@ def test_refused_connection_is_peer_unreachable(make_peer):
         b.run(b.pool.get(f"/ip4/127.0.0.1/tcp/{port}/p2p/{Identity.generate().peer_id}").info(timeout=2))
 
 
-def test_bad_input_gets_clear_statuses_and_the_server_keeps_serving(make_peer):
+@pytest.mark.parametrize("multiplex", [True, False], ids=["calls-stream", "unary-calls"])
+def test_bad_input_gets_clear_statuses_and_the_server_keeps_serving(make_peer, multiplex):
+    # the same statuses whether small calls share a Calls stream (swarm.net.calls) or not
     a = make_peer(server_config=ServerConfig(max_message_bytes=2 << 20))
-    b = make_peer()
+    b = make_peer(channel_config=ChannelConfig(multiplex=multiplex))
 
     async def echo(request: peer_pb2.HandshakeRequest, ctx):
         if request.challenge == b"value-error":
             raise ValueError("challenge must not be 'value-error'")
         if request.challenge == b"crash":
             raise ZeroDivisionError("division by zero")
+        if request.challenge == b"huge":
+            return b"h" * (3 << 20)
         return request
 
     a.server.add_unary("/test.T/Echo", echo, peer_pb2.HandshakeRequest)
@@ -171,8 +175,10 @@ def test_bad_input_gets_clear_statuses_and_the_server_keeps_serving(make_peer):
         call("/test.T/Echo", peer_pb2.HandshakeRequest(challenge=b"value-error"))
     with pytest.raises(RemoteError, match="internal error in /test.T/Echo: ZeroDivisionError"):
         call("/test.T/Echo", peer_pb2.HandshakeRequest(challenge=b"crash"))
+    with pytest.raises(ResourceExhausted):
+        call("/test.T/Echo", peer_pb2.HandshakeRequest(challenge=b"huge"))
     ok = peer_pb2.HandshakeRequest.FromString(call("/test.T/Echo", peer_pb2.HandshakeRequest(challenge=b"fine")))
-    assert ok.challenge == b"fine"
+    assert ok.challenge == b"fine" and ch.calls_supported == multiplex
 
 
 def test_concurrency_cap_refuses_with_resource_exhausted(make_peer):
