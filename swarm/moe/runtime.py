@@ -168,9 +168,14 @@ class Runtime:
             for pool, tensors, tag in requests:
                 if pool._runtime is not self:
                     raise ValueError(f"pool {pool.name} does not belong to this runtime")
+            # One arrival time for all: pools with the same batching delay become ready at the same
+            # instant, so a worker that wakes for the first sees the others and splits the thread
+            # budget (with a few microseconds between them it could take the whole budget for the
+            # first and leave the rest queued behind it).
+            now = time.monotonic()
             for pool, tensors, tag in requests:
                 try:
-                    queued.append((pool, pool._enqueue(tuple(tensors), tag), None))
+                    queued.append((pool, pool._enqueue(tuple(tensors), tag, now), None))
                 except SwarmError as e:
                     queued.append((pool, None, e))
         futures: list[asyncio.Future[tuple[torch.Tensor, ...]]] = []

@@ -174,11 +174,16 @@ class TaskPool(BatchRunner):
         """
         return await self._wait(self._enqueue(tensors, tag))
 
-    def _enqueue(self, tensors: tuple[Any, ...], tag: Any) -> _Task:
-        """Checks and queues one task (on the caller's loop, which `_wait` must then await on)."""
+    def _enqueue(self, tensors: tuple[Any, ...], tag: Any, enqueued_at: float | None = None) -> _Task:
+        """Checks and queues one task (on the caller's loop, which `_wait` must then await on).
+
+        `enqueued_at` (monotonic; default now) lets tasks queued together share one arrival time,
+        so their pools become ready at the same instant."""
         rows = self._check_task(tensors)
         loop = asyncio.get_running_loop()
         task = _Task(tuple(tensors), rows, loop.create_future(), loop, tag)
+        if enqueued_at is not None:
+            task.enqueued_at = enqueued_at
         with self._cond:
             if not self._accepting:
                 raise MoEError(f"task pool {self.name} is not accepting tasks: {self._closed_reason}")

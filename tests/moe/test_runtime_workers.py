@@ -146,6 +146,26 @@ def test_the_thread_budget_is_split_among_concurrent_batches() -> None:
     assert seen == {"alone": 2, "a": 1, "b": 1, "alone again": 2}
 
 
+def test_tasks_queued_together_become_ready_at_the_same_instant() -> None:
+    # With arrival times microseconds apart, a worker waking at the first pool's batching deadline
+    # could see it ready alone, take the whole thread budget, and leave the others queued behind it.
+    log: list[str] = []
+    blocker = Blocker("held", log)
+    held_pool = TaskPool(blocker, "held")
+    a, b = TaskPool(recording("a", log), "a"), TaskPool(recording("b", log), "b", max_wait=0.002)
+
+    async def main() -> None:
+        held = asyncio.ensure_future(held_pool.submit(torch.zeros(1, 2)))
+        await asyncio.to_thread(blocker.entered.wait, WAIT)  # the only worker is busy: a and b stay queued
+        futures = runtime.submit_together([(a, [torch.zeros(1, 2)], None), (b, [torch.zeros(1, 2)], None)])
+        assert a._ready_at() == b._ready_at()
+        blocker.release.set()
+        await asyncio.gather(held, *futures)
+
+    with running(held_pool, a, b, workers=1) as runtime:
+        run(main)
+
+
 def test_submit_together_refuses_per_request() -> None:
     log: list[str] = []
     small = TaskPool(recording("small", log), "small", max_batch_size=2)
