@@ -103,7 +103,7 @@ def test_pools_of_one_group_never_overlap() -> None:
         # queued together, so the budget of two threads is split: the other worker stays free
         held, first = runtime.submit_together([(forward, [torch.zeros(1, 2)], None), (other, [torch.zeros(1, 2)], None)])
         await first
-        await asyncio.to_thread(blocker.entered.wait, WAIT)
+        assert await asyncio.to_thread(blocker.entered.wait, WAIT)
         waiting = asyncio.create_task(backward.submit(torch.zeros(1, 2)))
         await asyncio.sleep(0)  # queued before the next `other`: the free worker would take it first if it could
         await other.submit(torch.zeros(1, 2))
@@ -156,7 +156,7 @@ def test_tasks_queued_together_become_ready_at_the_same_instant() -> None:
 
     async def main() -> None:
         held = asyncio.ensure_future(held_pool.submit(torch.zeros(1, 2)))
-        await asyncio.to_thread(blocker.entered.wait, WAIT)  # the only worker is busy: a and b stay queued
+        assert await asyncio.to_thread(blocker.entered.wait, WAIT)  # the only worker is busy: a and b stay queued
         futures = runtime.submit_together([(a, [torch.zeros(1, 2)], None), (b, [torch.zeros(1, 2)], None)])
         assert a._ready_at() == b._ready_at()
         blocker.release.set()
@@ -194,9 +194,11 @@ def test_shutdown_fails_batches_stuck_on_every_worker() -> None:
     runtime.start()
 
     async def main() -> None:
-        stuck = [asyncio.create_task(a.submit(torch.zeros(1, 2))), asyncio.create_task(b.submit(torch.zeros(1, 2)))]
-        await asyncio.to_thread(first.entered.wait, WAIT)
-        await asyncio.to_thread(second.entered.wait, WAIT)
+        # queued together, so each worker takes one with half the thread budget (queued one after
+        # the other, the first to be ready could take both threads and hold the second back)
+        stuck = runtime.submit_together([(a, [torch.zeros(1, 2)], None), (b, [torch.zeros(1, 2)], None)])
+        assert await asyncio.to_thread(first.entered.wait, WAIT)
+        assert await asyncio.to_thread(second.entered.wait, WAIT)
         await asyncio.to_thread(runtime.shutdown, 0.01)
         for task in stuck:
             with pytest.raises(MoEError, match="shut down while the task was running"):
