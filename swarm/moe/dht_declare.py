@@ -178,8 +178,18 @@ class ExpertDeclarer:
         self._round_done: asyncio.Condition | None = None
 
     async def astart(self) -> None:
-        """Declares once (so clients can find the experts when this returns), then keeps declaring."""
+        """Declares once, then keeps declaring.
+
+        The first round returns once every replica holds the declarations (or its write failed or
+        timed out), not only the nearest, as a plain store would: so when this returns, a reader
+        anywhere in the swarm finds the experts, including a full peer that answers from its own
+        replica. A server prints its addresses after this; a client that reads the grid at once
+        would otherwise see a partial dictionary and cache it (MoEBeamSearcher's `cache_ttl`).
+        """
         await self._declare()
+        node = getattr(self.dht, "node", None)
+        if node is not None and hasattr(node, "wait_for_stores"):
+            await node.wait_for_stores()  # bounded by each store's own deadline
         self._task = spawn(self._run(), name=f"moe-declare-{len(self.uids)}-experts")
 
     async def _declare(self) -> None:

@@ -10,6 +10,9 @@ import pytest
 from torch import nn
 
 from swarm.core.timeutil import get_dht_time
+from swarm.dht import DHTConfig, FaultPlan, LinkFault
+from swarm.dht.keys import key_to_bytes
+from swarm.dht.routing import DHTID
 from swarm.moe import ExpertServer
 from swarm.moe.dht_declare import (
     DHTExpertSource,
@@ -123,3 +126,30 @@ def test_declarer_reannounces_every_third_of_its_ttl(make_peer) -> None:
     assert peer.run(main(), timeout=20) > 0
     with pytest.raises(ValueError, match="ttl"):
         ExpertDeclarer(peer.dht, ["ffn.0"], peer.addrs[0], ttl=0)
+
+
+def test_the_first_declaration_returns_once_every_replica_holds_it(make_peer) -> None:
+    # A plain store returns once the nearest replica holds the record. Two servers declaring
+    # subkeys of one grid prefix at once could then leave a replica with only one of them for a
+    # moment, and a full peer that reads the grid then answers from that replica and caches it.
+    plan = FaultPlan()
+    config = DHTConfig(fault_plan=plan)
+    peers = [make_peer(dht_config=config)]
+    peers += [make_peer(initial_peers=peers[0].addrs, dht_config=config) for _ in range(3)]
+    writer = make_peer(initial_peers=peers[0].addrs, dht_config=config, client_mode=True)
+    keys = [key for key, _, _ in declarations(["ffn.0"], A)]
+    assert len(peers) <= config.num_replicas  # every peer is a replica of every key
+    nearest = {min(peers, key=lambda p: p.dht.node.node_id ^ DHTID.from_key(key)).peer_id for key in keys}
+    slow = [p for p in peers if p.peer_id not in nearest]
+    assert slow
+    for peer in slow:
+        plan.set_link(writer.peer_id, peer.peer_id, LinkFault(delay=0.5))
+    declarer = ExpertDeclarer(writer.dht, ["ffn.0"], A, ttl=60)
+
+    async def main() -> None:
+        await declarer.astart()
+        await declarer.aclose()
+
+    writer.run(main(), timeout=20)
+    for peer in peers:  # the slow replicas too, though a plain store returns before they are written
+        assert all(peer.dht.node.storage.get(key_to_bytes(key)) is not None for key in keys), peer.peer_id
