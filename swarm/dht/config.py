@@ -35,6 +35,11 @@ class DHTConfig:
             originated are republished until they expire.
         cache_size: Records kept from lookups (§2.3 caching); 0 disables the cache.
         cache_nearest: Nodes, nearest first, that get a copy of a found value they lacked.
+        cache_max_age: Seconds a value this node holds only as a cached copy answers its own
+            gets after it was last fetched; later gets look the key up again (and keep the
+            cached copy only as a fallback). Bounds how long a reader misses subkeys that other
+            writers added to a dictionary since it cached it (an expert server that joined).
+            0: every such get looks the key up.
         storage_size: Most records (keys) this node keeps for others, so that no writer can fill
             its memory; past it, records expiring soonest make room. None: no limit.
         max_value_bytes: Largest serialized value accepted (signature included).
@@ -60,6 +65,7 @@ class DHTConfig:
     republish_interval: float = 600.0
     cache_size: int = 10_000
     cache_nearest: int = 1
+    cache_max_age: float = 5.0
     storage_size: int | None = 100_000
     max_value_bytes: int = MAX_VALUE_BYTES
     max_keys_per_call: int = 128
@@ -83,6 +89,8 @@ class DHTConfig:
             raise ConfigError(f"DHTConfig.leave_timeout must be >= 0, got {self.leave_timeout}")
         if self.cache_size < 0 or self.cache_nearest < 0:
             raise ConfigError("DHTConfig.cache_size and cache_nearest must be >= 0")
+        if not self.cache_max_age >= 0:
+            raise ConfigError(f"DHTConfig.cache_max_age must be >= 0, got {self.cache_max_age}")
         if self.storage_size is not None and self.storage_size < 1:
             raise ConfigError(f"DHTConfig.storage_size must be >= 1 or None, got {self.storage_size}")
         if self.max_value_bytes < 1:

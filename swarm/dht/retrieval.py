@@ -1,6 +1,8 @@
 """Finding values (Kademlia §2.3 FIND_VALUE), and caching what was found on the way.
 
-A get answers from local records when any value will do; otherwise it looks each key up until a
+A get answers from local records when any value will do (from a copy cached on an earlier lookup
+only for `cache_max_age` seconds after that lookup, so that subkeys other writers add to a
+dictionary reach readers that are not its replicas); otherwise it looks each key up until a
 valid value turns up (asking the nearest node first and the others only if it is slow or lacks
 the value: a hedged request), or, for the freshest value (`latest=True`), until the k nearest
 nodes have answered, and merges their values. Every value found on the network is checked with
@@ -33,12 +35,15 @@ logger = logging.getLogger(__name__)
 
 
 class _Get:
-    __slots__ = ("first_holder", "found", "holders", "key", "raw_key")
+    __slots__ = ("fallback", "first_holder", "found", "holders", "key", "raw_key")
 
-    def __init__(self, raw_key: bytes, key: bytes, found: ValueWithExpiration | None) -> None:
+    def __init__(
+        self, raw_key: bytes, key: bytes, found: ValueWithExpiration | None, fallback: ValueWithExpiration | None = None
+    ) -> None:
         self.raw_key = raw_key
         self.key = key
         self.found = found
+        self.fallback = fallback  # a cached copy past cache_max_age: the answer if the lookup finds nothing
         self.holders: dict[DHTID, float] = {}  # node -> expiration of the value it returned
         self.first_holder: DHTID | None = None
 
@@ -82,14 +87,21 @@ class Retriever:
         for raw_key in dict.fromkeys(raw_keys):
             key = hashlib.sha256(raw_key).digest()
             local = self.storage.get(key)
-            if self.cache is not None:
-                local = merge(local, self.cache.get(key))
+            cached = stale = None
+            if self.cache is not None and latest:  # a latest get merges every copy it sees, cached ones included
+                cached = self.cache.get(key)
+            elif self.cache is not None:
+                cached = self.cache.get_fresh(key, self.config.cache_max_age)
+                if cached is None:
+                    stale = self.cache.get(key)  # too old to answer alone (another writer may have added subkeys)
+            local = merge(local, cached)
             if local is not None and not latest:
+                local = merge(local, stale)
                 results[raw_key] = local
                 if on_result is not None:
                     on_result(raw_key, local)
                 continue
-            gets[DHTID.from_bytes(key)] = _Get(raw_key, key, local)
+            gets[DHTID.from_bytes(key)] = _Get(raw_key, key, local, fallback=stale)
         if not gets:
             return results
         beam = self.config.bucket_size if latest else self.config.num_replicas
@@ -124,9 +136,9 @@ class Retriever:
                 get = gets[key_id]
                 hops = result.hops if get.first_holder is None else traversal.hops_of(get.first_holder)
                 self.stats.record(hops, result.requests, found=get.found is not None, timed_out=result.timed_out)
-                results[get.raw_key] = get.found
+                results[get.raw_key] = found = merge(get.found, get.fallback)
                 if on_result is not None:
-                    on_result(get.raw_key, get.found)
+                    on_result(get.raw_key, found)
 
         # any valid value will do: ask the nearest node first, and the others only if it is slow
         # to answer (three typical round trips) or lacks the value
@@ -172,6 +184,7 @@ class Retriever:
                     self.cache.store_dictionary(get.key, found.value, get.raw_key)
                 else:
                     self.cache.store(get.key, found.value, found.expiration_time, None, get.raw_key)
+                self.cache.mark_received(get.key, get.raw_key)  # fetched now, even if nothing was new
             if not self.config.cache_nearest:
                 continue
             lacking = [

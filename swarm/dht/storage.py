@@ -236,6 +236,14 @@ class CacheStorage(DHTLocalStorage):
     def __init__(self, max_size: int | None = 10_000, clock: Callable[[], float] = time.time) -> None:
         super().__init__(max_size=max_size, clock=clock)
 
+    def get_fresh(self, key: bytes, max_age: float) -> ValueWithExpiration | None:
+        """The cached record under `key` if a store for it arrived (`mark_received`) within the
+        last `max_age` seconds, else None (it may still be there for `get`)."""
+        received = self.last_received(key)
+        if received is None or self._clock() - received > max_age:
+            return None
+        return self.get(key)
+
 
 def latest(a: ValueWithExpiration | None, b: ValueWithExpiration | None) -> ValueWithExpiration | None:
     """The one of two results that expires later (`a` on a tie); None only if both are None."""

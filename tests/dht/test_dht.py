@@ -140,6 +140,35 @@ def test_found_values_are_cached_here_and_at_the_nearest_node_that_lacked_them(s
     assert all(p.dht.node.cache.get(key) is None for p in others if p is not nearest_lacking)
 
 
+def test_a_cached_copy_answers_for_cache_max_age_then_the_key_is_looked_up_again(swarm):
+    # Two writers add subkeys to one dictionary; readers that are not its replicas (client mode)
+    # keep what they found. A cached copy must not hide the second writer's subkey for the whole
+    # life of the first: past cache_max_age the reader asks the network again.
+    plan = FaultPlan()
+    peers = [swarm.add(config=DHTConfig(request_timeout=1.0, lookup_timeout=2.0)) for _ in range(6)]
+    patient = swarm.add(config=DHTConfig(cache_max_age=600.0), client_mode=True)
+    eager = swarm.add(config=DHTConfig(request_timeout=1.0, lookup_timeout=2.0, cache_max_age=0.0, fault_plan=plan),
+                      client_mode=True)
+    now = get_dht_time()
+    assert peers[1].dht.store("board", "a1", now + 60, subkey="a")
+    assert peers[1].run(peers[1].dht.node.wait_for_stores(timeout=5))
+    for reader in (patient, eager):
+        assert set(reader.dht.get("board").value) == {"a"}
+    assert peers[4].dht.store("board", "b1", now + 60, subkey="b")
+    assert peers[4].run(peers[4].dht.node.wait_for_stores(timeout=5))
+
+    finds = patient.dht.node.protocol.calls_sent.get(FIND, 0)
+    assert set(patient.dht.get("board").value) == {"a"}  # its own copy answers, within cache_max_age
+    assert patient.dht.node.protocol.calls_sent.get(FIND, 0) == finds
+    assert set(eager.dht.get("board").value) == {"a", "b"}  # looked up again: the new subkey is seen
+    assert set(patient.dht.get("board", latest=True).value) == {"a", "b"}
+
+    for peer in peers:  # nothing left to ask: the cached copy (still unexpired) is the answer
+        plan.set_link(eager.peer_id, peer.peer_id, LinkFault(refuse=True))
+    found = eager.dht.get("board")
+    assert found is not None and {k: v.value for k, v in found.value.items()} == {"a": "a1", "b": "b1"}
+
+
 def test_bad_arguments_fail_clearly(swarm):
     (a,) = swarm.grow(1)
     now = get_dht_time()
