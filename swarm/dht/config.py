@@ -36,10 +36,10 @@ class DHTConfig:
         cache_size: Records kept from lookups (§2.3 caching); 0 disables the cache.
         cache_nearest: Nodes, nearest first, that get a copy of a found value they lacked.
         cache_max_age: Seconds a value this node holds only as a cached copy answers its own
-            gets after it was last fetched; later gets look the key up again (and keep the
-            cached copy only as a fallback). Bounds how long a reader misses subkeys that other
-            writers added to a dictionary since it cached it (an expert server that joined).
-            0: every such get looks the key up.
+            gets and other nodes' finds after it was fetched (or pushed here); later gets look
+            the key up again (keeping the cached copy only as a fallback). Bounds how long a
+            reader misses subkeys that other writers added to a dictionary since it was cached
+            (an expert server that joined). 0: every such get looks the key up.
         storage_size: Most records (keys) this node keeps for others, so that no writer can fill
             its memory; past it, records expiring soonest make room. None: no limit.
         max_value_bytes: Largest serialized value accepted (signature included).

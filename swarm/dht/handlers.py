@@ -191,15 +191,15 @@ class DHTHandlers:
         results, peers = response.results, response.peers
         indices: dict[DHTID, int] = {}
         budget = _RESPONSE_VALUE_BUDGET
-        storage, cache = self.storage, self.cache
+        storage, cache, max_age = self.storage, self.cache, self.config.cache_max_age
         for key in request.keys:
             if len(key) != 32:
                 raise InvalidRequest(f"a DHT key is 32 bytes, got {len(key)}")
             result = results.add()
             if want_values:
                 found = storage.get(key)
-                if cache is not None:
-                    found = merge(found, cache.get(key))
+                if cache is not None:  # a cached copy is trusted for cache_max_age, as for this node's own gets
+                    found = merge(found, cache.get_fresh(key, max_age))
                 if found is not None:
                     value = found.value
                     if isinstance(value, DictionaryValue):

@@ -169,6 +169,30 @@ def test_a_cached_copy_answers_for_cache_max_age_then_the_key_is_looked_up_again
     assert found is not None and {k: v.value for k, v in found.value.items()} == {"a": "a1", "b": "b1"}
 
 
+@pytest.mark.parametrize("max_age", [600.0, 0.0])
+def test_a_node_serves_its_cached_copy_to_others_only_for_cache_max_age(swarm, max_age):
+    plan = FaultPlan()
+    config = DHTConfig(request_timeout=1.0, lookup_timeout=2.0, num_replicas=2, fault_plan=plan)
+    peers = [swarm.add(config=config) for _ in range(5)]
+    middle = swarm.add(config=DHTConfig(cache_max_age=max_age, num_replicas=2))
+
+    def distance(peer, name):
+        return peer.dht.node.node_id ^ int.from_bytes(key_to_bytes(name), "big")
+
+    # a key the middle node is the farthest from, so it holds the record only as a cached copy
+    name = next(n for n in (f"popular-{i}" for i in range(1000)) if distance(middle, n) > max(
+        distance(p, n) for p in peers))
+    assert peers[0].dht.store(name, 7, get_dht_time() + 60)
+    assert peers[0].run(peers[0].dht.node.wait_for_stores(timeout=5))
+    assert middle.dht.node.storage.get(key_to_bytes(name)) is None
+    assert middle.dht.get(name, latest=True).value == 7  # now cached there
+    reader = swarm.add(config=config, client_mode=True, initial=middle.addrs)
+    for peer in peers:  # the reader can reach nobody but the middle node
+        plan.set_link(reader.peer_id, peer.peer_id, LinkFault(refuse=True))
+    found = reader.dht.get(name)
+    assert (found.value if found is not None else None) == (7 if max_age else None)
+
+
 def test_bad_arguments_fail_clearly(swarm):
     (a,) = swarm.grow(1)
     now = get_dht_time()
