@@ -240,7 +240,7 @@ class CacheStorage(DHTLocalStorage):
         """The cached record under `key` if a store for it arrived (`mark_received`) within the
         last `max_age` seconds, else None (it may still be there for `get`)."""
         received = self.last_received(key)
-        if received is None or self._clock() - received > max_age:
+        if received is None or self._clock() - received >= max_age:
             return None
         return self.get(key)
 

@@ -208,6 +208,20 @@ def test_cache_storage_is_separate_and_bounded(clock: FakeClock) -> None:
     assert local.get(KEY) is None and cache.get(KEY) == (b"cached", 200.0)
 
 
+def test_a_cached_record_is_fresh_for_max_age_after_a_store_for_it_last_arrived(clock: FakeClock) -> None:
+    cache = CacheStorage(clock=clock)
+    assert cache.get_fresh(KEY, 5.0) is None
+    cache.store(KEY, b"cached", 200.0)
+    clock.now = 104.0
+    assert cache.get_fresh(KEY, 5.0) == (b"cached", 200.0)
+    clock.now = 105.0
+    assert cache.get_fresh(KEY, 5.0) is None and cache.get(KEY) == (b"cached", 200.0)  # stale, still there
+    assert not cache.store(KEY, b"cached", 200.0)  # nothing new: a re-fetch marks it received
+    cache.mark_received(KEY)
+    assert cache.get_fresh(KEY, 5.0) == (b"cached", 200.0)
+    assert cache.get_fresh(KEY, 0.0) is None  # max_age 0: never fresh
+
+
 # --- merging answers from several peers --------------------------------------------------
 
 
