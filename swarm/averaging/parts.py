@@ -1,6 +1,6 @@
 """A member's view of one round's parts: how the vector is split, and where each part stands.
 
-Pure bookkeeping shared by the all-reduce (`allreduce`) and part recovery (`fetch`).
+Pure bookkeeping shared by the all-reduce (`allreduce`) and its part recovery (`allreduce.fetch_part`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -136,15 +136,13 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
     return PeerOptions(**merged)
 
 
-def to_argv(options: Mapping[str, Any]) -> Sequence[str]:  # pragma: no cover - convenience for scripts
-    argv: list[str] = []
-    for key, value in options.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv += [flag] if value else []
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                argv += [flag, str(v)]
-        else:
-            argv += [flag, str(value)]
-    return argv
+
+def build_parser() -> argparse.ArgumentParser:
+    """The daemon's command line (`swarm-peer`); `swarm-peer status --self` reads it too."""
+    parser = argparse.ArgumentParser(
+        prog="swarm-peer",
+        description="Run a swarm peer: join the DHT, serve experts, help average. "
+        "Every option can also be set as SWARM_<OPTION> or in a --config TOML file.",
+    )
+    add_arguments(parser)
+    return parser

@@ -50,8 +50,8 @@ def _daemon_argv(pid: int = 1) -> list[str] | None:
 
 
 def _daemon_options() -> Any:
+    from swarm.cli.config import build_parser as daemon_parser
     from swarm.cli.config import resolve
-    from swarm.cli.peer import build_parser as daemon_parser
 
     argv = _daemon_argv() or []
     known, _ = daemon_parser().parse_known_args(argv)

@@ -6,7 +6,6 @@ SIGINT/SIGTERM stop it cleanly (exit 0); a second signal exits at once.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -14,20 +13,10 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from swarm.cli.config import PeerOptions, add_arguments, resolve
+from swarm.cli.config import PeerOptions, build_parser, resolve
 from swarm.core.errors import SwarmError
 
 logger = logging.getLogger("swarm.cli")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="swarm-peer",
-        description="Run a swarm peer: join the DHT, serve experts, help average. "
-        "Every option can also be set as SWARM_<OPTION> or in a --config TOML file.",
-    )
-    add_arguments(parser)
-    return parser
 
 
 def _setup_logging(level: str) -> None:

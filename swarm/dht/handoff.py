@@ -21,14 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from swarm.dht.replication import chunks, stored_records
+from swarm.dht.batching import chunks
+from swarm.dht.context import NodeContext
+from swarm.dht.replication import stored_records
 from swarm.dht.routing import DHTID, NodeInfo
 from swarm.dht.wire import STORED, store_item
-
-if TYPE_CHECKING:
-    from swarm.dht.node import DHTNode
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ def newcomers_to_serve(
 class Handoff:
     """Hands a node's records over to the nodes that joined near their keys (see the module docstring)."""
 
-    def __init__(self, node: DHTNode) -> None:
+    def __init__(self, node: NodeContext) -> None:
         self.node = node
         self.handed_over = 0
         """Records sent to newcomers and stored by them (for monitoring and tests)."""

@@ -22,9 +22,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.core.errors import DeadlineExceeded, DHTError, MultiaddrError, RPCError
@@ -32,12 +30,14 @@ from swarm.core.loop import spawn
 from swarm.core.multiaddr import Multiaddr
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.config import DHTConfig
+from swarm.dht.context import LookupStats
 from swarm.dht.handoff import Handoff
 from swarm.dht.protocol import DHTProtocol
-from swarm.dht.replication import Replicator, StoreOutcome, stored_records
+from swarm.dht.replication import Replicator, stored_records
 from swarm.dht.retrieval import Retriever
 from swarm.dht.routing import DHTID, Blacklist, NodeInfo, RoutingTable
 from swarm.dht.storage import CacheStorage, DHTLocalStorage, ValueWithExpiration
+from swarm.dht.store_outcome import StoreOutcome
 from swarm.dht.traversal import LookupResult, Traversal
 from swarm.dht.validation import DHTRecord, RecordValidator
 from swarm.dht.wire import node_id_of
@@ -45,28 +45,6 @@ from swarm.net.channels import ChannelPool
 from swarm.net.server import RPCServer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LookupStats:
-    """Counters of the lookups this node ran (for the simulation and for monitoring).
-
-    `hops` counts lookups by their number of sequential request steps; for a get that found a
-    value, the steps until the first node that returned it.
-    """
-
-    lookups: int = 0
-    found: int = 0
-    timed_out: int = 0
-    requests: int = 0
-    hops: Counter[int] = field(default_factory=Counter)
-
-    def record(self, hops: int, requests: int, found: bool = False, timed_out: bool = False) -> None:
-        self.lookups += 1
-        self.found += found
-        self.timed_out += timed_out
-        self.requests += requests
-        self.hops[hops] += 1
 
 
 class DHTNode:

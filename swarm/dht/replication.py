@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from swarm.core.errors import DHTError
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.context import NodeContext
 from swarm.dht.storage import DHTLocalStorage, DictionaryValue
-from swarm.dht.store_operation import BATCH_BYTES, StoreOperation, StoreOutcome, chunks
+from swarm.dht.store_operation import StoreOperation
+from swarm.dht.store_outcome import StoreOutcome
 from swarm.dht.validation import DHTRecord
-
-if TYPE_CHECKING:
-    from swarm.dht.node import DHTNode
-
-__all__ = ["BATCH_BYTES", "Replicator", "StoreOutcome", "chunks", "stored_records"]
 
 
 def stored_records(storage: DHTLocalStorage, key: bytes) -> list[DHTRecord]:
@@ -48,7 +44,7 @@ def stored_records(storage: DHTLocalStorage, key: bytes) -> list[DHTRecord]:
 class Replicator:
     """Runs a node's stores (see the module docstring)."""
 
-    def __init__(self, node: DHTNode) -> None:
+    def __init__(self, node: NodeContext) -> None:
         self.node = node
         self.config = node.config
         self.protocol = node.protocol
@@ -92,7 +88,7 @@ class Replicator:
         for record in records:
             if record.raw_key is None:
                 raise ValueError("records are stored with their original key (raw_key)")
-        store = StoreOperation(self, records, on_result)
+        store = StoreOperation(self.node, self.store_locally, records, on_result)
         if republish:
             now = get_dht_time()
             for record in records:

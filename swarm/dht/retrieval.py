@@ -16,20 +16,17 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from swarm.core.errors import ValidationError
 from swarm.core.timeutil import get_dht_time
-from swarm.dht.replication import chunks
+from swarm.dht.batching import chunks
+from swarm.dht.context import NodeContext
 from swarm.dht.routing import DHTID, NodeInfo
 from swarm.dht.storage import DictionaryValue, ValueWithExpiration, merge
 from swarm.dht.traversal import LookupResult, Traversal
 from swarm.dht.validation import DHTRecord
 from swarm.dht.wire import FindAnswer, store_item
 from swarm.proto import dht_pb2
-
-if TYPE_CHECKING:
-    from swarm.dht.node import DHTNode
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +49,7 @@ class _Get:
 class Retriever:
     """Runs a node's gets (see the module docstring)."""
 
-    def __init__(self, node: DHTNode) -> None:
+    def __init__(self, node: NodeContext) -> None:
         self.node = node
         self.config = node.config
         self.protocol = node.protocol

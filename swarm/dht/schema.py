@@ -16,7 +16,7 @@ import pydantic
 
 from swarm.core.errors import ValidationError
 from swarm.dht.keys import NO_SUBKEY, deserialize_subkey, hash_serialized_key, serialize_key
-from swarm.dht.validation import DHTRecord, RecordValidator, _original_key
+from swarm.dht.validation import DHTRecord, RecordValidator, original_key
 
 _MAPPING_ORIGINS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
 
@@ -85,7 +85,7 @@ class SchemaValidator(RecordValidator):
                 self._by_key_id[hash_serialized_key(serialize_key(key))] = field
 
     def _field_for(self, record: DHTRecord) -> _Field | None:
-        original = _original_key(record)
+        original = original_key(record)
         if original is None:
             return self._by_key_id.get(record.key)
         if isinstance(original, bytes):

@@ -18,21 +18,17 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from swarm.core.timeutil import get_dht_time
-from swarm.dht.batching import BATCH_BYTES, chunks
+from swarm.dht.batching import chunks
+from swarm.dht.context import NodeContext
 from swarm.dht.routing import DHTID, NodeInfo
 from swarm.dht.store_outcome import OutcomeLedger, StoreOutcome
 from swarm.dht.traversal import LookupResult
 from swarm.dht.validation import DHTRecord
 from swarm.dht.wire import OUTDATED, STORED, StoreResult, store_item
 from swarm.proto import dht_pb2
-
-if TYPE_CHECKING:
-    from swarm.dht.replication import Replicator
-
-__all__ = ["BATCH_BYTES", "StoreOperation", "StoreOutcome", "chunks"]
 
 T = TypeVar("T")
 
@@ -45,20 +41,25 @@ class StoreOperation:
     """One run of `Replicator.store_many` (see the module docstring).
 
     Args:
-        replicator: The node's stores.
+        node: The node that stores.
+        store_locally: Keeps a replica on this node and counts it in the record's outcome.
         records: The records, each with its original key.
         on_result: Called with (index, outcome) as each record's outcome is settled.
     """
 
     def __init__(
-        self, replicator: Replicator, records: Sequence[DHTRecord], on_result: Callable[[int, StoreOutcome], None] | None
+        self,
+        node: NodeContext,
+        store_locally: Callable[[DHTRecord, StoreOutcome], None],
+        records: Sequence[DHTRecord],
+        on_result: Callable[[int, StoreOutcome], None] | None,
     ) -> None:
         loop = asyncio.get_running_loop()
-        self.replicator = replicator
-        self.node = replicator.node
-        self.node_id = replicator.node_id
-        self.protocol = replicator.protocol
-        self.config = replicator.config
+        self.node = node
+        self.store_locally = store_locally
+        self.node_id = node.node_id
+        self.protocol = node.protocol
+        self.config = node.config
         self.replicas = self.config.num_replicas
         self.records = records
         self.ledger = OutcomeLedger(len(records), on_result)
@@ -149,12 +150,12 @@ class StoreOperation:
         replicas = self.replicas
         chosen = nearest[:replicas]
         node_id = self.node_id
-        if not self.replicator.client_mode and (len(chosen) < replicas or node_id ^ key_id < chosen[-1].node_id ^ key_id):
+        if not self.node.client_mode and (len(chosen) < replicas or node_id ^ key_id < chosen[-1].node_id ^ key_id):
             chosen = chosen[: replicas - 1]
             if node_id not in self.sent[key_id]:
                 self.sent[key_id].add(node_id)
                 for index in self.by_key[key_id]:
-                    self.replicator.store_locally(self.records[index], self.ledger.outcomes[index])
+                    self.store_locally(self.records[index], self.ledger.outcomes[index])
         return chosen
 
     def item(self, index: int) -> dht_pb2.DHTStoreItem:
@@ -211,7 +212,7 @@ class StoreOperation:
         for key_id, indices in self.by_key.items():
             for index in indices:
                 self.ledger.pending[index] = 1  # the lookup's share, released when the key's lookup ends
-            nearest = self.replicator.routing_table.get_nearest_neighbors(key_id, self.replicas)
+            nearest = self.node.routing_table.get_nearest_neighbors(key_id, self.replicas)
             if nearest:
                 self.learn(key_id, nearest)
             chosen = self.targets(key_id, nearest)
@@ -301,7 +302,7 @@ class StoreOperation:
         """Keys whose lookup ended: their records go to the nearest nodes not sent them yet."""
         batches: dict[DHTID, tuple[NodeInfo, list[int]]] = {}
         for key_id, result in results:
-            self.replicator.stats.record(result.hops, result.requests, timed_out=result.timed_out)
+            self.node.stats.record(result.hops, result.requests, timed_out=result.timed_out)
             for target in self.targets(key_id, result.nearest):
                 if target.node_id in self.sent[key_id]:
                     continue

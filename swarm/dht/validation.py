@@ -136,7 +136,7 @@ class CompositeValidator(RecordValidator):
         return record.value
 
 
-def _original_key(record: DHTRecord) -> Key | None:
+def original_key(record: DHTRecord) -> Key | None:
     """The user's key from `record.raw_key` (None if absent), checked against `record.key`."""
     if record.raw_key is None:
         return None
@@ -246,7 +246,7 @@ class SignatureValidator(RecordValidator):
         """
         if record.raw_key is None and self.require_raw_key:
             raise ValidationError("the record's original key is missing, so its owner cannot be checked")
-        _original_key(record)
+        original_key(record)
         return _single_owner(record)
 
     def validate(self, record: DHTRecord) -> None:
@@ -291,12 +291,3 @@ class SignatureValidator(RecordValidator):
         signed = _unpack_signed(record.value)
         return record.value if signed is None else signed[0]
 
-
-def __getattr__(name: str) -> Any:
-    # SchemaValidator lives in swarm.dht.schema so that peers without a schema never import
-    # pydantic (~5 MB per process); it is still reachable here, where it was first defined.
-    if name == "SchemaValidator":
-        from swarm.dht.schema import SchemaValidator
-
-        return SchemaValidator
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,7 +33,7 @@ ProcessFn = Callable[..., "Sequence[torch.Tensor] | torch.Tensor"]
 
 
 @dataclass(eq=False)
-class _Task:
+class Task:
     args: tuple[torch.Tensor, ...]
     rows: int
     future: asyncio.Future[tuple[torch.Tensor, ...]]
@@ -56,7 +56,7 @@ def _resolve(
         future.set_result(result)  # type: ignore[arg-type]
 
 
-def _deliver(task: _Task, result: tuple[torch.Tensor, ...] | None, error: BaseException | None) -> None:
+def deliver(task: Task, result: tuple[torch.Tensor, ...] | None, error: BaseException | None) -> None:
     try:
         task.loop.call_soon_threadsafe(_resolve, task.future, result, error)
     except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
@@ -87,7 +87,7 @@ class BatchRunner:
     _rows_processed: int
     _batches_failed: int
 
-    def _run_batch(self, tasks: list[_Task]) -> None:
+    def _run_batch(self, tasks: list[Task]) -> None:
         """Runs one batch and delivers the results. Called on a compute thread, lock NOT held."""
         tasks = self._drop_incompatible(tasks)
         if not tasks:
@@ -124,7 +124,7 @@ class BatchRunner:
             with self._cond:
                 self._batches_failed += 1
             for task in tasks:
-                _deliver(task, None, _per_task_error(error))
+                deliver(task, None, _per_task_error(error))
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt / SystemExit: the thread stops, after failing its tasks
             return
@@ -132,9 +132,9 @@ class BatchRunner:
             self._batches_processed += 1
             self._rows_processed += total
         for i, task in enumerate(tasks):
-            _deliver(task, tuple(s[i] for s in slices), None)
+            deliver(task, tuple(s[i] for s in slices), None)
 
-    def _drop_incompatible(self, tasks: list[_Task]) -> list[_Task]:
+    def _drop_incompatible(self, tasks: list[Task]) -> list[Task]:
         """Fails, one by one, tasks whose tensors cannot be concatenated with the first task's."""
         first = tasks[0].args
         kept = [tasks[0]]
@@ -146,7 +146,7 @@ class BatchRunner:
             ):
                 kept.append(task)
                 continue
-            _deliver(
+            deliver(
                 task,
                 None,
                 InvalidRequest(

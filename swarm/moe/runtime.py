@@ -30,7 +30,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
 from swarm.core.errors import MoEError, SwarmError
-from swarm.moe.task_pool import PoolStats, ProcessFn, TaskPool, _deliver, _Task
+from swarm.moe.batch_runner import ProcessFn, Task, deliver
+from swarm.moe.task_pool import PoolStats, TaskPool
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +75,7 @@ class Runtime:
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
         for pool in pools:
-            if pool._runtime is not None:
+            if pool.runtime is not None:
                 raise ValueError(f"pool {pool.name} already belongs to a runtime")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be positive or None, got {threads!r}")
@@ -85,7 +86,7 @@ class Runtime:
         self.pools: dict[str, TaskPool] = {p.name: p for p in pools}
         self._cond = threading.Condition()
         for pool in pools:
-            pool._runtime = self
+            pool.runtime = self
             pool._cond = self._cond
         self._threads: list[threading.Thread] = []
         self._stopping = False
@@ -93,7 +94,7 @@ class Runtime:
         self._budget: int | None = None
         self._used = 0
         self._busy: set[Hashable] = set()
-        self._inflight: dict[int, list[_Task]] = {}
+        self._inflight: dict[int, list[Task]] = {}
         self._worker_threads: dict[int, int] = {}  # the OpenMP team size each worker last set
         self._process_threads: int | None = None  # what torch.set_num_threads was last called with
 
@@ -143,7 +144,7 @@ class Runtime:
                 stuck = [task for tasks in self._inflight.values() for task in tasks]
                 self._inflight.clear()
             for task in stuck:
-                _deliver(task, None, MoEError(f"{reason} while the task was running"))
+                deliver(task, None, MoEError(f"{reason} while the task was running"))
 
     def submit_together(
         self, requests: Sequence[tuple[TaskPool, Sequence[torch.Tensor], Any]]
@@ -163,10 +164,10 @@ class Runtime:
             ValueError: a pool does not belong to this runtime.
         """
         loop = asyncio.get_running_loop()
-        queued: list[tuple[TaskPool, _Task | None, SwarmError | None]] = []
+        queued: list[tuple[TaskPool, Task | None, SwarmError | None]] = []
         with self._cond:
             for pool, tensors, tag in requests:
-                if pool._runtime is not self:
+                if pool.runtime is not self:
                     raise ValueError(f"pool {pool.name} does not belong to this runtime")
             # One arrival time for all: pools with the same batching delay become ready at the same
             # instant, so a worker that wakes for the first sees the others and splits the thread
@@ -195,7 +196,7 @@ class Runtime:
             self._cond.notify_all()
         for pool, tasks in pending:
             for task in tasks:
-                _deliver(task, None, MoEError(f"task pool {pool.name}: {reason} before the task ran"))
+                deliver(task, None, MoEError(f"task pool {pool.name}: {reason} before the task ran"))
 
     def stats(self) -> dict[str, PoolStats]:
         """Returns each pool's counters, by pool name."""
@@ -213,7 +214,7 @@ class Runtime:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _next_batch(self, worker: int) -> tuple[TaskPool, list[_Task], int | None] | None:
+    def _next_batch(self, worker: int) -> tuple[TaskPool, list[Task], int | None] | None:
         """Blocks until some pool is ready and threads are free; returns it, its batch and the
         intra-op threads it runs with (None: left alone), or None when stopping."""
         with self._cond:

@@ -34,18 +34,14 @@ import threading
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from swarm.core.errors import InvalidRequest, MoEError, ResourceExhausted
-from swarm.moe.batch_runner import BatchRunner, ProcessFn, _deliver, _Task  # noqa: F401 (re-export)
-
-if TYPE_CHECKING:
-    from swarm.moe.runtime import Runtime
+from swarm.moe.batch_runner import BatchRunner, ProcessFn, Task
 
 __all__ = ["PoolStats", "ProcessFn", "TaskPool"]
-# ProcessFn, _Task and _deliver live in `batch_runner`; swarm.moe.runtime imports them from here.
 
 
 @dataclass(frozen=True)
@@ -142,10 +138,11 @@ class TaskPool(BatchRunner):
         self.min_batch_timeout = float(min_batch_timeout)
         # Guarded by _cond, which the owning Runtime replaces with its own shared condition.
         self._cond = threading.Condition()
-        self._runtime: Runtime | None = None
         self._accepting = False
         self._closed_reason = "its runtime has not started"
-        self._queue: deque[_Task] = deque()
+        self._queue: deque[Task] = deque()
+        self.runtime: object | None = None
+        """The `Runtime` serving this pool (set by it; a pool belongs to one runtime at a time)."""
         self._queued_rows = 0
         self._batches_processed = 0
         self._rows_processed = 0
@@ -174,14 +171,14 @@ class TaskPool(BatchRunner):
         """
         return await self._wait(self._enqueue(tensors, tag))
 
-    def _enqueue(self, tensors: tuple[Any, ...], tag: Any, enqueued_at: float | None = None) -> _Task:
+    def _enqueue(self, tensors: tuple[Any, ...], tag: Any, enqueued_at: float | None = None) -> Task:
         """Checks and queues one task (on the caller's loop, which `_wait` must then await on).
 
         `enqueued_at` (monotonic; default now) lets tasks queued together share one arrival time,
         so their pools become ready at the same instant."""
         rows = self._check_task(tensors)
         loop = asyncio.get_running_loop()
-        task = _Task(tuple(tensors), rows, loop.create_future(), loop, tag)
+        task = Task(tuple(tensors), rows, loop.create_future(), loop, tag)
         if enqueued_at is not None:
             task.enqueued_at = enqueued_at
         with self._cond:
@@ -197,7 +194,7 @@ class TaskPool(BatchRunner):
             self._cond.notify_all()
         return task
 
-    async def _wait(self, task: _Task) -> tuple[torch.Tensor, ...]:
+    async def _wait(self, task: Task) -> tuple[torch.Tensor, ...]:
         try:
             return await task.future
         except asyncio.CancelledError:
@@ -227,7 +224,7 @@ class TaskPool(BatchRunner):
             )
         return n
 
-    def _discard(self, task: _Task) -> None:
+    def _discard(self, task: Task) -> None:
         with self._cond:
             try:
                 self._queue.remove(task)
@@ -269,8 +266,8 @@ class TaskPool(BatchRunner):
             return first + self.max_wait
         return first + self.min_batch_timeout
 
-    def _take_batch(self) -> list[_Task]:
-        batch: list[_Task] = []
+    def _take_batch(self) -> list[Task]:
+        batch: list[Task] = []
         rows = 0
         limit = self.max_batch_tasks or len(self._queue)
         while self._queue and len(batch) < limit and rows + self._queue[0].rows <= self.max_batch_size:
@@ -280,7 +277,7 @@ class TaskPool(BatchRunner):
         self._queued_rows -= rows
         return batch
 
-    def _drain(self, reason: str) -> list[_Task]:
+    def _drain(self, reason: str) -> list[Task]:
         self._accepting = False
         self._closed_reason = reason
         tasks = list(self._queue)

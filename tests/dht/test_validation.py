@@ -16,11 +16,11 @@ from swarm.dht.validation import (
     CompositeValidator,
     DHTRecord,
     RecordValidator,
-    SchemaValidator,
     SignatureValidator,
     owner_marker,
     signed_bytes,
 )
+from swarm.dht.schema import SchemaValidator
 
 ALICE = Identity.from_seed(b"a" * 32)
 BOB = Identity.from_seed(b"b" * 32)
