@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from swarm.core.version import __version__
 
 _EXPORTS = {
     "Peer": "swarm.peer",

@@ -7,16 +7,20 @@ code already inside an event loop, such as a Jupyter cell.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
-from typing import Any, Protocol, Self
+from collections.abc import Coroutine, Sequence
+from typing import Any, Self, TypeVar
 
-from swarm import __version__
 from swarm.core.errors import ConfigError
 from swarm.core.identity import Identity, IdentityFile
 from swarm.core.loop import LoopThread
 from swarm.core.malloc import tune_malloc
 from swarm.core.multiaddr import Multiaddr
+from swarm.core.services import Component, Services
+from swarm.core.version import __version__
+from swarm.dht.config import DHTConfig
+from swarm.dht.dht import DHT
 from swarm.net.channels import ChannelConfig, ChannelPool
 from swarm.net.peer_service import PeerService
 from swarm.net.server import RPCServer, ServerConfig, reachable_addrs
@@ -24,15 +28,14 @@ from swarm.proto import peer_pb2
 
 logger = logging.getLogger(__name__)
 
-
-class Component(Protocol):
-    """Something attached to a peer that must stop cleanly with it (experts save checkpoints, ...)."""
-
-    async def ashutdown(self) -> None: ...
+T = TypeVar("T")
 
 
 class Peer:
     """A swarm peer: identity, one gRPC server (unless in client mode), channels, and the DHT.
+
+    It implements `swarm.dht.handle.PeerHandle`, the interface the averaging, mixture-of-experts
+    and optimizer layers take; each of those keeps its per-peer state in `peer.services`.
 
     Args:
         initial_peers: multiaddrs (ending in /p2p/<PeerID>) of peers already in the swarm.
@@ -57,7 +60,7 @@ class Peer:
         role: str = "peer",
         server_config: ServerConfig | None = None,
         channel_config: ChannelConfig | None = None,
-        dht_config: Any = None,
+        dht_config: DHTConfig | None = None,
         loop: LoopThread | None = None,
         start: bool = True,
     ) -> None:
@@ -78,7 +81,9 @@ class Peer:
         self._server_config = server_config
         self.pool = ChannelPool(self.identity, channel_config)
         self.server: RPCServer | None = None
-        self.dht: Any = None
+        self.dht: DHT | None = None
+        self.services = Services()
+        """The per-peer state of the layers above (averaging RPCs, expert server, served states)."""
         self._dht_config = dht_config
         self._components: list[Component] = []
         self._owns_loop = loop is None
@@ -105,12 +110,6 @@ class Peer:
         logger.info("peer %s ready at %s", self.peer_id, ", ".join(self.addrs) or "(client mode)")
 
     async def _start_dht(self) -> None:
-        try:
-            from swarm.dht.node import DHTNode  # noqa: F401  (the DHT layer may not be installed yet)
-        except ImportError:
-            return
-        from swarm.dht import DHT
-
         self.dht = await DHT.create(self, self._dht_config)
         self._components.append(self.dht)
 
@@ -128,7 +127,7 @@ class Peer:
             client_mode=self.client_mode, experts=self.served_experts,
         )
 
-    def run(self, coro: Any, timeout: float | None = None) -> Any:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Runs a coroutine on the peer's event loop and waits for it (the sync bridge)."""
         return self.loop.run(coro, timeout)
 
@@ -168,9 +167,7 @@ class Peer:
         return f"Peer({self.peer_id}, addrs={self.addrs})"
 
 
-def _running_loop() -> Any:
-    import asyncio
-
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
     except RuntimeError:

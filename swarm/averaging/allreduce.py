@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from swarm.compression import Codec, CompressionError, get_codec
 from swarm.compression.base import HEADER_SIZE
 from swarm.core.errors import InvalidRequest, NotFound
 from swarm.core.loop import spawn
+from swarm.dht.handle import PeerHandle
 from swarm.net.bulk import Sink, Sunk
 from swarm.proto import averaging_pb2
 
@@ -61,7 +63,7 @@ class ButterflyAllReduce:
     """
 
     def __init__(
-        self, peer: Any, group: GroupInfo, flat: FlatTensors | None, scratch: torch.Tensor,
+        self, peer: PeerHandle, group: GroupInfo, flat: FlatTensors | None, scratch: torch.Tensor,
         config: AllReduceConfig, faults: FaultPlan, timeout: float, report: Any,
     ) -> None:
         self.peer, self.group, self.flat, self.config, self.faults = peer, group, flat, config, faults
@@ -354,7 +356,7 @@ class ButterflyAllReduce:
             if i == len(bounds):
                 self.resolve(p, PartState.COMPLETE, decision=header.decision)
 
-    def serve_fetch(self, part: int) -> Any:
+    def serve_fetch(self, part: int) -> AsyncIterator[bytes]:
         """Streams part `part` as this member holds it, to a member that lost it (see `serve_part` below)."""
         return serve_part(self, part)
 
@@ -436,7 +438,7 @@ async def _fetch_from(ar: ButterflyAllReduce, p: Part, holder: int) -> tuple[tor
         raise NotFound(f"member {member.peer_id[-8:]} sent part {p.index} incomplete")
     return values, header.decision
 
-async def serve_part(ar: ButterflyAllReduce, part: int) -> Any:
+async def serve_part(ar: ButterflyAllReduce, part: int) -> AsyncIterator[bytes]:
     """Streams part `part` as this member holds it (raw float32), waiting until it is resolved."""
     if not 0 <= part < len(ar.parts) or (not ar.me.is_sender and part != ar.my_part):
         raise NotFound(f"this member holds no part {part}")

@@ -34,6 +34,7 @@ from swarm.averaging.service import REPORT, AveragingService, RoundEntry
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
 from swarm.core.loop import spawn
+from swarm.dht.handle import PeerHandle
 from swarm.metrics import AVERAGING_ROUNDS
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class Averager:
     """
 
     def __init__(
-        self, peer: Any, tensors: Sequence[torch.Tensor], prefix: str = "run", target_group_size: int = 4,
+        self, peer: PeerHandle, tensors: Sequence[torch.Tensor], prefix: str = "run", target_group_size: int = 4,
         min_group_size: int = 2, *, initial_group: Sequence[str] | None = None, auxiliary: bool = False,
         group_key: str = "0", config: AveragerConfig | None = None, faults: FaultPlan | None = None,
     ) -> None:
@@ -144,7 +145,7 @@ class Averager:
         if initial_group is not None:
             election = StaticElection(initial_group)
         else:
-            if getattr(peer, "dht", None) is None:
+            if peer.dht is None:
                 raise ConfigError("no DHT on this peer: pass initial_group=[multiaddrs] to average with")
             election = DHTElection(peer.dht, prefix, group_key)
         self.service = AveragingService.of(peer)

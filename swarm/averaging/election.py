@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from swarm.averaging.group import MemberInfo
 from swarm.core.errors import ConfigError
 from swarm.core.multiaddr import Multiaddr
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.handle import KeyValueStore
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class DHTElection:
         group_key: which group to look for (see `moshpit_group_key`).
     """
 
-    def __init__(self, dht: Any, prefix: str, group_key: str = "0") -> None:
+    def __init__(self, dht: KeyValueStore, prefix: str, group_key: str = "0") -> None:
         self.dht = dht
         self.prefix = prefix
         self.group_key = group_key

@@ -17,7 +17,6 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Any
 
 from swarm.averaging.election import Candidate, DHTElection, Election, StaticElection
 from swarm.averaging.group import GroupInfo, MemberInfo
@@ -25,6 +24,7 @@ from swarm.averaging.moshpit import moshpit_group_key, moshpit_next_coords, rand
 from swarm.averaging.service import JOIN, AveragingService
 from swarm.core.errors import AveragingError, ConfigError, DeadlineExceeded, PeerUnreachable, RPCError
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.handle import PeerHandle
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
 
@@ -96,7 +96,7 @@ class Matchmaking:
     """
 
     def __init__(
-        self, peer: Any, prefix: str, schema: bytes, numel: int, election: Election,
+        self, peer: PeerHandle, prefix: str, schema: bytes, numel: int, election: Election,
         config: MatchmakingConfig | None = None, compression: int = 0, chunk_bytes: int = 1 << 20,
     ) -> None:
         self.peer, self.prefix, self.schema, self.numel = peer, prefix, schema, numel

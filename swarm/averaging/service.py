@@ -15,14 +15,16 @@ the way) waits for it a little; a finished round answers NOT_FOUND at once.
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from swarm.averaging.agreement import Coordinator, Report
+from swarm.averaging.group import GroupInfo
+from swarm.averaging.reducer import PartReducer
 from swarm.core.errors import InvalidRequest, NotFound
+from swarm.net.handle import NetworkHandle
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
 
@@ -32,21 +34,33 @@ FETCH = "/swarm.Averaging/Fetch"
 JOIN = "/swarm.Averaging/Join"
 STATE = "/swarm.Averaging/State"
 
-_services: weakref.WeakKeyDictionary[Any, AveragingService] = weakref.WeakKeyDictionary()
+class RoundMember(Protocol):
+    """This peer's side of one round, as the handlers need it (a `ButterflyAllReduce`)."""
+
+    @property
+    def group(self) -> GroupInfo: ...
+    @property
+    def reducer(self) -> PartReducer | None:
+        """The reducer of this member's part; None for a member that reduces none (client mode)."""
+        ...
+
+    def serve_fetch(self, part: int) -> AsyncIterator[bytes]:
+        """Streams part `part` as this member holds it, to a member that lost it."""
+        ...
 
 
 @dataclass
 class RoundEntry:
     """What this peer runs for one round: its member side (with its reducer) and, if it leads, the coordinator."""
 
-    allreduce: Any  # ButterflyAllReduce
+    allreduce: RoundMember
     coordinator: Coordinator | None = None
 
 
 class AveragingService:
     """Routes averaging RPCs on one peer. Get it with `AveragingService.of(peer)`."""
 
-    def __init__(self, peer: Any, join_grace: float = 5.0) -> None:
+    def __init__(self, peer: NetworkHandle, join_grace: float = 5.0) -> None:
         self.peer = peer
         self.join_grace = join_grace
         self.rounds: dict[tuple[str, bytes], RoundEntry] = {}
@@ -63,12 +77,9 @@ class AveragingService:
             server.add_stream(STATE, self.rpc_state, request_streaming=False, bulk=True)
 
     @classmethod
-    def of(cls, peer: Any) -> AveragingService:
-        """The peer's service, created (and its RPCs registered) on first use."""
-        service = _services.get(peer)
-        if service is None:
-            service = _services[peer] = cls(peer)
-        return service
+    def of(cls, peer: NetworkHandle) -> AveragingService:
+        """The peer's service (kept in `peer.services`), created and its RPCs registered on first use."""
+        return peer.services.get_or_create(cls, lambda: cls(peer))
 
     # -- round registry ----------------------------------------------------------------------
 

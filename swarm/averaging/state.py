@@ -30,6 +30,7 @@ from swarm.averaging.service import STATE, AveragingService
 from swarm.core.errors import AveragingError, ConfigError, InvalidRequest, ResourceExhausted, RPCError
 from swarm.core.serialization import pack, unpack
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.handle import PeerHandle
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
 
@@ -97,7 +98,7 @@ class StateServer:
     """
 
     def __init__(
-        self, peer: Any, prefix: str, get_state: Callable[[], State], *, snapshot_ttl: float = 30.0,
+        self, peer: PeerHandle, prefix: str, get_state: Callable[[], State], *, snapshot_ttl: float = 30.0,
         chunk_bytes: int = 1 << 20, announce_ttl: float = 60.0, faults: FaultPlan | None = None,
     ) -> None:
         if peer.server is None:
@@ -237,7 +238,7 @@ class _Receiver:
         self.offset = pos
 
 
-async def _discover(peer: Any, prefix: str) -> list[str]:
+async def _discover(peer: PeerHandle, prefix: str) -> list[str]:
     dht = getattr(peer, "dht", None)
     if dht is None:
         return []
@@ -255,7 +256,7 @@ async def _discover(peer: Any, prefix: str) -> list[str]:
 
 
 async def aload_state_from_peers(
-    peer: Any, prefix: str, sources: Sequence[str] | None = None, *, timeout: float = 60.0,
+    peer: PeerHandle, prefix: str, sources: Sequence[str] | None = None, *, timeout: float = 60.0,
     max_bytes: int = 16 << 30,
 ) -> DownloadedState:
     """Downloads the state served under `prefix`, trying `sources` in order (or DHT-announced ones).
@@ -312,7 +313,7 @@ async def aload_state_from_peers(
 
 
 def load_state_from_peers(
-    peer: Any, prefix: str, sources: Sequence[str] | None = None, *, timeout: float = 60.0,
+    peer: PeerHandle, prefix: str, sources: Sequence[str] | None = None, *, timeout: float = 60.0,
     max_bytes: int = 16 << 30,
 ) -> DownloadedState:
     """Blocking form of `aload_state_from_peers`."""

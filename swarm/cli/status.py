@@ -27,6 +27,8 @@ from typing import Any
 
 from swarm.core.errors import ConfigError, SwarmError
 from swarm.core.multiaddr import Multiaddr
+from swarm.dht.handle import KeyValueStore, PeerHandle
+from swarm.dht.storage import ValueWithExpiration
 
 logger = logging.getLogger("swarm.cli.status")
 
@@ -118,24 +120,7 @@ async def call_info(pool: Any, addr: Multiaddr, timeout: float, source: str = "i
     )
 
 
-def _routing_entries(peer: Any) -> list[tuple[str, str]]:
-    """EXTENSION POINT (swarm/dht): (peer_id, addr) of every node in the peer's routing table.
-
-    Looks for the table where `swarm.metrics.exporter.known_peers` does; each entry is a
-    `swarm.dht.routing.NodeInfo` (`peer_id`, `addr`).
-    """
-    dht = getattr(peer, "dht", None)
-    for path in (("routing_table",), ("node", "routing_table"), ("protocol", "routing_table"),
-                 ("node", "protocol", "routing_table")):
-        table: Any = dht
-        for attr in path:
-            table = getattr(table, attr, None)
-        if table is not None:
-            return [(n.peer_id, n.addr) for n in list(table) if getattr(n, "addr", None)]
-    return []
-
-
-async def survey(peer: Any, addrs: Sequence[Multiaddr], timeout: float, max_dht_peers: int = 256) -> SwarmView:
+async def survey(peer: PeerHandle, addrs: Sequence[Multiaddr], timeout: float, max_dht_peers: int = 256) -> SwarmView:
     """Asks every initial peer, then every peer of the DHT's routing table, for `Info`."""
     view = SwarmView(dht=peer.dht is not None)
     results = await asyncio.gather(*(call_info(peer.pool, a, timeout) for a in addrs))
@@ -148,7 +133,8 @@ async def survey(peer: Any, addrs: Sequence[Multiaddr], timeout: float, max_dht_
         else:
             view.unreachable.append(result)
     # EXTENSION POINT (swarm/dht): peers found through the DHT, asked for Info like the initial ones.
-    more = [Multiaddr.parse(a) for pid, a in _routing_entries(peer) if pid not in seen][:max_dht_peers]
+    known = peer.dht.known_peers() if peer.dht is not None else []
+    more = [Multiaddr.parse(n.addr) for n in known if n.peer_id not in seen][:max_dht_peers]
     for result in await asyncio.gather(*(call_info(peer.pool, a, timeout, "dht") for a in more)):
         if isinstance(result, PeerReport):
             if result.peer_id not in seen:
@@ -169,12 +155,12 @@ def _plain(value: Any) -> Any:
         return value.hex()
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
-    if hasattr(value, "value") and hasattr(value, "expiration_time"):
+    if isinstance(value, ValueWithExpiration):
         return {"value": _plain(value.value), "expiration_time": value.expiration_time}
     return repr(value)
 
 
-async def list_experts(dht: Any, prefix: str, limit: int = 4096) -> dict[str, str]:
+async def list_experts(dht: KeyValueStore, prefix: str, limit: int = 4096) -> dict[str, str]:
     """Every live expert declared under a grid prefix (``ffn.`` or ``ffn.3.``), walking its prefix tree.
 
     Uses swarm.moe's declarations (`swarm.moe.dht_declare.get_successors`: one read per prefix,
@@ -198,7 +184,7 @@ async def list_experts(dht: Any, prefix: str, limit: int = 4096) -> dict[str, st
     return dict(sorted(experts.items())[:limit])
 
 
-def read_records(peer: Any, keys: Sequence[str], timeout: float) -> dict[str, Any]:
+def read_records(peer: PeerHandle, keys: Sequence[str], timeout: float) -> dict[str, Any]:
     """EXTENSION POINT (swarm/optim): the latest value of each DHT key given with --key (e.g. a run key).
 
     Uses the contract of SPEC.md §3, ``peer.dht.get(key, latest=True)`` returning a

@@ -140,7 +140,8 @@ class Trainer:
     """
 
     def __init__(self, config: TrainerConfig, emit: Callable[[object], None], stop: threading.Event) -> None:
-        import swarm
+        from swarm.moe.mixture import RemoteMixtureOfExperts
+        from swarm.peer import Peer
 
         self.config = config
         self.emit = emit
@@ -149,11 +150,11 @@ class Trainer:
             torch.set_num_threads(config.threads)
         self.train_data, self.held_out = ByteDataset.split(load_corpus(), config.model.context)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.peer = swarm.Peer(initial_peers=config.initial_peers, listen=config.listen,
+        self.peer = Peer(initial_peers=config.initial_peers, listen=config.listen,
                                announce=config.announce, client_mode=config.client_mode, role="trainer")
         torch.manual_seed(0)  # every trainer builds the same initial model; the swarm's state replaces it anyway
         mcfg = config.model
-        mixture = LocalExperts(mcfg) if config.local_experts else swarm.RemoteMixtureOfExperts(
+        mixture = LocalExperts(mcfg) if config.local_experts else RemoteMixtureOfExperts(
             self.peer, in_features=mcfg.hidden_dim, grid_size=mcfg.grid_size, uid_prefix=mcfg.uid_prefix,
             k_best=mcfg.k_best, k_min=1, forward_timeout=20.0, backward_timeout=20.0)
         self.model = ByteLM(mcfg, mixture)

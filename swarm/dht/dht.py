@@ -17,11 +17,12 @@ import hashlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from swarm.core.errors import ConfigError, ValidationError
 from swarm.core.serialization import pack, unpack
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.buckets import NodeInfo
 from swarm.dht.coalescer import Coalescer
 from swarm.dht.config import DHTConfig
 from swarm.dht.keys import (
@@ -32,12 +33,11 @@ from swarm.dht.keys import (
     serialize_key,
     serialize_subkey,
 )
-from swarm.dht.node import DHTNode, StoreOutcome
+from swarm.dht.node import DHTNode
 from swarm.dht.storage import DictionaryValue, ValueWithExpiration
+from swarm.dht.store_outcome import StoreOutcome
 from swarm.dht.validation import CompositeValidator, DHTRecord, SignatureValidator
-
-if TYPE_CHECKING:
-    from swarm.peer import Peer
+from swarm.net.handle import NetworkHandle
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class DHT:
         found = peer.dht.get("run1_progress")   # ValueWithExpiration({"step": 5}, ...)
     """
 
-    def __init__(self, peer: Peer, node: DHTNode, validator: CompositeValidator, config: DHTConfig) -> None:
+    def __init__(self, peer: NetworkHandle, node: DHTNode, validator: CompositeValidator, config: DHTConfig) -> None:
         self.peer = peer
         self.node = node
         self.validator = validator
@@ -64,7 +64,7 @@ class DHT:
         }
 
     @classmethod
-    async def create(cls, peer: Peer, config: DHTConfig | None = None) -> DHT:
+    async def create(cls, peer: NetworkHandle, config: DHTConfig | None = None) -> DHT:
         """Starts the peer's DHT node and joins through `peer.initial_peers`.
 
         Raises:
@@ -253,6 +253,19 @@ class DHT:
         raw_keys = {key: serialize_key(key) for key in keys}
         found = await self._in_loop(self.node.get_many(list(raw_keys.values()), latest=latest))
         return {key: self._decode(hashlib.sha256(raw).digest(), raw, found.get(raw)) for key, raw in raw_keys.items()}
+
+    async def wait_for_stores(self, timeout: float | None = None) -> bool:
+        """Waits until the stores made so far have reached every replica (a store returns once
+        the nearest holds the record; the others are written in the background).
+
+        Returns:
+            True if no store is left in flight (False: `timeout` passed first).
+        """
+        return await self._in_loop(self.node.wait_for_stores(timeout))
+
+    def known_peers(self) -> list[NodeInfo]:
+        """The nodes of this node's routing table that have an address (peer ID and address of each)."""
+        return [node for node in self.node.routing_table if node.addr]
 
     # -- blocking API -------------------------------------------------------------------------------
 

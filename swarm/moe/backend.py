@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from swarm.core.errors import InvalidRequest, MoEError
+from swarm.moe.protocol import ExpertInfo
 from swarm.moe.schema import TensorSchema, dtype_name
 
 __all__ = ["ExpertBackend", "TensorSchema"]
@@ -276,6 +277,18 @@ class ExpertBackend:
             "max_batch_size": self.max_batch_size,
             "num_parameters": sum(p.numel() for p in self.module.parameters()),
         }
+
+    def describe(self) -> ExpertInfo:
+        """What clients learn of this expert through the ``Info`` RPC."""
+        return ExpertInfo(
+            self.name,
+            type(self.module).__name__,
+            self.args_schema,
+            self.outputs_schema,
+            self.max_batch_size,
+            sum(p.numel() for p in self.module.parameters()),
+            self.updates,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Returns a consistent snapshot (a deep copy) of module, optimizer and scheduler state.

@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from swarm.core.errors import ConfigError
+from swarm.dht.handle import PeerHandle
 from swarm.moe.uids import expand_pattern
 
 if TYPE_CHECKING:
     from swarm.moe.server import ExpertServer
 
 
-def serve_experts(peer: Any, options: Any) -> ExpertServer:
+def serve_experts(peer: PeerHandle, options: Any) -> ExpertServer:
     """Serves the experts the daemon's options name; the server shuts down (and saves) with the peer.
 
     Args:

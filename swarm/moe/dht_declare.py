@@ -22,15 +22,13 @@ from typing import Any
 
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.handle import KeyValueStore
 from swarm.moe.sources import Successors, successor_coord
 from swarm.moe.uids import is_valid_prefix, is_valid_uid, parse_uid, uid_prefixes
 
 __all__ = ["DHTExpertSource", "ExpertDeclarer", "declarations", "declare_experts", "get_experts", "get_successors"]
 
 logger = logging.getLogger(__name__)
-
-_MAX_PARALLEL = 64
-
 
 def declarations(uids: Iterable[str], addr: str) -> list[tuple[str, int | None, Any]]:
     """The (key, subkey, value) records that declare `uids` served at `addr`, deduplicated."""
@@ -43,50 +41,30 @@ def declarations(uids: Iterable[str], addr: str) -> list[tuple[str, int | None, 
     return [(key, subkey, value) for (key, subkey), value in records.items()]
 
 
-async def _bounded_gather(calls: list[Any]) -> list[Any]:
-    semaphore = asyncio.Semaphore(_MAX_PARALLEL)
-
-    async def one(call: Any) -> Any:
-        async with semaphore:
-            return await call
-
-    return await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
-
-
-async def declare_experts(dht: Any, uids: Sequence[str], addr: str, expiration_time: float) -> int:
+async def declare_experts(dht: KeyValueStore, uids: Sequence[str], addr: str, expiration_time: float) -> int:
     """Stores the declarations of `uids` at `addr` until `expiration_time` (one batched store).
 
     Returns:
         How many records the DHT accepted (failures are logged at debug level).
     """
     records = declarations(uids, addr)
-    if hasattr(dht, "astore_many"):
-        try:
-            results: list[Any] = await dht.astore_many(
-                [k for k, _, _ in records], [v for _, _, v in records], expiration_time, [s for _, s, _ in records]
-            )
-        except Exception as e:  # noqa: BLE001 - a refused or failed round is retried by the caller
-            logger.debug("declaring %d records failed: %s", len(records), e)
-            results = list(getattr(e, "results", []))
-    else:
-        results = await _bounded_gather(
-            [dht.astore(key, value, expiration_time, subkey=subkey) for key, subkey, value in records]
+    try:
+        results: list[Any] = await dht.astore_many(
+            [k for k, _, _ in records], [v for _, _, v in records], expiration_time, [s for _, s, _ in records]
         )
-        for (key, subkey, _), result in zip(records, results):
-            if isinstance(result, BaseException):
-                logger.debug("declaring %s[%s] failed: %s", key, subkey, result)
+    except Exception as e:  # noqa: BLE001 - a refused or failed round is retried by the caller
+        logger.debug("declaring %d records failed: %s", len(records), e)
+        results = list(getattr(e, "results", []))  # a ValidationError carries the per-record results
     return sum(1 for r in results if r is True)
 
 
-async def _get_all(dht: Any, keys: list[str]) -> list[Any]:
-    """Each key's record (None, or an exception when that read failed), in one batched read if possible."""
-    if hasattr(dht, "aget_many"):
-        try:
-            found = await dht.aget_many(keys)
-        except Exception as e:  # noqa: BLE001 - reported per key below
-            return [e] * len(keys)
-        return [found.get(key) for key in keys]
-    return await _bounded_gather([dht.aget(key) for key in keys])
+async def _get_all(dht: KeyValueStore, keys: list[str]) -> list[Any]:
+    """Each key's record (None, or an exception when that read failed), in one batched read."""
+    try:
+        found = await dht.aget_many(keys)
+    except Exception as e:  # noqa: BLE001 - reported per key below
+        return [e] * len(keys)
+    return [found.get(key) for key in keys]
 
 
 def _alive(record: Any, now: float) -> bool:
@@ -94,7 +72,7 @@ def _alive(record: Any, now: float) -> bool:
     return not isinstance(expiration, int | float) or expiration >= now
 
 
-async def get_successors(dht: Any, prefixes: Sequence[str]) -> dict[str, Successors]:
+async def get_successors(dht: KeyValueStore, prefixes: Sequence[str]) -> dict[str, Successors]:
     """Reads the live successors of each prefix (one batched DHT read for all of them).
 
     Returns:
@@ -126,7 +104,7 @@ async def get_successors(dht: Any, prefixes: Sequence[str]) -> dict[str, Success
     return found
 
 
-async def get_experts(dht: Any, uids: Sequence[str]) -> dict[str, str]:
+async def get_experts(dht: KeyValueStore, uids: Sequence[str]) -> dict[str, str]:
     """Reads the address of each live expert among `uids` (unknown, dead or malformed ones left out)."""
     uids = [u for u in dict.fromkeys(uids) if is_valid_uid(u)]
     results = await _get_all(dht, uids)
@@ -143,7 +121,7 @@ async def get_experts(dht: Any, uids: Sequence[str]) -> dict[str, str]:
 class DHTExpertSource:
     """An `swarm.moe.sources.ExpertSource` backed by the DHT (`peer.dht`)."""
 
-    def __init__(self, dht: Any) -> None:
+    def __init__(self, dht: KeyValueStore) -> None:
         if dht is None:
             raise ValueError("this peer has no DHT; pass an ExpertSource (e.g. StaticExpertSource) instead")
         self.dht = dht
@@ -165,7 +143,7 @@ class ExpertDeclarer:
         ttl: seconds a declaration stays valid without renewal.
     """
 
-    def __init__(self, dht: Any, uids: Sequence[str], addr: str, ttl: float) -> None:
+    def __init__(self, dht: KeyValueStore, uids: Sequence[str], addr: str, ttl: float) -> None:
         if not ttl > 0:
             raise ValueError(f"ttl must be positive, got {ttl!r}")
         self.dht = dht
@@ -187,9 +165,7 @@ class ExpertDeclarer:
         would otherwise see a partial dictionary and cache it (MoEBeamSearcher's `cache_ttl`).
         """
         await self._declare()
-        node = getattr(self.dht, "node", None)
-        if node is not None and hasattr(node, "wait_for_stores"):
-            await node.wait_for_stores()  # bounded by each store's own deadline
+        await self.dht.wait_for_stores()  # bounded by each store's own deadline
         self._task = spawn(self._run(), name=f"moe-declare-{len(self.uids)}-experts")
 
     async def _declare(self) -> None:

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
+import swarm.moe.rows as row_ops
 from swarm.core.errors import InvalidRequest, MoEError, RPCError
-from swarm.moe import rows as row_ops
+from swarm.dht.handle import PeerHandle
 from swarm.moe.beam_search import ExpertChoice
 from swarm.moe.expert import as_payload
 from swarm.moe.group_calls import GroupMember, call_backward_group, call_forward_group
@@ -178,7 +179,7 @@ class MixtureCaller:
         on_failure: told about each expert that failed (the mixture excludes it for a while).
     """
 
-    def __init__(self, peer: Any, policy: DispatchPolicy, on_failure: OnFailure) -> None:
+    def __init__(self, peer: PeerHandle, policy: DispatchPolicy, on_failure: OnFailure) -> None:
         self.peer = peer
         self.policy = policy
         self.on_failure = on_failure

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from swarm.core.errors import MoEError
+from swarm.dht.handle import PeerHandle
 from swarm.moe.jobs import new_graph_id
 from swarm.moe.protocol import ExpertInfo, call_backward, call_forward_keeping, call_info
 from swarm.moe.sources import ExpertSource
@@ -52,7 +53,7 @@ class RemoteExpert(nn.Module):
 
     def __init__(
         self,
-        peer: Any,
+        peer: PeerHandle,
         uid: str,
         addr: str | None = None,
         *,

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+import swarm.moe.rows as row_ops
 from swarm.core.errors import InvalidRequest, NotFound, PeerUnreachable, SwarmError
-from swarm.moe import rows as row_ops
+from swarm.dht.handle import PeerHandle
 from swarm.moe.admission import check_declared_batch, drain_request
 from swarm.moe.group_calls import GroupRequest, error_metadata, parse_group_header
 from swarm.moe.hosted import HostedExpert
@@ -61,7 +62,7 @@ class _Received:
 class GroupCallHandlers:
     """The ForwardGroup and BackwardGroup handlers of `swarm.moe.server.ExpertServer` (a mixin)."""
 
-    peer: Any
+    peer: PeerHandle
     config: ExpertServerConfig
     experts: dict[str, HostedExpert]
     admission: Admission

@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
+from swarm.dht.handle import PeerHandle
 from swarm.moe.beam_search import ExpertChoice, MoEBeamSearcher
 from swarm.moe.dispatch import DispatchPolicy, ExpertJob, MixtureCall, MixtureCaller
 from swarm.moe.sources import ExpertSource
@@ -87,7 +87,7 @@ class RemoteMixtureOfExperts(nn.Module):
 
     def __init__(
         self,
-        peer: Any,
+        peer: PeerHandle,
         *,
         in_features: int,
         grid_size: Sequence[int],

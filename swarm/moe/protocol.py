@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from swarm.core.errors import DeadlineExceeded, InvalidRequest
-from swarm.moe.backend import ExpertBackend, TensorSchema
+from swarm.moe.schema import TensorSchema
 from swarm.net.channels import PeerChannel
 from swarm.net.streaming import receive_tensors, tensors_to_messages
 from swarm.proto import moe_pb2, tensor_pb2
@@ -133,19 +133,6 @@ class ExpertInfo:
     max_batch_size: int
     num_parameters: int
     updates: int
-
-    @classmethod
-    def of(cls, backend: ExpertBackend) -> ExpertInfo:
-        """Describes a hosted expert."""
-        return cls(
-            backend.name,
-            type(backend.module).__name__,
-            backend.args_schema,
-            backend.outputs_schema,
-            backend.max_batch_size,
-            sum(p.numel() for p in backend.module.parameters()),
-            backend.updates,
-        )
 
     def to_proto(self) -> moe_pb2.ExpertInfo:
         def schema(s: TensorSchema) -> moe_pb2.TensorSchema:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import weakref
 from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from swarm.core.errors import ConfigError, InvalidRequest, NotFound, PeerUnreachable
+from swarm.dht.handle import PeerHandle
 from swarm.moe.admission import Admission, check_declared
 from swarm.moe.backend import ExpertBackend
 from swarm.moe.checkpoints import CheckpointSaver
@@ -33,7 +33,7 @@ from swarm.moe.group_calls import BACKWARD_GROUP, FORWARD_GROUP
 from swarm.moe.group_serving import GroupCallHandlers
 from swarm.moe.hosted import GraphGone, HostedExpert
 from swarm.moe.layers import OptimizerFactory, backend_for_module, default_optimizer, make_backend
-from swarm.moe.protocol import BACKWARD, FORWARD, GRAPH_GONE, INFO, ExpertCall, ExpertInfo, parse_call_header
+from swarm.moe.protocol import BACKWARD, FORWARD, GRAPH_GONE, INFO, ExpertCall, parse_call_header
 from swarm.moe.runtime import Runtime
 from swarm.moe.schema import TensorSchema
 from swarm.moe.server_config import ExpertServerConfig
@@ -46,9 +46,6 @@ from swarm.proto import moe_pb2
 __all__ = ["ExpertServer", "ExpertServerConfig"]
 
 logger = logging.getLogger(__name__)
-
-_servers: weakref.WeakKeyDictionary[Any, ExpertServer] = weakref.WeakKeyDictionary()
-
 
 class ExpertServer(GroupCallHandlers):
     """Serves experts from a peer; attaches to it, so `peer.shutdown()` stops it and saves checkpoints.
@@ -80,7 +77,7 @@ class ExpertServer(GroupCallHandlers):
 
     def __init__(
         self,
-        peer: Any,
+        peer: PeerHandle,
         experts: Mapping[str, nn.Module | ExpertBackend],
         optimizer_factory: OptimizerFactory | None = None,
         *,
@@ -125,7 +122,7 @@ class ExpertServer(GroupCallHandlers):
     @classmethod
     def from_pattern(
         cls,
-        peer: Any,
+        peer: PeerHandle,
         pattern: str,
         expert_cls: str = "ffn",
         hidden_dim: int = 1024,
@@ -163,9 +160,9 @@ class ExpertServer(GroupCallHandlers):
             return await self.peer.loop.wrap(self.astart())
         if self._started:
             return
-        if _servers.get(self.peer) is not None:
+        if ExpertServer in self.peer.services:
             raise ConfigError("this peer already hosts an ExpertServer; give one server all its experts")
-        _servers[self.peer] = self
+        self.peer.services.add(self)
         self._started = True
         self.runtime.start()
         if self.checkpoints is not None and self.config.checkpoint_interval is not None:
@@ -201,8 +198,7 @@ class ExpertServer(GroupCallHandlers):
         finally:
             self.peer.served_experts = []
             self.peer.detach(self)
-            if _servers.get(self.peer) is self:
-                del _servers[self.peer]
+            self.peer.services.remove(self)
 
     def shutdown(self) -> None:
         """Blocking form of `ashutdown`."""
@@ -274,7 +270,7 @@ class ExpertServer(GroupCallHandlers):
 
     async def rpc_info(self, request: moe_pb2.ExpertInfoRequest, ctx: CallContext) -> moe_pb2.ExpertInfo:
         """Info: the schemas and limits of one hosted expert."""
-        return ExpertInfo.of(self._hosted(request.uid, "info").backend).to_proto()
+        return self._hosted(request.uid, "info").backend.describe().to_proto()
 
     # ---- introspection ------------------------------------------------------------------------
 

@@ -12,10 +12,10 @@ factorizes), so the loss is taken per dimension: ``g_d * sum_c f_d[c] * P_d[c]``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
+from swarm.dht.handle import PeerHandle
 from swarm.moe.beam_search import ExpertChoice
 from swarm.moe.mixture import RemoteMixtureOfExperts
 from swarm.moe.sources import ExpertSource
@@ -33,7 +33,7 @@ class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
 
     def __init__(
         self,
-        peer: Any,
+        peer: PeerHandle,
         *,
         in_features: int,
         grid_size: Sequence[int],

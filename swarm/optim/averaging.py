@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from swarm.compression import CompressionType, get_codec
+from swarm.dht.handle import PeerHandle
 from swarm.optim.config import CollaborationConfig
 
 
@@ -53,6 +54,10 @@ class AveragerLike(Protocol):
     def abandon_matchmaking(self, reason: str) -> bool:
         """Stops the running `astep` if it has not formed a group yet (it then raises
         `AveragingError`); returns False, changing nothing, once a group formed."""
+        ...
+
+    async def ashutdown(self) -> None:
+        """Leaves: withdraws from matchmaking and stops serving (the optimizer calls it at shutdown)."""
         ...
 
 
@@ -95,7 +100,7 @@ class SwarmAverager:
         await self.averager.ashutdown()
 
 
-def make_swarm_averager(peer: Any, tensors: Sequence[torch.Tensor], prefix: str, config: CollaborationConfig,
+def make_swarm_averager(peer: PeerHandle, tensors: Sequence[torch.Tensor], prefix: str, config: CollaborationConfig,
                         compression: CompressionType) -> SwarmAverager:
     """A `swarm.Averager` of `peer` over `tensors`, grouping peers under `prefix`."""
     from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig

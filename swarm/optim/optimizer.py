@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from swarm.core.errors import ConfigError, RPCError, SwarmError
+from swarm.dht.handle import PeerHandle
 from swarm.optim.averaging import AveragerLike, RoundResult, make_swarm_averager
 from swarm.optim.config import CollaborationConfig, DiLoCoConfig
 from swarm.optim.diloco import DiLoCoMode
@@ -84,7 +85,7 @@ class Optimizer:
 
     def __init__(
         self,
-        peer: Any,
+        peer: PeerHandle,
         run_id: str,
         params: Iterable[torch.nn.Parameter],
         optimizer: torch.optim.Optimizer | OptimizerFactory,
@@ -140,7 +141,7 @@ class Optimizer:
         self.tracker = ProgressTracker(peer, run_id, config, addr=addr)
         self._report()
         if peer.server is not None:
-            serve_state(peer.server, run_id, self._snapshot)
+            serve_state(peer, run_id, self._snapshot)
         self.peer.run(self.tracker.astart())
         peer.attach(self)
         if config.load_state_on_start and self.tracker.peers_at(0):
@@ -284,8 +285,7 @@ class Optimizer:
         round_task = asyncio.ensure_future(self.averager.astep(
             weight=weight, timeout=self.config.averaging_timeout, expected_size=expected_size,
             group_key=str(epoch)))
-        abandon = getattr(self.averager, "abandon_matchmaking", None)
-        watch_epoch = abandon is not None
+        watch_epoch = True
         try:
             while True:
                 moved_on = epoch if watch_epoch else None
@@ -303,7 +303,7 @@ class Optimizer:
                     round_task.cancel()
                     await asyncio.gather(round_task, return_exceptions=True)
                     return None
-                if abandon(f"the swarm moved on to epoch {progress.epoch}"):
+                if self.averager.abandon_matchmaking(f"the swarm moved on to epoch {progress.epoch}"):
                     return await round_task  # raises the AveragingError that names why
                 watch_epoch = False  # the group formed: its members count on this peer, finish the round
         finally:
@@ -377,14 +377,12 @@ class Optimizer:
             return
         self._closed = True
         if self.peer.server is not None:
-            stop_serving_state(self.peer.server, self.run_id)
+            stop_serving_state(self.peer, self.run_id)
         await self.tracker.ashutdown()
-        close = getattr(self.averager, "ashutdown", None)
-        if close is not None:
-            try:
-                await close()
-            except (SwarmError, RPCError, OSError):
-                logger.debug("averager shutdown failed", exc_info=True)
+        try:
+            await self.averager.ashutdown()
+        except (SwarmError, RPCError, OSError):
+            logger.debug("averager shutdown failed", exc_info=True)
 
     def shutdown(self) -> None:
         """Leaves the run: withdraws this peer's progress record and stops serving its state."""

@@ -14,12 +14,12 @@ import asyncio
 import logging
 import random
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
 
-from swarm.core.errors import InvalidRequest, NotFound, RPCError, SwarmError
+from swarm.core.errors import ConfigError, InvalidRequest, NotFound, RPCError, SwarmError
 from swarm.core.serialization import pack, unpack
+from swarm.dht.handle import PeerHandle
+from swarm.net.handle import NetworkHandle
 from swarm.net.server import CallContext, RPCServer
 from swarm.net.streaming import receive_tensors, tensors_to_messages
 from swarm.optim.progress import PeerProgress
@@ -31,32 +31,22 @@ GET_STATE = "/swarm.Optim/GetState"
 
 SnapshotFn = Callable[[], "TrainingState | None"]
 
-# one handler per server, dispatching to the runs its peer trains (several optimizers may share a peer)
-_PROVIDERS: weakref.WeakKeyDictionary[RPCServer, dict[str, SnapshotFn]] = weakref.WeakKeyDictionary()
-
 
 class StateTransferError(SwarmError):
     """No provider could deliver the training state in time."""
 
 
-def serve_state(server: RPCServer, run_id: str, snapshot: SnapshotFn) -> None:
-    """Makes `server` answer state requests for `run_id` with `snapshot()` (called in a worker thread)."""
-    providers = _PROVIDERS.get(server)
-    if providers is None:
-        providers = _PROVIDERS[server] = {}
-        server.add_stream(GET_STATE, _make_handler(providers), request_streaming=False, bulk=True)
-    providers[run_id] = snapshot
+class StateService:
+    """The training states one peer serves, one snapshot function per run (kept in `peer.services`).
 
+    Several optimizers may share a peer; one ``GetState`` handler dispatches to the run asked for.
+    """
 
-def stop_serving_state(server: RPCServer, run_id: str) -> None:
-    providers = _PROVIDERS.get(server)
-    if providers is not None:
-        providers.pop(run_id, None)
+    def __init__(self, server: RPCServer) -> None:
+        self.providers: dict[str, SnapshotFn] = {}
+        server.add_stream(GET_STATE, self.rpc_get_state, request_streaming=False, bulk=True)
 
-
-def _make_handler(providers: dict[str, SnapshotFn]) -> Callable[[AsyncIterator[bytes], CallContext],
-                                                                 AsyncIterator[bytes]]:
-    async def rpc_get_state(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+    async def rpc_get_state(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
         request = None
         async for message in requests:
             request = message
@@ -64,7 +54,7 @@ def _make_handler(providers: dict[str, SnapshotFn]) -> Callable[[AsyncIterator[b
             run_id = unpack(request or b"", max_bytes=4096)["run_id"]
         except (ValueError, TypeError, KeyError) as e:
             raise InvalidRequest(f"malformed state request: {e}") from None
-        snapshot = providers.get(run_id) if isinstance(run_id, str) else None
+        snapshot = self.providers.get(run_id) if isinstance(run_id, str) else None
         if snapshot is None:
             raise NotFound(f"this peer does not train run {run_id!r}")
         state = await asyncio.to_thread(snapshot)
@@ -75,10 +65,26 @@ def _make_handler(providers: dict[str, SnapshotFn]) -> Callable[[AsyncIterator[b
         for message in tensors_to_messages(tensors, metadata):
             yield message
 
-    return rpc_get_state
+
+def serve_state(peer: NetworkHandle, run_id: str, snapshot: SnapshotFn) -> None:
+    """Makes `peer` answer state requests for `run_id` with `snapshot()` (called in a worker thread).
+
+    Raises:
+        ConfigError: The peer is in client mode (it serves nothing).
+    """
+    server = peer.server
+    if server is None:
+        raise ConfigError("a client-mode peer serves no state")
+    peer.services.get_or_create(StateService, lambda: StateService(server)).providers[run_id] = snapshot
 
 
-async def call_get_state(peer: Any, addr: str, run_id: str, timeout: float) -> TrainingState:
+def stop_serving_state(peer: NetworkHandle, run_id: str) -> None:
+    service = peer.services.get(StateService)
+    if service is not None:
+        service.providers.pop(run_id, None)
+
+
+async def call_get_state(peer: PeerHandle, addr: str, run_id: str, timeout: float) -> TrainingState:
     """Downloads the state of `run_id` from the peer at `addr`; raises `RPCError`, ValueError or TypeError."""
     channel = peer.pool.get(addr)
     stream = channel.stream(GET_STATE, [pack({"run_id": run_id})], timeout=timeout, bulk=True)
@@ -90,7 +96,7 @@ async def call_get_state(peer: Any, addr: str, run_id: str, timeout: float) -> T
 
 
 async def download_state(
-    peer: Any, run_id: str, candidates: Sequence[PeerProgress], timeout: float, min_epoch: int = 0,
+    peer: PeerHandle, run_id: str, candidates: Sequence[PeerProgress], timeout: float, min_epoch: int = 0,
 ) -> TrainingState:
     """Downloads the newest state among `candidates`, moving on when one fails.
 

@@ -14,11 +14,11 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from swarm.core.errors import SwarmError
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.handle import PeerHandle
 from swarm.optim.config import CollaborationConfig
 from swarm.optim.progress import PeerProgress, SwarmProgress, summarize
 
@@ -41,7 +41,7 @@ class ProgressTracker:
         clock: DHT time (seconds since the epoch); replaceable in tests.
     """
 
-    def __init__(self, peer: Any, run_id: str, config: CollaborationConfig, addr: str = "",
+    def __init__(self, peer: PeerHandle, run_id: str, config: CollaborationConfig, addr: str = "",
                  clock: Callable[[], float] = get_dht_time) -> None:
         self.peer = peer
         self.key = progress_key(run_id)

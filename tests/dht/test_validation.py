@@ -12,6 +12,7 @@ from swarm.core.errors import ValidationError
 from swarm.core.identity import Identity
 from swarm.dht.keys import serialize_key, serialize_subkey
 from swarm.dht.routing import DHTID
+from swarm.dht.schema import SchemaValidator
 from swarm.dht.validation import (
     CompositeValidator,
     DHTRecord,
@@ -20,7 +21,6 @@ from swarm.dht.validation import (
     owner_marker,
     signed_bytes,
 )
-from swarm.dht.schema import SchemaValidator
 
 ALICE = Identity.from_seed(b"a" * 32)
 BOB = Identity.from_seed(b"b" * 32)

@@ -40,6 +40,9 @@ class DictDHT:
     async def aget(self, key: str, latest: bool = False) -> Record | None:
         return self.records.get(key)
 
+    async def aget_many(self, keys: list[str], latest: bool = False) -> dict[str, Record | None]:
+        return {key: self.records.get(key) for key in keys}
+
 
 def test_declarations_cover_every_prefix_once() -> None:
     records = declarations(["ffn.0.0", "ffn.0.1", "ffn.1.0"], A)

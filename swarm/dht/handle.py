@@ -1,0 +1,75 @@
+"""What the layers above the DHT need of it (`KeyValueStore`) and of their peer (`PeerHandle`).
+
+Averaging, mixture-of-experts and the optimizer take a `PeerHandle`: the peer's network side
+(`swarm.net.handle.NetworkHandle`) plus its DHT, typed as the key-value store they use.
+`swarm.dht.DHT` implements `KeyValueStore`; `swarm.Peer` implements `PeerHandle`.
+See docs/architecture.md for the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from swarm.dht.buckets import NodeInfo
+from swarm.dht.keys import Key, Subkey
+from swarm.dht.storage import ValueWithExpiration
+from swarm.net.handle import NetworkHandle
+
+
+class KeyValueStore(Protocol):
+    """The DHT as a store of expiring, optionally dictionary-valued records.
+
+    Every awaitable method runs on the peer's loop; the blocking forms (no ``a`` prefix) are for
+    other threads. A dictionary value (stored with subkeys) comes back as a
+    `ValueWithExpiration` whose value maps each subkey to its own `ValueWithExpiration`.
+    """
+
+    async def astore(self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None) -> bool:
+        """Stores `value` under `key` (and `subkey`) until `expiration_time`; True if a replica took it."""
+        ...
+
+    async def aget(self, key: Key, latest: bool = False) -> ValueWithExpiration | None:
+        """The value under `key`, or None; with `latest`, the freshest the replicas hold."""
+        ...
+
+    async def astore_many(
+        self,
+        keys: Sequence[Key],
+        values: Sequence[Any],
+        expiration_time: float | Sequence[float],
+        subkeys: Sequence[Subkey | None] | None = None,
+    ) -> list[bool]:
+        """Stores many records in one batched operation (raises `ValidationError` naming refusals)."""
+        ...
+
+    async def aget_many(self, keys: Sequence[Key], latest: bool = False) -> dict[Key, ValueWithExpiration | None]:
+        """The values of many keys in one batched lookup."""
+        ...
+
+    async def wait_for_stores(self, timeout: float | None = None) -> bool:
+        """Waits until the replicas of earlier stores have answered; True if none is left in flight."""
+        ...
+
+    def store(self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None) -> bool: ...
+
+    def get(self, key: Key, latest: bool = False) -> ValueWithExpiration | None: ...
+
+    def known_peers(self) -> list[NodeInfo]:
+        """The nodes of this node's routing table (peer ID and address of each)."""
+        ...
+
+
+class PeerHandle(NetworkHandle, Protocol):
+    """A peer as averaging, mixture-of-experts and the optimizer see it."""
+
+    @property
+    def dht(self) -> KeyValueStore | None:
+        """The peer's DHT; None only for peers built without one (tests of the layers below)."""
+        ...
+
+    @property
+    def role(self) -> str: ...
+
+    served_experts: list[str]
+    """The expert UIDs this peer serves, reported by its ``Info`` RPC (set by an `ExpertServer`)."""
