@@ -16,7 +16,7 @@ on one 2-core machine the client's spinning threads (after its local step) took 
 server's next forward, and the server's from the next local step (measured on (a): remote/local
 1.22-1.28x without the pause, 1.14-1.16x with it, the local step unchanged); on two machines,
 as in use, neither happens. The local baseline uses as many torch threads as the server's compute
-threads and the servers' optimizer (`swarm.moe.layers.default_optimizer`). One line per figure.
+threads and the servers' optimizer (`swarm.moe.server.experts.default_optimizer`). One line per figure.
 
 Usage: .venv/bin/python scripts/bench/bench_moe.py [--hidden-dim 1024] [--batch 256] [--pairs 12]
          [--server-threads 1,2] [--clients 8] [--client-batch 32] [--seconds 8] [--only abc]
@@ -41,8 +41,8 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 def serve(args: argparse.Namespace) -> None:
     import torch
 
-    from swarm.moe.hosted import BatchingConfig
-    from swarm.moe.server import ExpertServer, ExpertServerConfig
+    from swarm.moe.server.expert_server import ExpertServer, ExpertServerConfig
+    from swarm.moe.server.hosted import BatchingConfig
     from swarm.peer import Peer
 
     torch.manual_seed(0)
@@ -112,7 +112,7 @@ def bench_expert(args: argparse.Namespace, client) -> None:
     import torch
 
     from swarm.moe import RemoteExpert
-    from swarm.moe.layers import FeedforwardExpert, default_optimizer
+    from swarm.moe.server.experts import FeedforwardExpert, default_optimizer
 
     hid, batch = args.hidden_dim, args.batch
     x, grad = torch.randn(batch, hid), torch.randn(batch, hid)
@@ -139,7 +139,7 @@ def bench_mixture(args: argparse.Namespace, client_factory) -> None:
     import torch
 
     from swarm.moe import RemoteMixtureOfExperts
-    from swarm.moe.layers import FeedforwardExpert, default_optimizer
+    from swarm.moe.server.experts import FeedforwardExpert, default_optimizer
 
     hid, batch = args.hidden_dim, args.batch
     x, grad = torch.randn(batch, hid), torch.randn(batch, hid)

@@ -82,16 +82,30 @@ class AveragerConfig:
 
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
-    compression: int = int(CompressionType.NONE)
+    compression: CompressionType = CompressionType.NONE
     bandwidth: float = 1.0
 
     def __post_init__(self) -> None:
         try:
-            CompressionType(self.compression)
+            object.__setattr__(self, "compression", CompressionType(self.compression))
         except ValueError:
             raise ConfigError(f"unknown compression type {self.compression}") from None
         if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
             raise ConfigError("bandwidth must be finite and >= 0")
+
+
+def _with_group_sizes(config: AveragerConfig | None, target: int | None, minimum: int | None) -> AveragerConfig:
+    """`config` with the group sizes given as `Averager` arguments (their home is `MatchmakingConfig`;
+    the arguments are a shorthand that replaces what the config says)."""
+    config = config or AveragerConfig()
+    sizes = {}
+    if target is not None:
+        sizes["target_group_size"] = target
+    if minimum is not None:
+        sizes["min_group_size"] = minimum
+    if not sizes:
+        return config
+    return dataclasses.replace(config, matchmaking=dataclasses.replace(config.matchmaking, **sizes))
 
 
 class Averager:
@@ -102,8 +116,10 @@ class Averager:
         tensors: floating-point tensors averaged in place (any shapes; the same on every peer).
             With `auxiliary=True` they only give the shapes and are never read or written.
         prefix: names this averager; peers average with peers of the same prefix.
-        target_group_size: a group starts as soon as it has this many members.
-        min_group_size: fewest members a round may have.
+        target_group_size: a group starts as soon as it has this many members; given, it replaces
+            ``config.matchmaking.target_group_size`` (default 4), where the setting lives.
+        min_group_size: fewest members a round may have; given, it replaces
+            ``config.matchmaking.min_group_size`` (default 2).
         initial_group: multiaddrs of the peers to average with (a "static group": the smallest
             PeerID leads). Without it the group is found through the DHT (`peer.dht`).
         auxiliary: this peer has no tensors and only helps reduce (needs a server).
@@ -113,8 +129,8 @@ class Averager:
     """
 
     def __init__(
-        self, peer: PeerHandle, tensors: Sequence[torch.Tensor], prefix: str = "run", target_group_size: int = 4,
-        min_group_size: int = 2, *, initial_group: Sequence[str] | None = None, auxiliary: bool = False,
+        self, peer: PeerHandle, tensors: Sequence[torch.Tensor], prefix: str = "run",
+        target_group_size: int | None = None, min_group_size: int | None = None, *, initial_group: Sequence[str] | None = None, auxiliary: bool = False,
         group_key: str = "0", config: AveragerConfig | None = None, faults: FaultPlan | None = None,
     ) -> None:
         if not prefix or "/" in prefix:
@@ -127,9 +143,7 @@ class Averager:
             raise ConfigError("an averager needs tensors (an auxiliary one: tensors of the same shapes, never written)")
         if auxiliary and peer.server is None:
             raise ConfigError("an auxiliary averager must accept connections (not client mode)")
-        base = config or AveragerConfig()
-        mm = dataclasses.replace(base.matchmaking, target_group_size=target_group_size, min_group_size=min_group_size)
-        self.config = dataclasses.replace(base, matchmaking=mm)
+        self.config = _with_group_sizes(config, target_group_size, min_group_size)
         self.faults = faults if faults is not None else FaultPlan()
         self.numel = sum(t.numel() for t in self.tensors)
         self.flat = None if auxiliary else FlatTensors(self.tensors)

@@ -30,7 +30,7 @@ def _setup_logging(level: str) -> None:
 def _attach_services(peer: object, options: PeerOptions) -> None:
     """Starts what the options ask for beyond the bare peer (experts, metrics)."""
     if options.experts:
-        from swarm.moe.cli import serve_experts  # imports torch only when experts are served
+        from swarm.moe.server.cli import serve_experts  # imports torch only when experts are served
 
         serve_experts(peer, options)
     if options.metrics_port is not None:

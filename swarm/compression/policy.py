@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
 from swarm.compression.base import CompressionType
+from swarm.core.errors import ConfigError
 
 __all__ = [
     "CompressionPolicy",
@@ -128,7 +129,7 @@ class SizeAdaptiveCompression:
 
     def __post_init__(self) -> None:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, int) or self.threshold < 0:
-            raise ValueError(f"threshold must be a non-negative int, got {self.threshold!r}")
+            raise ConfigError(f"threshold must be a non-negative int, got {self.threshold!r}")
         object.__setattr__(self, "small", _as_kind(self.small, "small"))
         object.__setattr__(self, "large", _as_kind(self.large, "large"))
 

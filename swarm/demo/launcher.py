@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from swarm.core.errors import ConfigError
 from swarm.demo.display import Board
 from swarm.demo.events import Evaluation, Notice, Progress, TextSample, from_json, megabytes, printable
 from swarm.demo.model import ModelConfig
@@ -55,9 +56,9 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.trainers <= 16:
-            raise ValueError("--trainers must be within 1..16")
+            raise ConfigError("--trainers must be within 1..16")
         if self.duration <= 0:
-            raise ValueError("--duration must be positive")
+            raise ConfigError("--duration must be positive")
 
 
 def _die_with_parent() -> None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from swarm.core.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -39,9 +41,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_dim % self.heads:
-            raise ValueError(f"hidden_dim {self.hidden_dim} must be a multiple of heads {self.heads}")
+            raise ConfigError(f"hidden_dim {self.hidden_dim} must be a multiple of heads {self.heads}")
         if self.context < 2 or self.k_best < 1:
-            raise ValueError("context must be >= 2 and k_best >= 1")
+            raise ConfigError("context must be >= 2 and k_best >= 1")
 
     @property
     def expert_pattern(self) -> str:
@@ -111,7 +113,7 @@ class LocalExperts(nn.Module):
 
     def __init__(self, config: ModelConfig, count: int = 2) -> None:
         super().__init__()
-        from swarm.moe.layers import FeedforwardExpert
+        from swarm.moe.server.experts import FeedforwardExpert
 
         self.experts = nn.ModuleList(FeedforwardExpert(config.hidden_dim) for _ in range(count))
 

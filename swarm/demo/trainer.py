@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.core.errors import SwarmError
+from swarm.core.errors import ConfigError, SwarmError
 from swarm.demo.data import ByteDataset, load_corpus
 from swarm.demo.events import Evaluation, EventWriter, Notice, Progress, TextSample
 from swarm.demo.model import ByteLM, LocalExperts, ModelConfig
@@ -89,9 +89,9 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         if self.duration <= 0 or self.batch_size < 1 or self.target_batch_size < 1 or self.lr <= 0:
-            raise ValueError("duration, batch sizes and lr must be positive")
+            raise ConfigError("duration, batch sizes and lr must be positive")
         if self.diloco_steps is not None and self.diloco_steps < 1:
-            raise ValueError("--diloco-steps must be positive")
+            raise ConfigError("--diloco-steps must be positive")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +140,7 @@ class Trainer:
     """
 
     def __init__(self, config: TrainerConfig, emit: Callable[[object], None], stop: threading.Event) -> None:
-        from swarm.moe.mixture import RemoteMixtureOfExperts
+        from swarm.moe.client.mixture import RemoteMixtureOfExperts
         from swarm.peer import Peer
 
         self.config = config

@@ -13,7 +13,7 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 
-from swarm.core.errors import DeadlineExceeded, PeerUnreachable
+from swarm.core.errors import ConfigError, DeadlineExceeded, PeerUnreachable
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,11 @@ class LinkFault:
 
     def __post_init__(self) -> None:
         if self.delay < 0 or self.jitter < 0:
-            raise ValueError("delay and jitter must be >= 0")
+            raise ConfigError("delay and jitter must be >= 0")
         if not 0.0 <= self.loss <= 1.0:
-            raise ValueError(f"loss is a probability, got {self.loss}")
+            raise ConfigError(f"loss is a probability, got {self.loss}")
         if self.lose_first < 0:
-            raise ValueError(f"lose_first must be >= 0, got {self.lose_first}")
+            raise ConfigError(f"lose_first must be >= 0, got {self.lose_first}")
 
 
 @dataclass

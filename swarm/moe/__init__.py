@@ -5,7 +5,7 @@ checkpoints, DHT declarations). Client side: `RemoteExpert` (one expert), and
 `RemoteMixtureOfExperts` / `RemoteSwitchMixtureOfExperts` (layers that route each sample to
 its best live experts, found in the DHT by beam search).
 
-Names are resolved lazily, so importing a torch-free part (`swarm.moe.uids`, `swarm.moe.cli`'s
+Names are resolved lazily, so importing a torch-free part (`swarm.moe.uids`, `swarm.moe.server.cli`'s
 option checks) does not import torch.
 """
 
@@ -15,20 +15,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from swarm.moe.expert import RemoteExpert
-    from swarm.moe.mixture import RemoteMixtureOfExperts
-    from swarm.moe.server import ExpertServer
-    from swarm.moe.server_config import ExpertServerConfig
+    from swarm.moe.client.expert import RemoteExpert
+    from swarm.moe.client.mixture import RemoteMixtureOfExperts
+    from swarm.moe.client.switch import RemoteSwitchMixtureOfExperts
+    from swarm.moe.server.config import ExpertServerConfig
+    from swarm.moe.server.expert_server import ExpertServer
     from swarm.moe.sources import ExpertSource, StaticExpertSource
-    from swarm.moe.switch import RemoteSwitchMixtureOfExperts
 
 _EXPORTS = {
-    "ExpertServer": "swarm.moe.server",
-    "ExpertServerConfig": "swarm.moe.server_config",
+    "ExpertServer": "swarm.moe.server.expert_server",
+    "ExpertServerConfig": "swarm.moe.server.config",
     "ExpertSource": "swarm.moe.sources",
-    "RemoteExpert": "swarm.moe.expert",
-    "RemoteMixtureOfExperts": "swarm.moe.mixture",
-    "RemoteSwitchMixtureOfExperts": "swarm.moe.switch",
+    "RemoteExpert": "swarm.moe.client.expert",
+    "RemoteMixtureOfExperts": "swarm.moe.client.mixture",
+    "RemoteSwitchMixtureOfExperts": "swarm.moe.client.switch",
     "StaticExpertSource": "swarm.moe.sources",
 }
 

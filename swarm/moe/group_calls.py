@@ -3,7 +3,7 @@
 A mixture often sends the same rows to several experts of one server (with k_best=4 on a 2x2
 grid, every sample goes to all four). One stream per server instead of one per expert sends the
 shared inputs once, lets the server queue every expert's task at the same moment (so its compute
-workers split them at once, `swarm.moe.runtime`), and returns the input gradients already summed
+workers split them at once, `swarm.moe.server.runtime`), and returns the input gradients already summed
 over the server's experts. Wire format (proto/moe.proto), request bundle metadata::
 
     {"inputs": n, "experts": [{"uid": str, "graph": int | None, "rows": bool}, ...]}

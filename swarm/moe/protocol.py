@@ -5,7 +5,7 @@ Forward and Backward are bidirectional raw-bytes streams carrying one tensor bun
 expert and, optionally, a graph id. A Forward's answer says ``{"kept": true}`` when the server
 kept that forward's graph; the Backward may then carry the output gradients alone
 (``"inputs": false``), and resends with the inputs if the answer is ``{"graph": "gone"}``. Info is
-a unary call with protobuf messages. The server side (`rpc_*`) lives in `swarm.moe.server`; this
+a unary call with protobuf messages. The server side (`rpc_*`) lives in `swarm.moe.server.expert_server`; this
 module holds the client side (`call_*`) and what both sides share. Several experts of one server
 can share one stream: `swarm.moe.group_calls`.
 """
@@ -179,7 +179,7 @@ MAX_STREAMS_PER_PEER = 128
 One gRPC connection carries at most the server's max_concurrent_streams (512); past it, or when
 the server's accounting of closed streams lags under load, streams are refused (RST_STREAM
 REFUSED_STREAM) and, with transparent retries off, surface as errors. Queueing in the client keeps
-a burst from one caller orderly; the server's own limits (`swarm.moe.admission`) still apply."""
+a burst from one caller orderly; the server's own limits (`swarm.moe.server.admission`) still apply."""
 
 _slots: weakref.WeakKeyDictionary[PeerChannel, asyncio.Semaphore] = weakref.WeakKeyDictionary()
 

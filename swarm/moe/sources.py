@@ -1,6 +1,6 @@
 """Where a client learns which experts are alive and where they are served.
 
-`ExpertSource` is what the beam search (`swarm.moe.beam_search`) and `RemoteExpert` ask:
+`ExpertSource` is what the beam search (`swarm.moe.client.beam_search`) and `RemoteExpert` ask:
 the live successors of grid prefixes, and the addresses of whole UIDs. The DHT answers it in
 a swarm (`swarm.moe.dht_declare.DHTExpertSource`); `StaticExpertSource` answers it from a fixed
 table, for setups without a DHT (a private cluster, tests, benchmarks).

@@ -109,9 +109,8 @@ def make_swarm_averager(peer: PeerHandle, tensors: Sequence[torch.Tensor], prefi
     settings = AveragerConfig(
         matchmaking=MatchmakingConfig(target_group_size=config.target_group_size, min_group_size=2,
                                       join_window=config.matchmaking_window),
-        compression=int(compression),
+        compression=compression,
     )
-    averager = Averager(peer, list(tensors), prefix=prefix, target_group_size=config.target_group_size,
-                        min_group_size=2, config=settings)
+    averager = Averager(peer, list(tensors), prefix=prefix, config=settings)
     wire = get_codec(compression).encoded_size(max(numel, 1)) / max(numel, 1)
     return SwarmAverager(averager, wire)

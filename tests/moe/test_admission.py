@@ -1,4 +1,4 @@
-"""Tests of swarm.moe.admission: header checks before allocation, and in-flight limits."""
+"""Tests of swarm.moe.server.admission: header checks before allocation, and in-flight limits."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from swarm.core.errors import InvalidRequest, ResourceExhausted
-from swarm.moe.admission import Admission, check_declared
 from swarm.moe.schema import TensorSchema
+from swarm.moe.server.admission import Admission, check_declared
 from swarm.proto import tensor_pb2
 
 SCHEMAS = (TensorSchema((4,), torch.float32), TensorSchema((2, 3), torch.int64))

@@ -1,4 +1,4 @@
-"""Tests of swarm.moe.backend: schemas, forward, training backward, info and state."""
+"""Tests of swarm.moe.server.backend: schemas, forward, training backward, info and state."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from swarm.core.errors import InvalidRequest, MoEError
-from swarm.moe.backend import ExpertBackend, TensorSchema
+from swarm.moe.server.backend import ExpertBackend, TensorSchema
 
 HID = 8
 

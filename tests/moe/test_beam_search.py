@@ -1,4 +1,4 @@
-"""Tests of swarm.moe.beam_search against brute force, without sockets (a static expert table)."""
+"""Tests of swarm.moe.client.beam_search against brute force, without sockets (a static expert table)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from swarm.moe.beam_search import MoEBeamSearcher
+from swarm.moe.client.beam_search import MoEBeamSearcher
 from swarm.moe.sources import StaticExpertSource
 from swarm.moe.uids import format_uid
 

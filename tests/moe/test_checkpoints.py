@@ -1,4 +1,4 @@
-"""Tests of swarm.moe.checkpoints: atomic saves, exact restores, corrupt files."""
+"""Tests of swarm.moe.server.checkpoints: atomic saves, exact restores, corrupt files."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.moe.backend import ExpertBackend
-from swarm.moe.checkpoints import (
+from swarm.moe.server.backend import ExpertBackend
+from swarm.moe.server.checkpoints import (
     CheckpointError,
     CheckpointSaver,
     checkpoint_path,
     load_experts,
     save_experts,
 )
-from swarm.moe.layers import make_backend
+from swarm.moe.server.experts import make_backend
 
 HID = 8
 UIDS = ["ffn.0.0", "ffn.0.1"]

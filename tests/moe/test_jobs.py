@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from swarm.moe.beam_search import ExpertChoice
-from swarm.moe.jobs import ExpertJob, plan_jobs, plan_shares
+from swarm.moe.client.beam_search import ExpertChoice
+from swarm.moe.client.jobs import ExpertJob, plan_jobs, plan_shares
 
 
 def job(uid: str, addr: str, rows: list[int]) -> ExpertJob:

@@ -1,4 +1,4 @@
-"""Tests of swarm.moe.layers: the expert-class registry and make_backend."""
+"""Tests of swarm.moe.server.experts: the expert-class registry and make_backend."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from swarm.moe.backend import ExpertBackend, TensorSchema
-from swarm.moe.layers import (
+from swarm.moe.server.backend import ExpertBackend, TensorSchema
+from swarm.moe.server.experts import (
     TRANSFORMER_SEQ_LEN,
     TransformerExpert,
     get_expert_class,

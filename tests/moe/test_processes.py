@@ -11,8 +11,8 @@ from procs import PeerProcess
 
 from swarm.core.errors import MoEError
 from swarm.moe import RemoteExpert, RemoteMixtureOfExperts
-from swarm.moe.checkpoints import checkpoint_path
-from swarm.moe.layers import FeedforwardExpert
+from swarm.moe.server.checkpoints import checkpoint_path
+from swarm.moe.server.experts import FeedforwardExpert
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 HID = 16

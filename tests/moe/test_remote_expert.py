@@ -15,10 +15,10 @@ from torch import nn
 
 from swarm.core.errors import MoEError
 from swarm.moe import ExpertServer, RemoteExpert
-from swarm.moe.backend import ExpertBackend
-from swarm.moe.layers import FeedforwardExpert
 from swarm.moe.protocol import BACKWARD
 from swarm.moe.schema import TensorSchema
+from swarm.moe.server.backend import ExpertBackend
+from swarm.moe.server.experts import FeedforwardExpert
 
 pytestmark = pytest.mark.timeout(60)
 TOL = {"rtol": 1e-5, "atol": 1e-6}

@@ -1,4 +1,4 @@
-"""Tests of swarm.moe.runtime: batching, per-task results, faults, back-pressure, shutdown.
+"""Tests of swarm.moe.server.runtime: batching, per-task results, faults, back-pressure, shutdown.
 
 The compute thread is held inside a "gate" batch (a function blocked on a threading.Event)
 whenever a test needs tasks to pile up; nothing here sleeps to wait for an event.
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from swarm.core.errors import InvalidRequest, MoEError, ResourceExhausted
-from swarm.moe.backend import ExpertBackend, TensorSchema
-from swarm.moe.runtime import Runtime, TaskPool
+from swarm.moe.server.backend import ExpertBackend, TensorSchema
+from swarm.moe.server.runtime import Runtime, TaskPool
 
 pytestmark = pytest.mark.timeout(30)
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""Tests of a swarm.moe.runtime.Runtime with several compute workers: groups, thread budget, submit_together.
+"""Tests of a swarm.moe.server.runtime.Runtime with several compute workers: groups, thread budget, submit_together.
 
 Batch functions block on threading events (or a barrier) to hold workers; nothing here sleeps to
 wait for an event.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from swarm.core.errors import MoEError, ResourceExhausted
-from swarm.moe.runtime import Runtime, TaskPool
+from swarm.moe.server.runtime import Runtime, TaskPool
 
 pytestmark = pytest.mark.timeout(30)
 WAIT = 5.0

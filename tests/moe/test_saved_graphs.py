@@ -1,4 +1,4 @@
-"""Tests of swarm.moe.saved_graphs: bounded by rows, by age and by the expert's version."""
+"""Tests of swarm.moe.server.saved_graphs: bounded by rows, by age and by the expert's version."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from swarm.moe.saved_graphs import SavedForward, SavedGraphs
+from swarm.moe.server.saved_graphs import SavedForward, SavedGraphs
 
 
 def saved(rows: int, version: int = 0, created: float | None = None, value: float = 1.0) -> SavedForward:

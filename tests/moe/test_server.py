@@ -11,8 +11,8 @@ from torch import nn
 
 from swarm.core.errors import ConfigError, PeerUnreachable, RemoteError
 from swarm.moe import ExpertServer, ExpertServerConfig, RemoteExpert
-from swarm.moe.hosted import BatchingConfig
 from swarm.moe.schema import TensorSchema
+from swarm.moe.server.hosted import BatchingConfig
 
 pytestmark = pytest.mark.timeout(60)
 HID = 6

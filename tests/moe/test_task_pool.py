@@ -1,4 +1,4 @@
-"""Tests of what swarm.moe.task_pool adds beyond test_runtime.py: tags, max_batch_tasks, wait_queued."""
+"""Tests of what swarm.moe.server.task_pool adds beyond test_runtime.py: tags, max_batch_tasks, wait_queued."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from swarm.moe.runtime import Runtime
-from swarm.moe.task_pool import TaskPool
+from swarm.moe.server.runtime import Runtime
+from swarm.moe.server.task_pool import TaskPool
 
 pytestmark = pytest.mark.timeout(30)
 

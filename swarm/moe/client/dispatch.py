@@ -1,7 +1,7 @@
 """A mixture's calls to its experts: one group call per server per batch, all at once.
 
 Each expert chosen by any sample gets one job carrying every row that chose it, and the jobs of
-one server travel in one group call (`swarm.moe.jobs`, `swarm.moe.group_calls`): the rows are
+one server travel in one group call (`swarm.moe.client.jobs`, `swarm.moe.group_calls`): the rows are
 sent once, the server computes its experts side by side and answers each as it finishes. The
 calls run concurrently on the peer's loop and are awaited under the k_min policy (SPEC.md §4): a
 forward succeeds while every sample has at least `k_min` experts that answered within the
@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 import swarm.moe.rows as row_ops
-from swarm.core.errors import InvalidRequest, MoEError, RPCError
+from swarm.core.errors import ConfigError, InvalidRequest, MoEError, RPCError
 from swarm.dht.handle import PeerHandle
-from swarm.moe.beam_search import ExpertChoice
-from swarm.moe.expert import as_payload
+from swarm.moe.client.beam_search import ExpertChoice
+from swarm.moe.client.expert import as_payload
+from swarm.moe.client.jobs import ExpertJob, ServerShare, plan_jobs, plan_shares
 from swarm.moe.group_calls import GroupMember, call_backward_group, call_forward_group
-from swarm.moe.jobs import ExpertJob, ServerShare, plan_jobs, plan_shares
 
 __all__ = ["DispatchPolicy", "ExpertJob", "MixtureCall", "plan_jobs"]
 
@@ -67,13 +67,13 @@ class DispatchPolicy:
 
     def __post_init__(self) -> None:
         if self.k_min < 1 or self.backward_k_min < 1:
-            raise ValueError("k_min and backward_k_min must be at least 1")
+            raise ConfigError("k_min and backward_k_min must be at least 1")
         if not self.forward_timeout > 0 or not self.backward_timeout > 0:
-            raise ValueError("forward_timeout and backward_timeout must be positive")
+            raise ConfigError("forward_timeout and backward_timeout must be positive")
         if self.timeout_after_k_min is not None and self.timeout_after_k_min < 0:
-            raise ValueError("timeout_after_k_min must be >= 0 or None")
+            raise ConfigError("timeout_after_k_min must be >= 0 or None")
         if self.exclude_failed_for < 0:
-            raise ValueError("exclude_failed_for must be >= 0")
+            raise ConfigError("exclude_failed_for must be >= 0")
 
 
 OnFailure = Callable[[ExpertJob, BaseException], None]

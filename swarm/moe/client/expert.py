@@ -6,7 +6,7 @@ expert with its own optimizer. Both are blocking calls through the peer's loop b
 (`peer.run`); `acall_forward`/`acall_backward` are the awaitable forms (no autograd).
 
 A forward made with grad mode on carries a random graph id, so the server can keep that
-forward's graph for the backward instead of recomputing it (`swarm.moe.saved_graphs`); when the
+forward's graph for the backward instead of recomputing it (`swarm.moe.server.saved_graphs`); when the
 server says it kept it, the backward sends the output gradients without the inputs (and the
 inputs only if the graph is gone by then).
 """
@@ -21,7 +21,7 @@ from torch import nn
 
 from swarm.core.errors import MoEError
 from swarm.dht.handle import PeerHandle
-from swarm.moe.jobs import new_graph_id
+from swarm.moe.client.jobs import new_graph_id
 from swarm.moe.protocol import ExpertInfo, call_backward, call_forward_keeping, call_info
 from swarm.moe.sources import ExpertSource
 

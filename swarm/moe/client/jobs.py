@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.moe.beam_search import ExpertChoice
+from swarm.moe.client.beam_search import ExpertChoice
 
 __all__ = ["ExpertJob", "ServerShare", "new_graph_id", "plan_jobs", "plan_shares"]
 

@@ -1,9 +1,9 @@
 """RemoteMixtureOfExperts: a layer whose experts live on other peers, found through the DHT.
 
 A gating network (one linear map, split into one score vector per grid dimension) scores the
-grid coordinates; the beam search (`swarm.moe.beam_search`) picks each sample's `k_best` live
+grid coordinates; the beam search (`swarm.moe.client.beam_search`) picks each sample's `k_best` live
 experts; one group call per server carries the rows of all its chosen experts
-(`swarm.moe.dispatch`); the output is the gate-weighted sum of the experts that answered, the
+(`swarm.moe.client.dispatch`); the output is the gate-weighted sum of the experts that answered, the
 weights renormalized over those (Learning@home, Ryabinin & Gusev 2020, §3). Gradients reach the
 gating network through the weights and the experts through their Backward calls (each expert
 trains itself on them).
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from swarm.core.errors import ConfigError
 from swarm.dht.handle import PeerHandle
-from swarm.moe.beam_search import ExpertChoice, MoEBeamSearcher
-from swarm.moe.dispatch import DispatchPolicy, ExpertJob, MixtureCall, MixtureCaller
+from swarm.moe.client.beam_search import ExpertChoice, MoEBeamSearcher
+from swarm.moe.client.dispatch import DispatchPolicy, ExpertJob, MixtureCall, MixtureCaller
 from swarm.moe.sources import ExpertSource
 
 __all__ = ["MixtureConfig", "RemoteMixtureOfExperts"]
@@ -53,11 +54,11 @@ class MixtureConfig:
 
     def __post_init__(self) -> None:
         if self.in_features < 1:
-            raise ValueError(f"in_features must be positive, got {self.in_features}")
+            raise ConfigError(f"in_features must be positive, got {self.in_features}")
         if self.k_best < 1 or (self.beam_size is not None and self.beam_size < self.k_best):
-            raise ValueError("k_best must be >= 1 and beam_size (if given) >= k_best")
+            raise ConfigError("k_best must be >= 1 and beam_size (if given) >= k_best")
         if self.policy.k_min > self.k_best:
-            raise ValueError(f"k_min={self.policy.k_min} cannot exceed k_best={self.k_best}")
+            raise ConfigError(f"k_min={self.policy.k_min} cannot exceed k_best={self.k_best}")
         object.__setattr__(self, "grid_size", tuple(self.grid_size))
 
 

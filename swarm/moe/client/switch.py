@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from swarm.dht.handle import PeerHandle
-from swarm.moe.beam_search import ExpertChoice
-from swarm.moe.mixture import RemoteMixtureOfExperts
+from swarm.moe.client.beam_search import ExpertChoice
+from swarm.moe.client.mixture import RemoteMixtureOfExperts
 from swarm.moe.sources import ExpertSource
 
 __all__ = ["RemoteSwitchMixtureOfExperts"]

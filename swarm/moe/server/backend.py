@@ -4,7 +4,7 @@ Experts are trained where they live: a backward call computes the gradients w.r.
 inputs for the caller *and* applies the expert's own optimizer step to its parameters.
 
 Threading: `ExpertBackend.forward` and `ExpertBackend.backward` are called by the runtime's
-compute threads (`swarm.moe.runtime.Runtime`), one batch of an expert at a time (its pools form
+compute threads (`swarm.moe.server.runtime.Runtime`), one batch of an expert at a time (its pools form
 one group); they are not safe to call concurrently with each other. `state_dict` and `load_state_dict` may be called from any
 thread (e.g. a checkpoint saver): they take a lock that the parameter update in `backward`
 also holds, so a snapshot never sees a half-applied optimizer step.

@@ -74,7 +74,7 @@ def _per_task_error(error: BaseException) -> BaseException:
 
 
 class BatchRunner:
-    """The compute side of a `swarm.moe.task_pool.TaskPool`: runs one batch of its tasks.
+    """The compute side of a `swarm.moe.server.task_pool.TaskPool`: runs one batch of its tasks.
 
     `TaskPool` extends it with the queue the batches come from, and sets the attributes below.
     """

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from swarm.core.errors import SwarmError
-from swarm.moe.backend import ExpertBackend
+from swarm.moe.server.backend import ExpertBackend
 
 __all__ = ["CheckpointError", "CheckpointSaver", "checkpoint_path", "load_experts", "save_experts"]
 

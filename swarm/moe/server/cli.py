@@ -12,7 +12,7 @@ from swarm.dht.handle import PeerHandle
 from swarm.moe.uids import expand_pattern
 
 if TYPE_CHECKING:
-    from swarm.moe.server import ExpertServer
+    from swarm.moe.server.expert_server import ExpertServer
 
 
 def serve_experts(peer: PeerHandle, options: Any) -> ExpertServer:
@@ -34,7 +34,7 @@ def serve_experts(peer: PeerHandle, options: Any) -> ExpertServer:
         expand_pattern(options.experts)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--experts: {e}") from None
-    from swarm.moe.server import ExpertServer
+    from swarm.moe.server.expert_server import ExpertServer
 
     try:
         return ExpertServer.from_pattern(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from swarm.core.errors import ConfigError
-from swarm.moe.hosted import BatchingConfig
+from swarm.moe.server.hosted import BatchingConfig
 
 __all__ = ["ExpertServerConfig"]
 
@@ -26,7 +26,7 @@ class ExpertServerConfig:
             default, one per core).
         compute_workers: compute threads, hence batches of different experts running at once
             (None: one per compute thread). A batch running alone gets all `compute_threads`;
-            concurrent ones share them (`swarm.moe.runtime`). The experts of one group call
+            concurrent ones share them (`swarm.moe.server.runtime`). The experts of one group call
             (a mixture's share of a batch) are split among the workers at once.
         runtime_shutdown_timeout: seconds a running batch gets to finish at shutdown.
         max_drain_bytes: how much of a refused request is still read (and dropped) so that the

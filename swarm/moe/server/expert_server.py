@@ -2,8 +2,8 @@
 
 It registers five RPCs on the peer's gRPC server (proto/moe.proto): Forward and Backward
 (tensor streams, batched across callers by the `Runtime`'s compute threads), their group forms
-ForwardGroup and BackwardGroup (several experts per stream, `swarm.moe.group_serving`) and Info.
-Each request is checked before it costs anything (`swarm.moe.admission`): the expert must be
+ForwardGroup and BackwardGroup (several experts per stream, `swarm.moe.server.group_serving`) and Info.
+Each request is checked before it costs anything (`swarm.moe.server.admission`): the expert must be
 hosted (NOT_FOUND), the declared tensors must fit its schemas (INVALID_ARGUMENT) and its batch
 limit, and the server's bounds on requests and bytes in flight must allow it
 (RESOURCE_EXHAUSTED); then the received tensors are checked in full (NaN/Inf) per request, so
@@ -25,19 +25,19 @@ from torch import nn
 
 from swarm.core.errors import ConfigError, InvalidRequest, NotFound, PeerUnreachable
 from swarm.dht.handle import PeerHandle
-from swarm.moe.admission import Admission, check_declared
-from swarm.moe.backend import ExpertBackend
-from swarm.moe.checkpoints import CheckpointSaver
 from swarm.moe.dht_declare import ExpertDeclarer
 from swarm.moe.group_calls import BACKWARD_GROUP, FORWARD_GROUP
-from swarm.moe.group_serving import GroupCallHandlers
-from swarm.moe.hosted import GraphGone, HostedExpert
-from swarm.moe.layers import OptimizerFactory, backend_for_module, default_optimizer, make_backend
 from swarm.moe.protocol import BACKWARD, FORWARD, GRAPH_GONE, INFO, ExpertCall, parse_call_header
-from swarm.moe.runtime import Runtime
 from swarm.moe.schema import TensorSchema
-from swarm.moe.server_config import ExpertServerConfig
-from swarm.moe.task_pool import PoolStats
+from swarm.moe.server.admission import Admission, check_declared
+from swarm.moe.server.backend import ExpertBackend
+from swarm.moe.server.checkpoints import CheckpointSaver
+from swarm.moe.server.config import ExpertServerConfig
+from swarm.moe.server.experts import OptimizerFactory, backend_for_module, default_optimizer, make_backend
+from swarm.moe.server.group_serving import GroupCallHandlers
+from swarm.moe.server.hosted import GraphGone, HostedExpert
+from swarm.moe.server.runtime import Runtime
+from swarm.moe.server.task_pool import PoolStats
 from swarm.moe.uids import expand_pattern
 from swarm.net.server import CallContext
 from swarm.net.streaming import tensors_to_messages
@@ -133,7 +133,7 @@ class ExpertServer(GroupCallHandlers):
         declare: bool = True,
         start: bool = True,
     ) -> ExpertServer:
-        """Serves every expert a pattern names, built from a registered class (`swarm.moe.layers`).
+        """Serves every expert a pattern names, built from a registered class (`swarm.moe.server.experts`).
 
         Args:
             peer: the serving peer.

@@ -1,6 +1,6 @@
 """The expert server's side of group calls (`swarm.moe.group_calls`): several experts per stream.
 
-A group request is admitted and checked like a single-expert one (`swarm.moe.admission`): one
+A group request is admitted and checked like a single-expert one (`swarm.moe.server.admission`): one
 request slot, every declared tensor held against the schemas of the experts it goes to and its
 bytes reserved before any is read, the received inputs checked in full (NaN/Inf). What concerns
 one expert only fails that expert, in its own response bundle: it is not hosted (forward), its
@@ -26,16 +26,16 @@ import torch
 import swarm.moe.rows as row_ops
 from swarm.core.errors import InvalidRequest, NotFound, PeerUnreachable, SwarmError
 from swarm.dht.handle import PeerHandle
-from swarm.moe.admission import check_declared_batch, drain_request
 from swarm.moe.group_calls import GroupRequest, error_metadata, parse_group_header
-from swarm.moe.hosted import HostedExpert
+from swarm.moe.server.admission import check_declared_batch, drain_request
+from swarm.moe.server.hosted import HostedExpert
 from swarm.net.server import CallContext
 from swarm.net.streaming import TensorReceiver, tensors_to_messages
 
 if TYPE_CHECKING:
-    from swarm.moe.admission import Admission
-    from swarm.moe.runtime import Runtime
-    from swarm.moe.server_config import ExpertServerConfig
+    from swarm.moe.server.admission import Admission
+    from swarm.moe.server.config import ExpertServerConfig
+    from swarm.moe.server.runtime import Runtime
 
 __all__ = ["GroupCallHandlers"]
 
@@ -60,7 +60,7 @@ class _Received:
 
 
 class GroupCallHandlers:
-    """The ForwardGroup and BackwardGroup handlers of `swarm.moe.server.ExpertServer` (a mixin)."""
+    """The ForwardGroup and BackwardGroup handlers of `swarm.moe.server.expert_server.ExpertServer` (a mixin)."""
 
     peer: PeerHandle
     config: ExpertServerConfig

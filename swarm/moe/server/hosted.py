@@ -4,7 +4,7 @@ Requests reach the expert through `TaskPool`s (forward, backward, and backward t
 graph) served by the server's `Runtime`, so concurrent callers are merged into batches. The pools
 form one group: batches of one expert never run at the same time. The batch functions here run on
 a compute thread and decide, per batch, whether a forward keeps its graph (it ran alone and
-carries a graph id) and whether a backward can reuse one (`swarm.moe.saved_graphs`). A forward
+carries a graph id) and whether a backward can reuse one (`swarm.moe.server.saved_graphs`). A forward
 tells its caller whether it kept the graph, so that the backward may leave the inputs out (the
 server has them); if the graph is gone by then, that backward fails with `GraphGone` and the
 caller sends the inputs after all.
@@ -18,18 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.core.errors import InvalidRequest, MoEError
+from swarm.core.errors import ConfigError, InvalidRequest, MoEError
 from swarm.metrics import EXPERT_BATCHES, EXPERT_QUEUE_DEPTH
-from swarm.moe.backend import ExpertBackend
-from swarm.moe.saved_graphs import SavedForward, SavedGraphs
-from swarm.moe.task_pool import TaskPool
+from swarm.moe.server.backend import ExpertBackend
+from swarm.moe.server.saved_graphs import SavedForward, SavedGraphs
+from swarm.moe.server.task_pool import TaskPool
 
 __all__ = ["BatchingConfig", "GraphGone", "HostedExpert"]
 
 
 @dataclass(frozen=True)
 class BatchingConfig:
-    """How one expert's requests are merged into batches (see `swarm.moe.task_pool`).
+    """How one expert's requests are merged into batches (see `swarm.moe.server.task_pool`).
 
     Batching is opportunistic by default (``max_wait=0``): a request that finds the compute
     thread idle runs at once, and requests that arrive while it is busy are merged into the next
@@ -57,11 +57,11 @@ class BatchingConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_wait <= self.min_batch_timeout:
-            raise ValueError("need 0 <= max_wait <= min_batch_timeout")
+            raise ConfigError("need 0 <= max_wait <= min_batch_timeout")
         if self.min_batch_size < 1 or (self.max_batch_tasks is not None and self.max_batch_tasks < 1):
-            raise ValueError("min_batch_size and max_batch_tasks must be positive")
+            raise ConfigError("min_batch_size and max_batch_tasks must be positive")
         if self.saved_graph_rows < 0 or not self.saved_graph_ttl > 0:
-            raise ValueError("saved_graph_rows must be >= 0 and saved_graph_ttl > 0")
+            raise ConfigError("saved_graph_rows must be >= 0 and saved_graph_ttl > 0")
 
 
 class GraphGone(MoEError):

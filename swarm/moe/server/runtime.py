@@ -1,9 +1,9 @@
 """The batching runtime: compute threads that run the batches of several task pools.
 
 One `Runtime` owns one or more dedicated compute threads ("workers") that serve several
-`TaskPool`s (`swarm.moe.task_pool`): among the pools that are ready, the one whose head task is
+`TaskPool`s (`swarm.moe.server.task_pool`): among the pools that are ready, the one whose head task is
 oldest goes first. Pools of one group (an expert's forward and backward pools) never run at the
-same time, so an `swarm.moe.backend.ExpertBackend` needs no locking of its own.
+same time, so an `swarm.moe.server.backend.ExpertBackend` needs no locking of its own.
 
 Several workers share the machine's cores through a budget of torch intra-op threads: a batch
 that runs alone gets the whole budget; when several groups have work, the budget is split among
@@ -30,8 +30,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
 from swarm.core.errors import MoEError, SwarmError
-from swarm.moe.batch_runner import ProcessFn, Task, deliver
-from swarm.moe.task_pool import PoolStats, TaskPool
+from swarm.moe.server.batch_runner import ProcessFn, Task, deliver
+from swarm.moe.server.task_pool import PoolStats, TaskPool
 
 if TYPE_CHECKING:
     import torch

@@ -11,7 +11,7 @@ backward recomputes, as before.
 Memory is bounded: at most `max_rows` rows of saved forwards per expert (oldest evicted first),
 entries older than `ttl` seconds are dropped, and every entry dies at the expert's next step.
 Only the batches of its expert touch a `SavedGraphs`, and the runtime never runs two of them at
-once (`swarm.moe.runtime`: one group per expert), so it has no lock.
+once (`swarm.moe.server.runtime`: one group per expert), so it has no lock.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A `TaskPool` wraps one function (say, one expert's forward). Callers on an asyncio event loop
 ``await pool.submit(*tensors)``; the pool queues the task and returns control to the loop at
-once. The `swarm.moe.runtime.Runtime` that owns the pool takes the tasks at its head,
+once. The `swarm.moe.server.runtime.Runtime` that owns the pool takes the tasks at its head,
 concatenates them along dim 0 into one batch, runs the pool's function on a compute thread,
 splits the outputs back by rows, and hands each caller its own slice through
 ``loop.call_soon_threadsafe``.
@@ -22,7 +22,7 @@ A task may carry a ``tag`` (any object, e.g. who asked and why). A pool built wi
 the function can treat a batch differently by who is in it (an expert keeps the autograd
 graph of a forward that ran alone, for the backward that will follow).
 
-Running a batch, and how its faults reach the callers: `swarm.moe.batch_runner`. A caller
+Running a batch, and how its faults reach the callers: `swarm.moe.server.batch_runner`. A caller
 that is cancelled while waiting is removed from the queue, or, if its batch is already running,
 its result is dropped; neither disturbs the other tasks.
 """
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from swarm.core.errors import InvalidRequest, MoEError, ResourceExhausted
-from swarm.moe.batch_runner import BatchRunner, ProcessFn, Task
+from swarm.moe.server.batch_runner import BatchRunner, ProcessFn, Task
 
 __all__ = ["PoolStats", "ProcessFn", "TaskPool"]
 
