@@ -1,29 +1,143 @@
 """swarm: train one neural network on volunteers' machines, with no master node.
 
-Public API (SPEC.md §3). Names are resolved lazily so that a DHT-only peer never imports torch.
+The public API: the classes users build, the configurations they pass, the results they get
+and the errors they catch. Names are resolved on first use, so that a DHT-only peer never
+imports torch; type checkers see them through the imports under ``TYPE_CHECKING``.
+See docs/architecture.md for where each lives.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.core.version import __version__
+
+if TYPE_CHECKING:
+    from swarm.averaging.averager import Averager, AveragerConfig, AveragingResult
+    from swarm.averaging.config import AllReduceConfig
+    from swarm.averaging.matchmaking import MatchmakingConfig
+    from swarm.compression.base import CompressionError, CompressionType
+    from swarm.core.errors import (
+        AveragingError,
+        ConfigError,
+        DeadlineExceeded,
+        DHTError,
+        IdentityError,
+        InvalidRequest,
+        MoEError,
+        MultiaddrError,
+        NotFound,
+        PeerUnreachable,
+        RemoteError,
+        ResourceExhausted,
+        RPCError,
+        SwarmError,
+        Unauthenticated,
+        ValidationError,
+    )
+    from swarm.core.identity import Identity
+    from swarm.dht.config import DHTConfig
+    from swarm.dht.dht import DHT
+    from swarm.dht.storage import ValueWithExpiration
+    from swarm.moe.client.expert import RemoteExpert
+    from swarm.moe.client.mixture import RemoteMixtureOfExperts
+    from swarm.moe.client.switch import RemoteSwitchMixtureOfExperts
+    from swarm.moe.server.checkpoints import CheckpointError
+    from swarm.moe.server.config import ExpertServerConfig
+    from swarm.moe.server.expert_server import ExpertServer
+    from swarm.net.channels import ChannelConfig
+    from swarm.net.server import ServerConfig
+    from swarm.optim.config import CollaborationConfig, DiLoCoConfig
+    from swarm.optim.optimizer import Optimizer, RoundOutcome, StepOutcome
+    from swarm.optim.progress import PeerProgress, SwarmProgress
+    from swarm.optim.state_transfer import StateTransferError
+    from swarm.peer import Peer
+
+_ERRORS = (
+    "AveragingError", "ConfigError", "DeadlineExceeded", "DHTError", "IdentityError", "InvalidRequest", "MoEError",
+    "MultiaddrError", "NotFound", "PeerUnreachable", "RemoteError", "ResourceExhausted", "RPCError", "SwarmError",
+    "Unauthenticated", "ValidationError",
+)
 
 _EXPORTS = {
     "Peer": "swarm.peer",
     "Identity": "swarm.core.identity",
-    "SwarmError": "swarm.core.errors",
-    "Averager": "swarm.averaging",
-    "ExpertServer": "swarm.moe",
-    "RemoteExpert": "swarm.moe",
-    "RemoteMixtureOfExperts": "swarm.moe",
-    "RemoteSwitchMixtureOfExperts": "swarm.moe",
-    "Optimizer": "swarm.optim",
+    "ChannelConfig": "swarm.net.channels",
+    "ServerConfig": "swarm.net.server",
+    "DHT": "swarm.dht.dht",
+    "DHTConfig": "swarm.dht.config",
+    "ValueWithExpiration": "swarm.dht.storage",
+    "CompressionType": "swarm.compression.base",
+    "CompressionError": "swarm.compression.base",
+    "Averager": "swarm.averaging.averager",
+    "AveragerConfig": "swarm.averaging.averager",
+    "AveragingResult": "swarm.averaging.averager",
+    "AllReduceConfig": "swarm.averaging.config",
+    "MatchmakingConfig": "swarm.averaging.matchmaking",
+    "ExpertServer": "swarm.moe.server.expert_server",
+    "ExpertServerConfig": "swarm.moe.server.config",
+    "CheckpointError": "swarm.moe.server.checkpoints",
+    "RemoteExpert": "swarm.moe.client.expert",
+    "RemoteMixtureOfExperts": "swarm.moe.client.mixture",
+    "RemoteSwitchMixtureOfExperts": "swarm.moe.client.switch",
+    "Optimizer": "swarm.optim.optimizer",
+    "RoundOutcome": "swarm.optim.optimizer",
+    "StepOutcome": "swarm.optim.optimizer",
+    "CollaborationConfig": "swarm.optim.config",
+    "DiLoCoConfig": "swarm.optim.config",
+    "PeerProgress": "swarm.optim.progress",
+    "SwarmProgress": "swarm.optim.progress",
+    "StateTransferError": "swarm.optim.state_transfer",
+    **{name: "swarm.core.errors" for name in _ERRORS},
 }
 
-__all__ = [  # noqa: PLE0604 - the lazily resolved names above
-    "__version__", *_EXPORTS,
+__all__ = [
+    "DHT",
+    "AllReduceConfig",
+    "Averager",
+    "AveragerConfig",
+    "AveragingError",
+    "AveragingResult",
+    "ChannelConfig",
+    "CheckpointError",
+    "CollaborationConfig",
+    "CompressionError",
+    "CompressionType",
+    "ConfigError",
+    "DHTConfig",
+    "DHTError",
+    "DeadlineExceeded",
+    "DiLoCoConfig",
+    "ExpertServer",
+    "ExpertServerConfig",
+    "Identity",
+    "IdentityError",
+    "InvalidRequest",
+    "MatchmakingConfig",
+    "MoEError",
+    "MultiaddrError",
+    "NotFound",
+    "Optimizer",
+    "Peer",
+    "PeerProgress",
+    "PeerUnreachable",
+    "RPCError",
+    "RemoteError",
+    "RemoteExpert",
+    "RemoteMixtureOfExperts",
+    "RemoteSwitchMixtureOfExperts",
+    "ResourceExhausted",
+    "RoundOutcome",
+    "ServerConfig",
+    "StateTransferError",
+    "StepOutcome",
+    "SwarmError",
+    "SwarmProgress",
+    "Unauthenticated",
+    "ValidationError",
+    "ValueWithExpiration",
+    "__version__",
 ]
 
 

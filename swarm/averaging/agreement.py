@@ -12,9 +12,10 @@ every part, so every member that applies applies the mean over the same C (SPEC.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.proto import averaging_pb2
 
@@ -134,7 +135,8 @@ class Coordinator:
         self._all_reported = asyncio.Event()
         self._decided: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         self._decider: asyncio.Task[None] | None = None
-        self.faults_hit = None  # set by the owner to a coroutine function (FaultPlan.hit)
+        self.faults_hit: Callable[[FaultPoint], Awaitable[None]] | None = None
+        """Set by the owner to `FaultPlan.hit` (fault injection in tests)."""
 
     @property
     def decision(self) -> Decision | None:

@@ -221,7 +221,7 @@ class _Receiver:
         for v in self._views:
             self._starts.append(self._starts[-1] + len(v))
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes | memoryview) -> None:
         if self.offset + len(chunk) > self.total:
             raise InvalidRequest("state stream carries more bytes than its header declared")
         src = memoryview(chunk)

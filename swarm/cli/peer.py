@@ -12,9 +12,13 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from swarm.cli.config import PeerOptions, build_parser, resolve
 from swarm.core.errors import SwarmError
+
+if TYPE_CHECKING:
+    from swarm.dht.handle import PeerHandle
 
 logger = logging.getLogger("swarm.cli")
 
@@ -27,7 +31,7 @@ def _setup_logging(level: str) -> None:
         logging.getLogger("asyncio").setLevel(logging.ERROR)
 
 
-def _attach_services(peer: object, options: PeerOptions) -> None:
+def _attach_services(peer: PeerHandle, options: PeerOptions) -> None:
     """Starts what the options ask for beyond the bare peer (experts, metrics)."""
     if options.experts:
         from swarm.moe.server.cli import serve_experts  # imports torch only when experts are served

@@ -184,7 +184,7 @@ async def list_experts(dht: KeyValueStore, prefix: str, limit: int = 4096) -> di
     return dict(sorted(experts.items())[:limit])
 
 
-def read_records(peer: PeerHandle, keys: Sequence[str], timeout: float) -> dict[str, Any]:
+def read_records(dht: KeyValueStore, keys: Sequence[str], timeout: float) -> dict[str, Any]:
     """EXTENSION POINT (swarm/optim): the latest value of each DHT key given with --key (e.g. a run key).
 
     Uses the contract of SPEC.md §3, ``peer.dht.get(key, latest=True)`` returning a
@@ -194,7 +194,7 @@ def read_records(peer: PeerHandle, keys: Sequence[str], timeout: float) -> dict[
     records: dict[str, Any] = {}
     for key in keys:
         try:
-            records[key] = _plain(peer.dht.get(key, latest=True))
+            records[key] = _plain(dht.get(key, latest=True))
         except (SwarmError, TimeoutError) as e:
             records[key] = {"error": f"{type(e).__name__}: {e}"}
     return records
@@ -251,10 +251,11 @@ def run_status(args: argparse.Namespace) -> int:
         peer = Peer(client_mode=True)
     try:
         view = peer.run(survey(peer, addrs, args.timeout), timeout=args.timeout * 4 + 10)
-        if view.dht:
+        dht = peer.dht
+        if view.dht and dht is not None:
             for prefix in args.prefix:
-                view.dht_experts[prefix] = peer.run(list_experts(peer.dht, prefix), timeout=args.timeout * 4 + 10)
-            view.records = read_records(peer, args.key, args.timeout)
+                view.dht_experts[prefix] = peer.run(list_experts(dht, prefix), timeout=args.timeout * 4 + 10)
+            view.records = read_records(dht, args.key, args.timeout)
     finally:
         peer.shutdown()
     if args.json:

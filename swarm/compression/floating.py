@@ -72,7 +72,7 @@ class NoCompression(Codec):
         header = _HEADER.pack(int(self.kind), FORMAT_VERSION, _DTYPE_TO_CODE[flat.dtype], flat.numel())
         if flat.numel() == 0:
             return (header,)
-        return header, memoryview(flat.view(torch.uint8).numpy())
+        return header, flat.view(torch.uint8).numpy().data
 
     def _decode_body(
         self, payload: memoryview, header: PayloadHeader, out: torch.Tensor, weight: float | None

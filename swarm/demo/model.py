@@ -57,6 +57,7 @@ def causal_block(config: ModelConfig) -> nn.TransformerEncoderLayer:
 
 
 class ByteLM(nn.Module):
+    mask: torch.Tensor
     """Next-byte prediction with a mixture-of-experts layer in the middle.
 
     Args:

@@ -26,7 +26,7 @@ import torch
 
 from swarm.core.errors import ConfigError, SwarmError
 from swarm.demo.data import ByteDataset, load_corpus
-from swarm.demo.events import Evaluation, EventWriter, Notice, Progress, TextSample
+from swarm.demo.events import Evaluation, Event, EventWriter, Notice, Progress, TextSample
 from swarm.demo.model import ByteLM, LocalExperts, ModelConfig
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ class Trainer:
         stop: set it to end training after the current step.
     """
 
-    def __init__(self, config: TrainerConfig, emit: Callable[[object], None], stop: threading.Event) -> None:
+    def __init__(self, config: TrainerConfig, emit: Callable[[Event], None], stop: threading.Event) -> None:
         from swarm.moe.client.mixture import RemoteMixtureOfExperts
         from swarm.peer import Peer
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.batching import chunks
@@ -27,7 +27,7 @@ from swarm.dht.routing import DHTID, NodeInfo
 from swarm.dht.store_outcome import OutcomeLedger, StoreOutcome
 from swarm.dht.traversal import LookupResult
 from swarm.dht.validation import DHTRecord
-from swarm.dht.wire import OUTDATED, STORED, StoreResult, store_item
+from swarm.dht.wire import OUTDATED, STORED, FindAnswer, StoreResult, store_item
 from swarm.proto import dht_pb2
 
 T = TypeVar("T")
@@ -225,7 +225,8 @@ class StoreOperation:
                     rounds[node.node_id] = (rank, node, list(indices))
                 else:
                     rounds[node.node_id] = (min(rank, entry[0]), node, [*entry[2], *indices])
-        first_wave, second_wave = [], []
+        first_wave: list[tuple[NodeInfo, list[int]]] = []
+        second_wave: list[tuple[NodeInfo, list[int]]] = []
         for rank, node, indices in sorted(rounds.values(), key=lambda entry: entry[0]):  # the nearest first
             self.first_round[node.node_id] = {}
             sizes = [len(self.records[index].value) for index in indices]
@@ -284,12 +285,14 @@ class StoreOperation:
         find_keys = [key_id for key_id in keys if key_id not in requests]
         finds = self.protocol.call_find(node, find_keys, nodes_only=True, count=self.replicas) if find_keys else None
         # shielded: a store belongs to the whole operation, and completes even if the lookup ends first
-        *stored, found = await asyncio.gather(*(asyncio.shield(task) for task in stores), _maybe(finds))
+        stored_and_found = await asyncio.gather(*(asyncio.shield(task) for task in stores), _maybe(finds))
+        stored = cast(list[list[StoreResult] | None], stored_and_found[:-1])
+        found = cast(dict[DHTID, FindAnswer] | None, stored_and_found[-1])
         if any(answers is None for answers in stored) or (find_keys and found is None):
             return None
         answer: dict[DHTID, list[NodeInfo]] = {}
         for task, answers in zip(stores, stored):
-            for index, result in zip(self.carried[task], answers):
+            for index, result in zip(self.carried[task], answers or []):
                 answer.setdefault(self.key_ids[index], result.nearest)
         if found is not None:
             for key_id, found_answer in found.items():

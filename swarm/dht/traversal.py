@@ -251,6 +251,7 @@ class Traversal:
 
     def _schedule(self) -> None:
         wanted: dict[DHTID, list[DHTID]] = {}
+        query: _Query | None
         for query in list(self._active.values()):
             while len(query.in_flight) < query.limit(self.alpha):
                 candidate = self._peek(query, self._worth_asking(query))
@@ -341,6 +342,7 @@ class Traversal:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         hedge = None if self._hedge_after is None else loop.time() + self._hedge_after
+        query: _Query | None
         try:
             for query in list(self._active.values()):
                 if self._is_done(query):

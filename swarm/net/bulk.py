@@ -25,7 +25,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -63,8 +63,8 @@ def encode_error(error: BaseException) -> bytes:
     return f"{code.name}\n{message}".encode()
 
 
-def decode_error(payload: bytes, peer_id: str, method: str) -> RPCError:
-    name, _, message = payload.decode(errors="replace").partition("\n")
+def decode_error(payload: bytes | memoryview, peer_id: str, method: str) -> RPCError:
+    name, _, message = bytes(payload).decode(errors="replace").partition("\n")
     code = getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
@@ -247,7 +247,7 @@ async def exchange(
                 if expired:
                     raise DeadlineExceeded(f"deadline exceeded ({method} on {peer_id})", peer_id=peer_id) from None
                 if sender.done() and not sender.cancelled() and sender.exception() is not None:
-                    raise sender.exception() from None  # the request iterator failed
+                    raise cast(BaseException, sender.exception()) from None  # the request iterator failed
                 raise PeerUnreachable(f"bulk stream broke: {e} ({method} on {peer_id})", peer_id=peer_id) from None
             if kind == END:
                 return

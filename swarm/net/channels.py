@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,7 +206,7 @@ class PeerChannel:
     async def stream(
         self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None,
         *, bulk: bool = False, sink: bulk_channel.Sink | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes | memoryview, None]:
         """Bidirectional stream of raw-bytes messages; yields responses; errors become `RPCError`.
 
         With `bulk=True` the stream runs over the callee's bulk side channel (`swarm.net.bulk`) when

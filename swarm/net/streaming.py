@@ -40,7 +40,7 @@ def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 def tensors_to_messages(
@@ -78,7 +78,7 @@ def tensors_to_messages(
 class TensorReceiver:
     """Reassembles tensors from a header and chunks, into buffers allocated once."""
 
-    def __init__(self, header_bytes: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, header_bytes: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         try:
             header = tensor_pb2.TensorBundleHeader.FromString(header_bytes)
         except Exception as e:  # noqa: BLE001
@@ -111,7 +111,7 @@ class TensorReceiver:
     def complete(self) -> bool:
         return self._received == self.total_bytes
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes | memoryview) -> None:
         """Copies one chunk into place; raises `InvalidRequest` if the stream overflows its header."""
         if self._received + len(chunk) > self.total_bytes:
             raise InvalidRequest("tensor stream carries more bytes than its header declared")
@@ -134,7 +134,7 @@ class TensorReceiver:
 
 
 async def receive_tensors(
-    messages: AsyncIterator[bytes], max_bytes: int = DEFAULT_MAX_BYTES
+    messages: AsyncIterator[bytes | memoryview], max_bytes: int = DEFAULT_MAX_BYTES
 ) -> tuple[list[torch.Tensor], Any]:
     """Reads one bundle (header + chunks) from `messages`; returns (tensors, metadata).
 

@@ -22,7 +22,7 @@ class GradientAccumulator:
             a parameter that took no part in a batch contributes zeros).
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = list(params)
         self.sums = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params]
         self.means = [torch.zeros_like(s) for s in self.sums]

@@ -43,7 +43,7 @@ class DiLoCoMode:
         self.scheduler = scheduler
         self.config = config
         with torch.no_grad():
-            self.outer_params = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
+            self.outer_params: list[torch.Tensor] = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
         self.outer_optimizer = torch.optim.SGD(
             self.outer_params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov,
         )

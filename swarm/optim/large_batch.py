@@ -30,7 +30,7 @@ class LargeBatchMode:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
-        self.params = list(params)
+        self.params: list[torch.Tensor] = list(params)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.accumulator = GradientAccumulator(self.params)

@@ -289,8 +289,11 @@ class Optimizer:
         try:
             while True:
                 moved_on = epoch if watch_epoch else None
-                watch = asyncio.ensure_future(self.tracker.wait_until(
-                    lambda p, moved_on=moved_on: p.num_peers == 1 or (moved_on is not None and p.epoch > moved_on)))
+
+                def alone_or_moved_on(p: SwarmProgress, moved_on: int | None = moved_on) -> bool:
+                    return p.num_peers == 1 or (moved_on is not None and p.epoch > moved_on)
+
+                watch = asyncio.ensure_future(self.tracker.wait_until(alone_or_moved_on))
                 try:
                     await asyncio.wait({round_task, watch}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -354,7 +357,7 @@ class Optimizer:
     def _report(self, urgent: bool = False) -> None:
         self.tracker.update(self.epoch, self.mode.samples, self._meter.rate, self._digest, urgent=urgent)
 
-    def _snapshot(self) -> TrainingState | None:
+    def _snapshot(self) -> TrainingState:
         with self._lock:
             return self.mode.state(self.epoch).clone()
 

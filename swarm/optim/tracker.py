@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from swarm.core.errors import SwarmError
+from swarm.core.errors import DHTError, SwarmError
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
@@ -183,6 +183,8 @@ class ProgressTracker:
         expiration = max(now + self.config.progress_expiration, self._last_expiration + 1e-3)
         self._last_report = now
         try:
+            if self.peer.dht is None:
+                raise DHTError("this peer has no DHT to report progress to")
             ok = await self.peer.dht.astore(self.key, local.to_record(), expiration, subkey=local.peer_id)
         except (TimeoutError, SwarmError, OSError) as e:
             ok = False
@@ -196,6 +198,8 @@ class ProgressTracker:
     async def _fetch(self) -> None:
         cfg = self.config
         try:
+            if self.peer.dht is None:
+                raise DHTError("this peer has no DHT to read progress from")
             found = await self.peer.dht.aget(self.key, latest=True)
         except (TimeoutError, SwarmError, OSError) as e:
             # keep what we knew: a failed read is no news (taking it for "everyone left" would make

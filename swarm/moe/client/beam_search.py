@@ -160,8 +160,8 @@ class MoEBeamSearcher:
             candidates = candidates.masked_fill(~mask, -math.inf).flatten(1)
             width = min(k if last else beam_size, candidates.shape[1])
             top_scores, top_index = candidates.topk(width, dim=1)
-            parent, coord = top_index // g, top_index % g
-            codes = codes.gather(1, parent) * g + coord
+            parents, coords = top_index // g, top_index % g
+            codes = codes.gather(1, parents) * g + coords
             scores, valid = top_scores, torch.isfinite(top_scores)
             codes = codes.masked_fill(~valid, 0)
         if codes.shape[1] < k:  # a grid smaller than k: pad with invalid slots

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarm.core.errors import MoEError
+from swarm.core.errors import ConfigError, MoEError
 from swarm.dht.handle import PeerHandle
 from swarm.moe.client.jobs import new_graph_id
 from swarm.moe.protocol import ExpertInfo, call_backward, call_forward_keeping, call_info
@@ -65,6 +65,8 @@ class RemoteExpert(nn.Module):
         if addr is None and source is None:
             from swarm.moe.dht_declare import DHTExpertSource
 
+            if peer.dht is None:
+                raise ConfigError("this peer has no DHT to find experts in: pass their address or a source")
             source = DHTExpertSource(peer.dht)
         if not forward_timeout > 0 or not backward_timeout > 0:
             raise ValueError("timeouts must be positive")

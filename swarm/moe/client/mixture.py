@@ -112,6 +112,8 @@ class RemoteMixtureOfExperts(nn.Module):
         if source is None:
             from swarm.moe.dht_declare import DHTExpertSource
 
+            if peer.dht is None:
+                raise ConfigError("this peer has no DHT to find experts in: pass their address or a source")
             source = DHTExpertSource(peer.dht)
         self.peer = peer
         self.searcher = MoEBeamSearcher(source, uid_prefix, self.config.grid_size, cache_ttl)

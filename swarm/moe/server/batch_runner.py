@@ -103,14 +103,14 @@ class BatchRunner:
                 outputs = self.process_fn(*inputs, tags=[t.tag for t in tasks])
             else:
                 outputs = self.process_fn(*inputs)
-            outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-            for i, out in enumerate(outputs):
+            results = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+            for i, out in enumerate(results):
                 if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[0] != total:
                     shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                     raise MoEError(
                         f"task pool {self.name}: output {i} is {shape}, expected a tensor with {total} rows"
                     )
-            slices = [torch.split(out, rows, dim=0) for out in outputs]
+            slices = [torch.split(out, rows, dim=0) for out in results]
         except BaseException as e:  # every failure goes to the batch's callers first
             if isinstance(e, SwarmError):
                 logger.debug("task pool %s: batch of %d rows failed: %s", self.name, total, e)

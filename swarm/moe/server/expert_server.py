@@ -89,6 +89,7 @@ class ExpertServer(GroupCallHandlers):
     ) -> None:
         if peer.server is None:
             raise ConfigError("a client-mode peer cannot serve experts (it accepts no connections)")
+        self._server = peer.server
         if not experts:
             raise ValueError("an ExpertServer needs at least one expert")
         self.peer = peer
@@ -167,7 +168,7 @@ class ExpertServer(GroupCallHandlers):
         self.runtime.start()
         if self.checkpoints is not None and self.config.checkpoint_interval is not None:
             self.checkpoints.start()
-        server = self.peer.server
+        server = self._server
         server.add_stream(FORWARD, self.rpc_forward)
         server.add_stream(BACKWARD, self.rpc_backward)
         server.add_stream(FORWARD_GROUP, self.rpc_forward_group)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Hashable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +78,7 @@ class GroupCallHandlers:
             futures = self.runtime.submit_together(
                 [(m.hosted.forward_pool, _share(received.inputs, m.rows), m.key) for m in members]  # type: ignore[union-attr]
             )
+            outputs: tuple[torch.Tensor, ...]
             async with contextlib.aclosing(_each_completed(members, futures)) as completed:
                 async for member, outcome in completed:
                     if isinstance(outcome, SwarmError):
@@ -278,7 +279,7 @@ class _GradientSum:
 
 async def _each_completed(
     members: Sequence[_Member], futures: Sequence[asyncio.Future[tuple[torch.Tensor, ...]]]
-) -> AsyncIterator[tuple[_Member, tuple[torch.Tensor, ...] | SwarmError]]:
+) -> AsyncGenerator[tuple[_Member, tuple[torch.Tensor, ...] | SwarmError], None]:
     """Yields ``(member, outputs or SwarmError)`` as each expert's task finishes; cancels the
     tasks not finished when closed early (the call was cancelled)."""
     by_future = dict(zip(futures, members))
