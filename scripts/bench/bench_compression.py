@@ -8,7 +8,7 @@ buffers as baselines measured in the same run, then each codec's compression rat
 
 `encode` returns a fresh `bytes` per chunk (what gRPC sends); without malloc tuning each 1 MiB
 allocation is a fresh mmap and its page faults dominate NONE's encode. `--mallopt` applies
-TRANSPORT.md's tuning (M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 1 GiB) at start-up.
+the tuning of `swarm.core.malloc` (M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 1 GiB) at start-up.
 
     .venv/bin/python scripts/bench/bench_compression.py [--size-mb 64] [--mallopt] [--threads 1]
 """

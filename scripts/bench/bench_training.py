@@ -6,8 +6,8 @@ Two figures, each against a baseline measured in the same run:
 1. bytes: bytes each peer sends for averaging, and wall time, until the held-out loss reaches
    `--target-loss`, with per-step gradient averaging (every local batch is a collective step,
    float32 on the wire) vs DiLoCo (H local Adam steps, then an outer Nesterov step on the
-   8-bit-compressed averaged pseudo-gradient). Target (SPEC.md §6): DiLoCo sends >= 50x fewer.
-2. throughput (SPEC.md §6): `--swarm-peers` trainers in large-batch mode on this box vs one plain
+   8-bit-compressed averaged pseudo-gradient). Target: DiLoCo sends >= 50x fewer.
+2. throughput: `--swarm-peers` trainers in large-batch mode on this box vs one plain
    PyTorch process (all cores) training the same model on the same data for the same wall time:
    samples per second and held-out loss at the end. Target: >= 0.7x, loss within 10%.
 

@@ -6,7 +6,7 @@ Each reducer reports which senders' part arrived complete and finite (`Report`).
 (a reducer did not report: its part cannot be averaged; no contributor with weight is left).
 The decision travels as exact bytes with every averaged part, so a member can check that all
 parts it holds were reduced under the same decision; a member applies a round only when it holds
-every part, so every member that applies applies the mean over the same C (SPEC.md §4).
+every part, so every member that applies applies the mean over the same C (docs/architecture.md, "Life of an averaging step").
 """
 
 from __future__ import annotations

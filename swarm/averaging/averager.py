@@ -6,7 +6,7 @@
 
 Each step finds a group (`matchmaking`), runs one butterfly all-reduce over it (`allreduce`),
 and either writes the mean of the agreed contributors into the tensors or raises
-`AveragingError` with the tensors untouched (SPEC.md §4).
+`AveragingError` with the tensors untouched (docs/architecture.md, "Life of an averaging step").
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A round needs one float32 buffer (reducer slots, then the results that reuse them). It stays
 with the round until no other member can still ask for its results (every stream to this peer
 closed, or the round's linger ran out); a round that starts before that gets a fresh buffer,
-which happens only after faults, so a healthy run allocates once (TRANSPORT.md: fresh 100 MB
-allocations run at ~2.3 GB/s).
+which happens only after faults, so a healthy run allocates once (fresh large allocations are
+slow: BENCHMARKS.md, "Transport facts").
 """
 
 from __future__ import annotations

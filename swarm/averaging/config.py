@@ -21,7 +21,7 @@ class AllReduceConfig:
     """Timeouts and sizes of the butterfly all-reduce.
 
     Attributes:
-        chunk_bytes: target size of one stream message (TRANSPORT.md: 1 MiB is best).
+        chunk_bytes: target size of one stream message (1 MiB is best: BENCHMARKS.md, "Transport facts").
         sender_timeout: a sender (or a member expected to acknowledge a part) that makes no
             progress for this long is dropped from the round.
         report_at: fraction of the round's time after which reducers report without the senders

@@ -18,8 +18,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from swarm.core.errors import ConfigError
-
 AVERAGING_DTYPE = torch.float32
 
 
@@ -163,9 +161,3 @@ class FlatTensors:
                 if not direct:
                     t.copy_(view.view(t.shape))
 
-
-def check_numel(tensors: Sequence[torch.Tensor]) -> int:
-    """Total number of elements, refusing empty lists with a clear message."""
-    if not tensors:
-        raise ConfigError("an averager needs at least one tensor (use auxiliary=True for none)")
-    return sum(t.numel() for t in tensors)

@@ -1,5 +1,5 @@
 """Options of `swarm-peer`: command line, then `SWARM_<OPTION>` environment variables, then a TOML
-file given by `--config`, then defaults (SPEC.md §3). The first that sets an option wins."""
+file given by `--config`, then defaults (docs/operations.md). The first that sets an option wins."""
 
 from __future__ import annotations
 

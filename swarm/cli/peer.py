@@ -1,4 +1,4 @@
-"""`swarm-peer`: the daemon a volunteer runs (SPEC.md §3).
+"""`swarm-peer`: the daemon a volunteer runs (docs/operations.md).
 
 On ready it prints each reachable multiaddr on its own stdout line and keeps serving.
 SIGINT/SIGTERM stop it cleanly (exit 0); a second signal exits at once.

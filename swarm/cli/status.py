@@ -187,7 +187,7 @@ async def list_experts(dht: KeyValueStore, prefix: str, limit: int = 4096) -> di
 def read_records(dht: KeyValueStore, keys: Sequence[str], timeout: float) -> dict[str, Any]:
     """EXTENSION POINT (swarm/optim): the latest value of each DHT key given with --key (e.g. a run key).
 
-    Uses the contract of SPEC.md §3, ``peer.dht.get(key, latest=True)`` returning a
+    Uses ``dht.get(key, latest=True)`` (`swarm.dht.handle.KeyValueStore`), returning a
     `ValueWithExpiration` (a dict of subkeys for dictionary values) or None. Once swarm/moe and
     swarm/optim fix their key schemas (e.g. a run's progress key), decode them here.
     """

@@ -1,7 +1,6 @@
 """Per-thread scratch buffers, so that encoding and decoding chunks does not allocate per call.
 
-Fresh large allocations cost page faults (TRANSPORT.md: ~2.3 GB/s against ~19 GB/s into a warm
-buffer), so codecs reuse one buffer per (purpose, dtype) and thread. Buffers up to
+Fresh large allocations cost page faults (BENCHMARKS.md, "Transport facts"), so codecs reuse one buffer per (purpose, dtype) and thread. Buffers up to
 `MAX_RETAINED_BYTES` are kept for the thread's lifetime; larger requests (a whole big tensor
 encoded as one payload) get a temporary that is freed after use, which bounds the memory kept.
 """

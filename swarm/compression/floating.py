@@ -1,7 +1,7 @@
 """Codecs that keep values as floats: NONE (exact), FLOAT16 and SCALED_FLOAT16.
 
-These are casts into the payload buffer, so they run near memory bandwidth (TRANSPORT.md: a
-float16 cast into an existing buffer runs at 27-42 GB/s).
+These are casts into the payload buffer, so they run near memory bandwidth (BENCHMARKS.md,
+"Transport facts").
 
 Non-finite values: NONE and FLOAT16 carry NaN and ±inf through unchanged, so that a caller can
 detect them after averaging or refuse to send them first (`has_nonfinite`); SCALED_FLOAT16 is

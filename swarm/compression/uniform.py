@@ -6,7 +6,7 @@ level, so each element is within `step / 2` of its value (plus float32 rounding 
 sum, a few ulp of the largest magnitude). A constant chunk has step 0 and decodes exactly.
 
 The work is three float32 passes over the chunk (subtract, multiply, narrow to uint8) in reused
-scratch buffers; TRANSPORT.md measured 6-16 GB/s for this kind of quantization.
+scratch buffers (speeds: BENCHMARKS.md, "Transport facts").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A swarm PeerID is the string go-libp2p prints for the same key: the libp2p `PublicKey`
 protobuf (KeyType=Ed25519, Data=32 raw bytes) wrapped in an identity multihash and encoded
 in base58btc (libp2p peer-ids spec). It is built from `cryptography` and `base58` directly:
-importing py-libp2p costs ~0.8 s and ~80 MB per process (TRANSPORT.md); tests hold the
+importing py-libp2p is slow and large (BENCHMARKS.md, "Transport facts"); tests hold the
 result against py-libp2p's and against fixed vectors.
 
 Identity files hold the libp2p `PrivateKey` protobuf (Data = 32-byte seed + 32-byte public

@@ -1,7 +1,7 @@
 """glibc malloc tuning for peers that move large tensors.
 
-TRANSPORT.md: raising the mmap and trim thresholds halved CPU per GB and sped large messages
-2-4x, because 1 MiB chunk buffers stop being mmap'ed and unmapped (page faults) on every
+Raising the mmap and trim thresholds cuts CPU per GB and speeds large messages (BENCHMARKS.md,
+"Transport facts"), because 1 MiB chunk buffers stop being mmap'ed and unmapped (page faults) on every
 message. Applied once per process, at peer start; a no-op where glibc is absent.
 """
 

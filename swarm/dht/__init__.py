@@ -1,4 +1,4 @@
-"""swarm's Kademlia DHT (SPEC.md §2 layer 4, §4): `peer.dht` is a `DHT`.
+"""swarm's Kademlia DHT (docs/architecture.md, layer dht): `peer.dht` is a `DHT`.
 
 One concept per module: `keys` (how user keys become DHT keys), `ids` (node and key IDs, XOR
 distance), `buckets` (k-buckets and their nodes), `blacklist` (bans with backoff), `routing` (the

@@ -1,4 +1,4 @@
-"""`DHT`: the DHT as a peer's user sees it, `peer.dht` (SPEC.md §3).
+"""`DHT`: the DHT as a peer's user sees it, `peer.dht` (docs/architecture.md).
 
 User keys are strings (or bytes), values anything msgpack can carry. The facade turns them into
 signed, validated records (`validation.py`), hands them to the node (`node.py`) and turns what

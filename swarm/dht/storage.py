@@ -1,6 +1,6 @@
 """What one DHT node stores: values with expiration times, plain or as dictionaries of subkeys.
 
-The rules (SPEC.md §4) in one place:
+The rules (docs/protocol.md, "DHT records") in one place:
 
 - Every value carries an expiration time; an expired value (or subkey) is never returned and is
   purged lazily on access and by `remove_outdated()` (a heap, so a purge costs O(log n) per

@@ -3,9 +3,9 @@
 A mixture's client and an expert server's event loop move rows between tensors: a share of a
 batch for each expert, outputs into their (sample, slot) places, gradients summed over experts.
 Torch runs such copies on its intra-op thread pool, and a parallel region waits for all its
-threads: on a busy 2-core machine, where a second thread is often descheduled, 1 MiB gathers and
-index_add_ were measured at 5-15 ms instead of 0.05-0.3 ms, and on a server's event loop they
-would contend with the compute threads. numpy does the same on one thread. Dtypes numpy lacks
+threads: on a busy 2-core machine, where a second thread is often descheduled, gathers and
+index_add_ take many times longer (BENCHMARKS.md, "Measurements behind design choices"), and on a
+server's event loop they would contend with the compute threads. numpy does the same on one thread. Dtypes numpy lacks
 (bfloat16) and non-CPU tensors fall back to torch.
 """
 

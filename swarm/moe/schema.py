@@ -108,8 +108,8 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     # finite at the cost of one reduction (~10x cheaper than isfinite().all(), which allocates a
     # mask). A non-finite sum may be an overflow of large finite values: check exactly then.
     # numpy where it can: its reductions are single-threaded, and this runs on the event loop,
-    # where torch's intra-op thread pool would contend with the compute thread (measured: 0.5-2 ms
-    # instead of ~20 us for 256x256 float32 on 2 busy cores).
+    # where torch's intra-op thread pool would contend with the compute thread (BENCHMARKS.md,
+    # "Measurements behind design choices").
     if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS:
         array = tensor.detach().numpy()
         with np.errstate(over="ignore", invalid="ignore"):

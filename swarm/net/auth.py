@@ -3,7 +3,7 @@
 The caller signs a *ticket* once per callee: (caller public key, callee PeerID, expiry, nonce).
 The ticket travels in the metadata of every call; the callee verifies its Ed25519 signature
 the first time it sees it and caches the result, so later calls cost one dict lookup instead of
-a ~60 µs verification (TRANSPORT.md). Binding the callee's PeerID means a peer that receives a
+a verification (BENCHMARKS.md, "Transport facts"). Binding the callee's PeerID means a peer that receives a
 ticket cannot replay it to anyone else. The callee proves its own PeerID through `Handshake`:
 it signs a fresh challenge of the caller's together with both PeerIDs.
 

@@ -1,7 +1,7 @@
 """The bulk side channel: a registered stream's bytes over a plain TCP connection instead of gRPC.
 
-TRANSPORT.md measured gRPC's own framing at about half of an all-reduce's time, and raw sockets
-near the loopback ceiling. So a stream registered with ``bulk=True`` can also be reached this way:
+gRPC's own framing costs about half of an all-reduce's time, and raw sockets run near the
+loopback ceiling (BENCHMARKS.md, "Transport facts"). So a stream registered with ``bulk=True`` can also be reached this way:
 
 1. the caller asks for a token with the authenticated unary call ``/swarm.Peer/OpenBulk``
    (method, timeout) and gets the callee's bulk port and 16 random bytes, valid once and for a

@@ -1,4 +1,4 @@
-"""Collaborative training on top of averaging: `swarm.Optimizer` and its configuration (SPEC.md §3)."""
+"""Collaborative training on top of averaging: `swarm.Optimizer` and its configuration (docs/architecture.md)."""
 
 from swarm.optim.config import CollaborationConfig, DiLoCoConfig
 from swarm.optim.optimizer import Optimizer, RoundOutcome, StepOutcome

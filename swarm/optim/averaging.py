@@ -2,7 +2,7 @@
 
 The optimizer asks one thing of a round: average these tensors in place with this weight,
 within this timeout, and say how many peers took part, or raise `AveragingError` (the same
-error on every member, SPEC.md §4). `AveragerLike` states that; `SwarmAverager` adapts
+error on every member, docs/architecture.md). `AveragerLike` states that; `SwarmAverager` adapts
 `swarm.Averager` to it. Another group-forming strategy (a static group, a test double) plugs
 in through `Optimizer(averager_factory=...)`.
 """

@@ -2,7 +2,7 @@
 them (weighted by samples) and all take the same optimizer step.
 
 After a successful round every member holds the exact weighted mean of the group's gradients
-(SPEC.md §4), so identical parameters and optimizer states stay identical: the swarm trains as
+(docs/architecture.md, "Life of an averaging step"), so identical parameters and optimizer states stay identical: the swarm trains as
 one process would with the whole target batch (the arithmetic is in `swarm.optim.accumulator`).
 """
 

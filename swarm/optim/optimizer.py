@@ -13,7 +13,7 @@ schedules; progress reports in the DHT (`swarm.optim.tracker`), throttled and re
 state download for a peer that falls behind or joins late (`swarm.optim.state_transfer`).
 
 Faults are state: every round ends in a `RoundOutcome` logged once. A failed averaging round
-raises the same `AveragingError` on every member of its group (SPEC.md §4), so every member
+raises the same `AveragingError` on every member of its group (docs/architecture.md, "Life of an averaging step"), so every member
 does the same thing: it keeps what it accumulated and retries at its next step; a peer whose
 round fails `max_failed_rounds` times in a row while the swarm moves on re-synchronizes from
 the others. No member waits on a dead peer longer than `averaging_timeout`.
@@ -52,7 +52,7 @@ AveragerFactory = Callable[[Sequence[torch.Tensor], str], AveragerLike]
 
 
 class Optimizer:
-    """A torch optimizer shared by a swarm of peers (SPEC.md §3).
+    """A torch optimizer shared by a swarm of peers.
 
     Example::
 

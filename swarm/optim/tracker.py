@@ -179,7 +179,7 @@ class ProgressTracker:
             local = self._local
             self._dirty = self._urgent = False
         now = self.clock()
-        # a store must expire later than the previous one to replace it (SPEC.md §4)
+        # a store must expire later than the previous one to replace it (docs/protocol.md, "DHT records")
         expiration = max(now + self.config.progress_expiration, self._last_expiration + 1e-3)
         self._last_report = now
         try:

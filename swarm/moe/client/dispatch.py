@@ -3,7 +3,7 @@
 Each expert chosen by any sample gets one job carrying every row that chose it, and the jobs of
 one server travel in one group call (`swarm.moe.client.jobs`, `swarm.moe.group_calls`): the rows are
 sent once, the server computes its experts side by side and answers each as it finishes. The
-calls run concurrently on the peer's loop and are awaited under the k_min policy (SPEC.md §4): a
+calls run concurrently on the peer's loop and are awaited under the k_min policy (docs/architecture.md, "Life of a mixture forward"): a
 forward succeeds while every sample has at least `k_min` experts that answered within the
 deadline; once that holds, stragglers get `timeout_after_k_min` more seconds. Experts that fail
 are skipped for this batch (a debug log, not an error: peers vanish) and excluded from the next

@@ -1,4 +1,4 @@
-"""`swarm-peer --experts PATTERN`: serve experts from the daemon (SPEC.md §3).
+"""`swarm-peer --experts PATTERN`: serve experts from the daemon (docs/operations.md).
 
 The options are checked before torch is imported, so a typo fails in a fraction of a second.
 """

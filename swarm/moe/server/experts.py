@@ -196,8 +196,8 @@ def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer experts get unless told otherwise: Adam, lr 1e-3.
 
     The fused implementation where torch has one for the parameters (CPU and CUDA floats): the
-    same update, computed in one pass per tensor. On CPU the default per-tensor loop costs
-    ~50 ms per step of a 1024-wide ``ffn`` expert with one thread, the fused one ~5 ms.
+    same update, computed in one pass per tensor, about ten times faster on CPU (BENCHMARKS.md,
+    "Measurements behind design choices").
     """
     fusable = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.Adam(params, lr=1e-3, fused=True if fusable else None)

@@ -147,7 +147,7 @@ class HostedExpert:
         self.saved.put(key, SavedForward(leaves, outputs, backend.updates, rows, time.monotonic()))
         # Tell the caller it may leave the inputs out of its backward only while no other work waits
         # for this expert: another caller's backward would take a step first and void the graph, and
-        # the backward would then travel twice (measured with 8 callers: 109 of 122 were resent).
+        # the backward would then travel twice (BENCHMARKS.md, "Measurements behind design choices").
         alone = not any(pool.stats().queued_tasks for pool in self.pools)
         return (*(o.detach() for o in outputs), torch.full((rows,), alone, dtype=torch.bool))
 

@@ -10,9 +10,7 @@ that runs alone gets the whole budget; when several groups have work, the budget
 that many workers (one thread each on two cores), and a batch starts only when a thread of the
 budget is free. Two independent single-threaded batches use two cores better than one batch with
 two threads after another, because parallel regions synchronize and the Python between the
-kernels runs on one core (measured on 2 cores, four ffn-1024 training steps: 336 vs 354 ms with
-fused Adam, 386 vs 456 ms with torch's per-tensor Adam; in a 2x2 mixture served by one server,
-723-735 vs 660-672 samples/s). Tasks meant to run side by side should be queued together
+kernels runs on one core (BENCHMARKS.md, "Measurements behind design choices"). Tasks meant to run side by side should be queued together
 (`submit_together`): a batch that found the runtime idle has taken the whole budget, and tasks
 of other groups arriving a moment later wait for it.
 The split is set with `torch.set_num_threads` in the worker; part of that setting (MKL's) is
