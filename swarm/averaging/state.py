@@ -90,7 +90,8 @@ class StateServer:
     Args:
         peer: the local peer (must accept connections).
         prefix: names the state (usually the averager's prefix).
-        get_state: returns the current `State`; called on the peer's event loop.
+        get_state: returns the current `State`; called in a worker thread (it may take a lock the
+            training thread holds, without stalling the peer's loop).
         snapshot_ttl: a snapshot is reused for new downloads for this long (seconds).
         chunk_bytes: size of one stream message.
         announce_ttl: when the peer has a DHT, it declares itself under ``{prefix}.state`` for this long.
@@ -115,7 +116,7 @@ class StateServer:
 
     async def announce(self) -> bool:
         """Declares this peer as a state source in the DHT (no-op without one)."""
-        dht = getattr(self.peer, "dht", None)
+        dht = self.peer.dht
         if dht is None or not self.peer.addrs:
             return False
         return bool(await dht.astore(f"{self.prefix}.state", {"addr": self.peer.addrs[0]},
@@ -130,24 +131,24 @@ class StateServer:
         version = state.version or os.urandom(16)
         return _Snapshot(version, pack(state.metadata), tensors, time.monotonic())
 
-    def _snapshot_for(self, version: bytes) -> _Snapshot | None:
+    async def _snapshot_for(self, version: bytes) -> _Snapshot | None:
         snap = self._snapshot
         if version:
             return snap if snap is not None and snap.version == version else None
         if snap is None or time.monotonic() - snap.taken > self.snapshot_ttl:
-            snap = self._snapshot = self._take_snapshot()
+            snap = self._snapshot = await asyncio.to_thread(self._take_snapshot)
         return snap
 
     async def rpc_state(self, request: averaging_pb2.StateRequest, ctx: CallContext) -> AsyncIterator[bytes]:
-        snap = self._snapshot_for(request.version)
+        snap = await self._snapshot_for(request.version)
         if snap is None and request.version:
             # the caller resumes a version we do not hold: maybe our current state is that version
-            current = self._take_snapshot()
+            current = await asyncio.to_thread(self._take_snapshot)
             if current.version == request.version:
                 snap = self._snapshot = current
         offset = request.offset if snap is not None and request.version == snap.version else 0
         if snap is None:
-            snap = self._snapshot_for(b"")
+            snap = await self._snapshot_for(b"")
             assert snap is not None
         if not 0 <= offset <= snap.total_bytes:
             raise InvalidRequest(f"offset {offset} outside a state of {snap.total_bytes} bytes")
@@ -239,7 +240,7 @@ class _Receiver:
 
 
 async def _discover(peer: PeerHandle, prefix: str) -> list[str]:
-    dht = getattr(peer, "dht", None)
+    dht = peer.dht
     if dht is None:
         return []
     found = await dht.aget(f"{prefix}.state", latest=True)

@@ -40,7 +40,7 @@ from swarm.optim.large_batch import LargeBatchMode
 from swarm.optim.mode import TrainingMode
 from swarm.optim.outcome import RoundOutcome, StepOutcome
 from swarm.optim.progress import SwarmProgress, ThroughputMeter, canonical_digest
-from swarm.optim.state_transfer import StateTransferError, download_state, serve_state, stop_serving_state
+from swarm.optim.state_transfer import StateTransferError, download_state, serve_state
 from swarm.optim.tracker import ProgressTracker
 from swarm.optim.training_state import TrainingState, state_digest
 
@@ -140,8 +140,7 @@ class Optimizer:
         addr = peer.addrs[0] if peer.addrs and not peer.client_mode else ""
         self.tracker = ProgressTracker(peer, run_id, config, addr=addr)
         self._report()
-        if peer.server is not None:
-            serve_state(peer, run_id, self._snapshot)
+        self._state_server = serve_state(peer, run_id, self._snapshot) if peer.server is not None else None
         self.peer.run(self.tracker.astart())
         peer.attach(self)
         if config.load_state_on_start and self.tracker.peers_at(0):
@@ -379,8 +378,9 @@ class Optimizer:
         if self._closed:
             return
         self._closed = True
-        if self.peer.server is not None:
-            stop_serving_state(self.peer, self.run_id)
+        if self._state_server is not None:
+            await self._state_server.ashutdown()
+            self.peer.detach(self._state_server)
         await self.tracker.ashutdown()
         try:
             await self.averager.ashutdown()
