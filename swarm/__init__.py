@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from swarm.core.identity import Identity
     from swarm.dht.config import DHTConfig
     from swarm.dht.dht import DHT
-    from swarm.dht.storage import ValueWithExpiration
+    from swarm.dht.expiring import ValueWithExpiration
     from swarm.moe.client.expert import RemoteExpert
     from swarm.moe.client.mixture import RemoteMixtureOfExperts
     from swarm.moe.client.switch import RemoteSwitchMixtureOfExperts
@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from swarm.net.channels import ChannelConfig
     from swarm.net.server import ServerConfig
     from swarm.optim.config import CollaborationConfig, DiLoCoConfig
-    from swarm.optim.optimizer import Optimizer, RoundOutcome, StepOutcome
+    from swarm.optim.optimizer import Optimizer
+    from swarm.optim.outcome import RoundOutcome, StepOutcome
     from swarm.optim.progress import PeerProgress, SwarmProgress
     from swarm.optim.state_transfer import StateTransferError
     from swarm.peer import Peer

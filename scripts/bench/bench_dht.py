@@ -130,8 +130,8 @@ async def ping_floor(peer, addrs: list[str], calls: int, fan_out: int = 1) -> li
     """Round trips of `fan_out` parallel Pings to distinct daemons: what a get (1) and a store
     (one request per replica) cannot beat."""
     from swarm.core.multiaddr import Multiaddr
-    from swarm.dht.protocol import node_id_of
-    from swarm.dht.routing import NodeInfo
+    from swarm.dht.buckets import NodeInfo
+    from swarm.dht.wire import node_id_of
 
     protocol = peer.dht.node.protocol
     nodes = []

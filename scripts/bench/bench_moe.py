@@ -41,7 +41,8 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 def serve(args: argparse.Namespace) -> None:
     import torch
 
-    from swarm.moe.server.expert_server import ExpertServer, ExpertServerConfig
+    from swarm.moe.server.config import ExpertServerConfig
+    from swarm.moe.server.expert_server import ExpertServer
     from swarm.moe.server.hosted import BatchingConfig
     from swarm.peer import Peer
 

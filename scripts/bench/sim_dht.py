@@ -59,8 +59,8 @@ def main() -> None:
     from swarm.core.identity import Identity
     from swarm.core.timeutil import get_dht_time
     from swarm.dht import DHTConfig, FaultPlan, LinkFault
+    from swarm.dht.ids import DHTID
     from swarm.dht.keys import key_to_bytes, serialize_key
-    from swarm.dht.routing import DHTID
     from swarm.peer import Peer
 
     rng = random.Random(args.seed)

@@ -25,9 +25,10 @@ from swarm.averaging.agreement import Coordinator, Decision
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.buffers import ScratchPool
 from swarm.averaging.config import AllReduceConfig
+from swarm.averaging.election import DHTElection, Election, StaticElection
 from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
 from swarm.averaging.group import GroupInfo, MemberInfo
-from swarm.averaging.matchmaking import DHTElection, Election, Matchmaking, MatchmakingConfig, StaticElection
+from swarm.averaging.matchmaking import Matchmaking, MatchmakingConfig
 from swarm.averaging.partition import FlatTensors, schema_digest
 from swarm.averaging.parts import RoundFailed, scratch_numel
 from swarm.averaging.service import REPORT, AveragingService, RoundEntry

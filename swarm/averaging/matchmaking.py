@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from swarm.averaging.election import Candidate, DHTElection, Election, StaticElection
 from swarm.averaging.group import GroupInfo, MemberInfo
-from swarm.averaging.moshpit import moshpit_group_key, moshpit_next_coords, random_coords
 from swarm.averaging.service import JOIN, AveragingService
 from swarm.core.errors import AveragingError, ConfigError, DeadlineExceeded, PeerUnreachable, RPCError
 from swarm.core.timeutil import get_dht_time
@@ -29,17 +28,7 @@ from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
 
 # The elections and Moshpit group keys live in `election` and `moshpit`; others import them from here.
-__all__ = [
-    "Candidate",
-    "DHTElection",
-    "Election",
-    "Matchmaking",
-    "MatchmakingConfig",
-    "StaticElection",
-    "moshpit_group_key",
-    "moshpit_next_coords",
-    "random_coords",
-]
+__all__ = ["Matchmaking", "MatchmakingConfig"]
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from swarm.core.errors import ConfigError, SwarmError
 from swarm.core.multiaddr import Multiaddr
+from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.handle import KeyValueStore, PeerHandle
-from swarm.dht.storage import ValueWithExpiration
 
 logger = logging.getLogger("swarm.cli.status")
 

@@ -18,9 +18,9 @@ from typing import Any
 
 from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
+from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.faults import FaultPlan, LinkFault
 from swarm.dht.node import DHTNode
-from swarm.dht.storage import ValueWithExpiration
 from swarm.dht.validation import CompositeValidator, RecordValidator, SignatureValidator, owner_marker
 
 __all__ = [

@@ -26,7 +26,10 @@ from typing import Any
 
 from swarm.core.errors import DeadlineExceeded, PeerUnreachable, RPCError, Unauthenticated
 from swarm.core.loop import spawn
-from swarm.dht.routing import DHTID, Blacklist, NodeInfo, RoutingTable
+from swarm.dht.blacklist import Blacklist
+from swarm.dht.buckets import NodeInfo
+from swarm.dht.ids import DHTID
+from swarm.dht.routing import RoutingTable
 from swarm.dht.wire import CACHE_LIMIT, node_id_of
 
 logger = logging.getLogger(__name__)

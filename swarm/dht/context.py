@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from swarm.dht.config import DHTConfig
+from swarm.dht.ids import DHTID
 from swarm.dht.protocol import DHTProtocol
-from swarm.dht.routing import DHTID, RoutingTable
+from swarm.dht.routing import RoutingTable
 from swarm.dht.storage import CacheStorage, DHTLocalStorage
 from swarm.dht.traversal import Traversal
 from swarm.dht.validation import DHTRecord, RecordValidator

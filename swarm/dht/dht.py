@@ -25,6 +25,8 @@ from swarm.core.timeutil import get_dht_time
 from swarm.dht.buckets import NodeInfo
 from swarm.dht.coalescer import Coalescer
 from swarm.dht.config import DHTConfig
+from swarm.dht.dictionary_value import DictionaryValue
+from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.keys import (
     Key,
     Subkey,
@@ -34,7 +36,6 @@ from swarm.dht.keys import (
     serialize_subkey,
 )
 from swarm.dht.node import DHTNode
-from swarm.dht.storage import DictionaryValue, ValueWithExpiration
 from swarm.dht.store_outcome import StoreOutcome
 from swarm.dht.validation import CompositeValidator, DHTRecord, SignatureValidator
 from swarm.net.handle import NetworkHandle

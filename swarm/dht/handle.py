@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from swarm.dht.buckets import NodeInfo
+from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.keys import Key, Subkey
-from swarm.dht.storage import ValueWithExpiration
 from swarm.net.handle import NetworkHandle
 
 

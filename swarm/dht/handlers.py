@@ -18,10 +18,13 @@ from typing import Any
 from swarm.core.errors import InvalidRequest, MultiaddrError, ValidationError
 from swarm.core.multiaddr import Multiaddr
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.buckets import NodeInfo
 from swarm.dht.config import DHTConfig
 from swarm.dht.contacts import Contacts
-from swarm.dht.routing import DHTID, NodeInfo, RoutingTable
-from swarm.dht.storage import CacheStorage, DHTLocalStorage, DictionaryValue, merge
+from swarm.dht.dictionary_value import DictionaryValue
+from swarm.dht.ids import DHTID
+from swarm.dht.routing import RoutingTable
+from swarm.dht.storage import CacheStorage, DHTLocalStorage, merge
 from swarm.dht.validation import DHTRecord, RecordValidator
 from swarm.dht.wire import (
     CACHE_LIMIT,

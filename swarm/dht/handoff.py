@@ -24,9 +24,10 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from swarm.dht.batching import chunks
+from swarm.dht.buckets import NodeInfo
 from swarm.dht.context import NodeContext
+from swarm.dht.ids import DHTID
 from swarm.dht.replication import stored_records
-from swarm.dht.routing import DHTID, NodeInfo
 from swarm.dht.wire import STORED, store_item
 
 logger = logging.getLogger(__name__)

@@ -29,14 +29,18 @@ from swarm.core.errors import DeadlineExceeded, DHTError, MultiaddrError, RPCErr
 from swarm.core.loop import spawn
 from swarm.core.multiaddr import Multiaddr
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.blacklist import Blacklist
+from swarm.dht.buckets import NodeInfo
 from swarm.dht.config import DHTConfig
 from swarm.dht.context import LookupStats
+from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.handoff import Handoff
+from swarm.dht.ids import DHTID
 from swarm.dht.protocol import DHTProtocol
 from swarm.dht.replication import Replicator, stored_records
 from swarm.dht.retrieval import Retriever
-from swarm.dht.routing import DHTID, Blacklist, NodeInfo, RoutingTable
-from swarm.dht.storage import CacheStorage, DHTLocalStorage, ValueWithExpiration
+from swarm.dht.routing import RoutingTable
+from swarm.dht.storage import CacheStorage, DHTLocalStorage
 from swarm.dht.store_outcome import StoreOutcome
 from swarm.dht.traversal import LookupResult, Traversal
 from swarm.dht.validation import DHTRecord, RecordValidator

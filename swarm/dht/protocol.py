@@ -24,37 +24,33 @@ from google.protobuf.message import Message
 
 from swarm.core.errors import IdentityError, MultiaddrError, RPCError
 from swarm.core.multiaddr import Multiaddr
+from swarm.dht.blacklist import Blacklist
+from swarm.dht.buckets import NodeInfo
 from swarm.dht.config import DHTConfig
 from swarm.dht.contacts import Contacts
+from swarm.dht.dictionary_value import DictionaryValue
+from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.handlers import DHTHandlers
-from swarm.dht.routing import DHTID, Blacklist, NodeInfo, RoutingTable
-from swarm.dht.storage import CacheStorage, DHTLocalStorage, DictionaryValue, ValueWithExpiration
+from swarm.dht.ids import DHTID
+from swarm.dht.routing import RoutingTable
+from swarm.dht.storage import CacheStorage, DHTLocalStorage
 from swarm.dht.validation import RecordValidator
 from swarm.dht.wire import (
     CACHE_LIMIT,
     FIND,
-    INVALID,
     LEAVE,
-    MAX_ITEMS_PER_REQUEST,
-    OUTDATED,
     PING,
-    REFUSED,
     STORE,
-    STORED,
     FindAnswer,
     StoreResult,
     bare,
     node_id_of,
-    store_item,
 )
 from swarm.net.channels import ChannelPool, PeerChannel
 from swarm.net.server import RPCServer
 from swarm.proto import dht_pb2
 
-__all__ = [
-    "FIND", "INVALID", "LEAVE", "MAX_ITEMS_PER_REQUEST", "OUTDATED", "PING", "REFUSED", "STORE", "STORED",
-    "DHTProtocol", "FindAnswer", "StoreResult", "node_id_of", "store_item",
-]
+__all__ = ["DHTProtocol"]
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from swarm.core.errors import DHTError
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.context import NodeContext
-from swarm.dht.storage import DHTLocalStorage, DictionaryValue
+from swarm.dht.dictionary_value import DictionaryValue
+from swarm.dht.storage import DHTLocalStorage
 from swarm.dht.store_operation import StoreOperation
 from swarm.dht.store_outcome import StoreOutcome
 from swarm.dht.validation import DHTRecord

@@ -20,9 +20,12 @@ from collections.abc import Callable, Sequence
 from swarm.core.errors import ValidationError
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.batching import chunks
+from swarm.dht.buckets import NodeInfo
 from swarm.dht.context import NodeContext
-from swarm.dht.routing import DHTID, NodeInfo
-from swarm.dht.storage import DictionaryValue, ValueWithExpiration, merge
+from swarm.dht.dictionary_value import DictionaryValue
+from swarm.dht.expiring import ValueWithExpiration
+from swarm.dht.ids import DHTID
+from swarm.dht.storage import merge
 from swarm.dht.traversal import LookupResult, Traversal
 from swarm.dht.validation import DHTRecord
 from swarm.dht.wire import FindAnswer, store_item

@@ -16,11 +16,10 @@ import random
 import time
 from collections.abc import Callable, Collection, Iterator
 
-from swarm.dht.blacklist import Blacklist
 from swarm.dht.buckets import KBucket, NodeInfo
-from swarm.dht.ids import DHTID, ID_BITS, ID_BYTES, ID_SPACE, xor_distance
+from swarm.dht.ids import DHTID, ID_SPACE
 
-__all__ = ["DHTID", "ID_BITS", "ID_BYTES", "Blacklist", "KBucket", "NodeInfo", "RoutingTable", "xor_distance"]
+__all__ = ["RoutingTable"]
 
 
 class RoutingTable:

@@ -37,7 +37,7 @@ from typing import Any
 from swarm.dht.dictionary_value import DictionaryValue
 from swarm.dht.expiring import ExpiringMap, ValueWithExpiration, check_bytes, check_expiration
 
-__all__ = ["CacheStorage", "DHTLocalStorage", "DictionaryValue", "ValueWithExpiration", "latest", "merge", "merge_all"]
+__all__ = ["CacheStorage", "DHTLocalStorage", "latest", "merge", "merge_all"]
 
 
 class DHTLocalStorage(ExpiringMap):

@@ -22,8 +22,9 @@ from typing import TypeVar, cast
 
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.batching import chunks
+from swarm.dht.buckets import NodeInfo
 from swarm.dht.context import NodeContext
-from swarm.dht.routing import DHTID, NodeInfo
+from swarm.dht.ids import DHTID
 from swarm.dht.store_outcome import OutcomeLedger, StoreOutcome
 from swarm.dht.traversal import LookupResult
 from swarm.dht.validation import DHTRecord

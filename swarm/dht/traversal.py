@@ -36,7 +36,8 @@ import math
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from swarm.dht.routing import DHTID, NodeInfo
+from swarm.dht.buckets import NodeInfo
+from swarm.dht.ids import DHTID
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from swarm.dht.routing import DHTID, NodeInfo
-from swarm.dht.storage import ValueWithExpiration
+from swarm.dht.buckets import NodeInfo
+from swarm.dht.expiring import ValueWithExpiration
+from swarm.dht.ids import DHTID
 from swarm.dht.validation import DHTRecord
 from swarm.proto import dht_pb2
 

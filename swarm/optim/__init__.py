@@ -1,7 +1,8 @@
 """Collaborative training on top of averaging: `swarm.Optimizer` and its configuration (docs/architecture.md)."""
 
 from swarm.optim.config import CollaborationConfig, DiLoCoConfig
-from swarm.optim.optimizer import Optimizer, RoundOutcome, StepOutcome
+from swarm.optim.optimizer import Optimizer
+from swarm.optim.outcome import RoundOutcome, StepOutcome
 from swarm.optim.progress import PeerProgress, SwarmProgress
 
 __all__ = ["CollaborationConfig", "DiLoCoConfig", "Optimizer", "PeerProgress", "RoundOutcome", "StepOutcome",

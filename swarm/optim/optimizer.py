@@ -397,4 +397,4 @@ class Optimizer:
         return f"swarm.Optimizer(run_id={self.run_id!r}, mode={self.mode.name}, epoch={self.epoch})"
 
 
-__all__ = ["Optimizer", "RoundOutcome", "StepOutcome"]
+__all__ = ["Optimizer"]

@@ -14,7 +14,7 @@ import torch
 from avg_harness import run_steps
 
 from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig
-from swarm.averaging.matchmaking import moshpit_group_key, moshpit_next_coords
+from swarm.averaging.moshpit import moshpit_group_key, moshpit_next_coords
 from swarm.core.errors import AveragingError
 from swarm.core.timeutil import get_dht_time
 from swarm.peer import Peer

@@ -8,9 +8,11 @@ import time
 
 from swarm.core.identity import Identity
 from swarm.dht import DHTConfig, FaultPlan, LinkFault
+from swarm.dht.blacklist import Blacklist
+from swarm.dht.buckets import NodeInfo
 from swarm.dht.contacts import Contacts
-from swarm.dht.protocol import LEAVE, node_id_of
-from swarm.dht.routing import Blacklist, NodeInfo, RoutingTable
+from swarm.dht.routing import RoutingTable
+from swarm.dht.wire import LEAVE, node_id_of
 
 
 def contacts_of_a_new_node() -> tuple[Contacts, list[NodeInfo]]:

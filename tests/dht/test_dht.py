@@ -16,7 +16,7 @@ from swarm.core.multiaddr import Multiaddr
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import DHT, DHTConfig, FaultPlan, LinkFault, SchemaValidator, ValueWithExpiration, owner_marker
 from swarm.dht.keys import key_to_bytes
-from swarm.dht.protocol import FIND
+from swarm.dht.wire import FIND
 
 
 def dead_addr() -> str:

@@ -11,9 +11,10 @@ from localswarm import wait_until
 from swarm.core.identity import Identity
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import DHTConfig
+from swarm.dht.buckets import NodeInfo
 from swarm.dht.handoff import newcomers_to_serve
+from swarm.dht.ids import DHTID
 from swarm.dht.keys import key_to_bytes
-from swarm.dht.routing import DHTID, NodeInfo
 
 KEY = DHTID(0b1000 << 250)
 

@@ -20,10 +20,10 @@ from localswarm import Swarm
 from swarm.core.identity import Identity
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import DHTConfig, owner_marker
+from swarm.dht.ids import DHTID
 from swarm.dht.keys import key_to_bytes
-from swarm.dht.protocol import INVALID
-from swarm.dht.routing import DHTID
 from swarm.dht.validation import DHTRecord, signed_bytes
+from swarm.dht.wire import INVALID
 
 SIZE = 50
 CONFIG = DHTConfig(lookup_timeout=5.0)  # dead nodes here refuse connections: no request waits its timeout
@@ -111,7 +111,7 @@ def test_signed_records_hold_across_the_network(network):
     genuine = holder.dht.node.storage.get(key_to_bytes(key))
     replayed = DHTRecord(key_to_bytes(key), b"", genuine.value, now + 600, plain.raw_key)
     for record, reason in ((forged, "signature is not"), (replayed, "signature is not")):
-        from swarm.dht.protocol import store_item
+        from swarm.dht.wire import store_item
 
         answers = [mallory.run(protocol.call_store(node, [store_item(record)])) for node in nearest]
         assert all(a is not None and a[0].status == INVALID and reason in a[0].reason for a in answers), answers

@@ -15,9 +15,9 @@ from procs import PeerProcess, start_peers
 from swarm.core.identity import Identity
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import DHTConfig, owner_marker
-from swarm.dht.protocol import INVALID, store_item
-from swarm.dht.routing import DHTID
+from swarm.dht.ids import DHTID
 from swarm.dht.validation import DHTRecord, signed_bytes
+from swarm.dht.wire import INVALID, store_item
 from swarm.peer import Peer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

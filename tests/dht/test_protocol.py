@@ -13,10 +13,11 @@ from swarm.core.errors import InvalidRequest
 from swarm.core.identity import Identity
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import SignatureValidator, owner_marker
-from swarm.dht.protocol import FIND, INVALID, OUTDATED, REFUSED, STORED, node_id_of, store_item
-from swarm.dht.routing import DHTID, NodeInfo
-from swarm.dht.storage import DictionaryValue
+from swarm.dht.buckets import NodeInfo
+from swarm.dht.dictionary_value import DictionaryValue
+from swarm.dht.ids import DHTID
 from swarm.dht.validation import DHTRecord, signed_bytes
+from swarm.dht.wire import FIND, INVALID, OUTDATED, REFUSED, STORED, node_id_of, store_item
 from swarm.proto import dht_pb2
 
 

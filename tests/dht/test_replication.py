@@ -9,9 +9,9 @@ import time
 
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import DHTConfig, FaultPlan, LinkFault
+from swarm.dht.ids import DHTID
 from swarm.dht.keys import key_to_bytes
-from swarm.dht.protocol import FIND, STORE
-from swarm.dht.routing import DHTID
+from swarm.dht.wire import FIND, STORE
 
 SLOW = 1.5  # seconds added to the links to every replica but the nearest
 

@@ -9,17 +9,11 @@ import time
 import pytest
 
 from swarm.core.identity import Identity, peer_id_to_bytes
+from swarm.dht.blacklist import Blacklist
+from swarm.dht.buckets import KBucket, NodeInfo
+from swarm.dht.ids import DHTID, ID_BITS, ID_BYTES, xor_distance
 from swarm.dht.keys import serialize_key
-from swarm.dht.routing import (
-    DHTID,
-    ID_BITS,
-    ID_BYTES,
-    Blacklist,
-    KBucket,
-    NodeInfo,
-    RoutingTable,
-    xor_distance,
-)
+from swarm.dht.routing import RoutingTable
 
 
 class FakeClock:

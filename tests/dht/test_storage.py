@@ -5,16 +5,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from swarm.dht.dictionary_value import DictionaryValue
+from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.keys import key_to_bytes, serialize_subkey
-from swarm.dht.storage import (
-    CacheStorage,
-    DHTLocalStorage,
-    DictionaryValue,
-    ValueWithExpiration,
-    latest,
-    merge,
-    merge_all,
-)
+from swarm.dht.storage import CacheStorage, DHTLocalStorage, latest, merge, merge_all
 
 KEY = key_to_bytes("key")
 OTHER = key_to_bytes("other")

@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 import pytest
 
 from swarm.core.identity import Identity
-from swarm.dht.routing import DHTID, NodeInfo, RoutingTable
+from swarm.dht.buckets import NodeInfo
+from swarm.dht.ids import DHTID
+from swarm.dht.routing import RoutingTable
 from swarm.dht.traversal import Traversal
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from swarm.core.errors import ValidationError
 from swarm.core.identity import Identity
+from swarm.dht.ids import DHTID
 from swarm.dht.keys import serialize_key, serialize_subkey
-from swarm.dht.routing import DHTID
 from swarm.dht.schema import SchemaValidator
 from swarm.dht.validation import (
     CompositeValidator,

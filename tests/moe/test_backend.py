@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from swarm.core.errors import InvalidRequest, MoEError
-from swarm.moe.server.backend import ExpertBackend, TensorSchema
+from swarm.moe.schema import TensorSchema
+from swarm.moe.server.backend import ExpertBackend
 
 HID = 8
 

@@ -11,8 +11,8 @@ from torch import nn
 
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import DHTConfig, FaultPlan, LinkFault
+from swarm.dht.ids import DHTID
 from swarm.dht.keys import key_to_bytes
-from swarm.dht.routing import DHTID
 from swarm.moe import ExpertServer
 from swarm.moe.dht_declare import (
     DHTExpertSource,

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from swarm.moe.server.backend import ExpertBackend, TensorSchema
+from swarm.moe.schema import TensorSchema
+from swarm.moe.server.backend import ExpertBackend
 from swarm.moe.server.experts import (
     TRANSFORMER_SEQ_LEN,
     TransformerExpert,

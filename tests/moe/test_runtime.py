@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from swarm.core.errors import InvalidRequest, MoEError, ResourceExhausted
-from swarm.moe.server.backend import ExpertBackend, TensorSchema
-from swarm.moe.server.runtime import Runtime, TaskPool
+from swarm.moe.schema import TensorSchema
+from swarm.moe.server.backend import ExpertBackend
+from swarm.moe.server.runtime import Runtime
+from swarm.moe.server.task_pool import TaskPool
 
 pytestmark = pytest.mark.timeout(30)
 T = TypeVar("T")

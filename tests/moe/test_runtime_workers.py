@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from swarm.core.errors import MoEError, ResourceExhausted
-from swarm.moe.server.runtime import Runtime, TaskPool
+from swarm.moe.server.runtime import Runtime
+from swarm.moe.server.task_pool import TaskPool
 
 pytestmark = pytest.mark.timeout(30)
 WAIT = 5.0

@@ -35,7 +35,7 @@ from swarm.moe.client.expert import as_payload
 from swarm.moe.client.jobs import ExpertJob, ServerShare, plan_jobs, plan_shares
 from swarm.moe.group_calls import GroupMember, call_backward_group, call_forward_group
 
-__all__ = ["DispatchPolicy", "ExpertJob", "MixtureCall", "plan_jobs"]
+__all__ = ["DispatchPolicy", "MixtureCall"]
 
 logger = logging.getLogger(__name__)
 

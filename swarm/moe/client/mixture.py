@@ -21,7 +21,8 @@ from torch import nn
 from swarm.core.errors import ConfigError
 from swarm.dht.handle import PeerHandle
 from swarm.moe.client.beam_search import ExpertChoice, MoEBeamSearcher
-from swarm.moe.client.dispatch import DispatchPolicy, ExpertJob, MixtureCall, MixtureCaller
+from swarm.moe.client.dispatch import DispatchPolicy, MixtureCall, MixtureCaller
+from swarm.moe.client.jobs import ExpertJob
 from swarm.moe.sources import ExpertSource
 
 __all__ = ["MixtureConfig", "RemoteMixtureOfExperts"]

@@ -23,7 +23,7 @@ from swarm.core.errors import InvalidRequest, MoEError
 from swarm.moe.protocol import ExpertInfo
 from swarm.moe.schema import TensorSchema, dtype_name
 
-__all__ = ["ExpertBackend", "TensorSchema"]
+__all__ = ["ExpertBackend"]
 
 
 class ExpertBackend:

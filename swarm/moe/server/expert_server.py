@@ -43,7 +43,7 @@ from swarm.net.server import CallContext
 from swarm.net.streaming import tensors_to_messages
 from swarm.proto import moe_pb2
 
-__all__ = ["ExpertServer", "ExpertServerConfig"]
+__all__ = ["ExpertServer"]
 
 logger = logging.getLogger(__name__)
 

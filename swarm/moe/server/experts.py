@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarm.moe.server.backend import ExpertBackend, TensorSchema
+from swarm.moe.schema import TensorSchema
+from swarm.moe.server.backend import ExpertBackend
 from swarm.moe.uids import parse_uid
 
 __all__ = [

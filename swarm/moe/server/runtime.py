@@ -28,13 +28,13 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
 from swarm.core.errors import MoEError, SwarmError
-from swarm.moe.server.batch_runner import ProcessFn, Task, deliver
+from swarm.moe.server.batch_runner import Task, deliver
 from swarm.moe.server.task_pool import PoolStats, TaskPool
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PoolStats", "ProcessFn", "Runtime", "TaskPool"]
+__all__ = ["Runtime"]
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import torch
 from swarm.core.errors import InvalidRequest, MoEError, ResourceExhausted
 from swarm.moe.server.batch_runner import BatchRunner, ProcessFn, Task
 
-__all__ = ["PoolStats", "ProcessFn", "TaskPool"]
+__all__ = ["PoolStats", "TaskPool"]
 
 
 @dataclass(frozen=True)
