@@ -258,8 +258,4 @@ async def probe(host: str, port: int, timeout: float) -> Probe:
             peer_id, error = None, str(e)
         return Probe(True, True, peer_id, error)
     finally:
-        writer.close()
-        try:
-            await asyncio.wait_for(writer.wait_closed(), timeout)
-        except (OSError, TimeoutError, ssl.SSLError):
-            pass
+        writer.transport.abort()  # a probe: no close_notify exchange (a gRPC server may never answer it)

@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from swarm.core.errors import DeadlineExceeded, InvalidRequest, NotFound
-from swarm.core.errors import PeerUnreachable
+from swarm.core.errors import DeadlineExceeded, InvalidRequest, NotFound, PeerUnreachable
 from swarm.net import bulk, tls
 from swarm.net.server import ServerConfig
 from swarm.proto import peer_pb2
