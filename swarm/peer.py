@@ -8,6 +8,7 @@ code already inside an event loop, such as a Jupyter cell.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any, Self, TypeVar
@@ -45,6 +46,8 @@ class Peer:
         announce: addresses to advertise instead of the listen address (public IP, DNS name).
         loop: share another peer's event-loop thread (many peers in one process, e.g. simulations);
             by default each peer owns its loop.
+        insecure: plaintext instead of TLS on every connection (`--insecure`; docs/security.md):
+            sets `tls=False` in both configs. Such a peer talks only to peers that are insecure too.
         start: start serving now; with False, call `await peer.astart()` from an event loop.
     """
 
@@ -63,6 +66,7 @@ class Peer:
         dht_config: DHTConfig | None = None,
         loop: LoopThread | None = None,
         start: bool = True,
+        insecure: bool = False,
     ) -> None:
         self.initial_peers = [Multiaddr.parse(a) for a in initial_peers]
         self.listen = Multiaddr.parse(listen)
@@ -78,6 +82,12 @@ class Peer:
         self.peer_id = self.identity.peer_id
         self.addrs: list[str] = []
         self.served_experts: list[str] = []  # filled by an ExpertServer; reported by Info
+        if insecure:
+            server_config = dataclasses.replace(server_config or ServerConfig(), tls=False)
+            channel_config = dataclasses.replace(channel_config or ChannelConfig(), tls=False)
+        if (server_config or ServerConfig()).tls != (channel_config or ChannelConfig()).tls:
+            raise ConfigError("server_config.tls and channel_config.tls differ: a peer is TLS or insecure on both")
+        self.insecure = not (channel_config or ChannelConfig()).tls
         self._server_config = server_config
         self.pool = ChannelPool(self.identity, channel_config)
         self.server: RPCServer | None = None

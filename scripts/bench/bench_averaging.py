@@ -5,7 +5,8 @@ Prints one line per figure: seconds per round (median over rounds) for a minimal
 butterfly exchanging the same bytes (the ceiling), for swarm's averager with its tensors over
 gRPC streams only (the transport before the bulk side channel), and for swarm's averager as it
 runs by default (parts over the bulk side channel; float32 and float16 on the wire), all in the
-same run, and peak RSS per peer.
+same run, and peak RSS per peer. The averager runs over TLS (the default) and, in the same run,
+plaintext (`--insecure` on every peer), and the ratio of the two is printed.
 
     .venv/bin/python scripts/bench/bench_averaging.py [--peers 4 8] [--mbytes 100] [--rounds 7]
 
@@ -59,7 +60,7 @@ def swarm_worker(args: argparse.Namespace) -> None:
 
         logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s")
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
-    peer = Peer()
+    peer = Peer(insecure=args.insecure)
     baseline = _rss_mb()
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
     addrs = json.loads(sys.stdin.readline())["addrs"]
@@ -194,14 +195,15 @@ def barrier(socks: dict[int, socket.socket], index: int) -> None:
 # driver
 
 
-def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0, transport: str = "bulk") -> list[dict]:
+def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0, transport: str = "bulk",
+              insecure: bool = False) -> list[dict]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="33554432", MALLOC_TRIM_THRESHOLD_="1073741824",
                PYTHONPATH=ROOT)
     procs = []
     for i in range(n):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--index", str(i), "--n", str(n),
                "--mbytes", str(args.mbytes), "--rounds", str(args.rounds), "--compression", str(compression),
-               "--transport", transport]
+               "--transport", transport, *(["--insecure"] if insecure else [])]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
     try:
         addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
@@ -244,6 +246,8 @@ def main() -> None:
     parser.add_argument("--skip-fp16", action="store_true")
     parser.add_argument("--skip-grpc", action="store_true", help="skip the run with tensors over gRPC streams only")
     parser.add_argument("--transport", choices=["bulk", "grpc"], default="bulk", help=argparse.SUPPRESS)
+    parser.add_argument("--insecure", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--skip-plaintext", action="store_true", help="skip the plaintext (--insecure) run")
     args = parser.parse_args()
     if args.worker == "swarm":
         return swarm_worker(args)
@@ -257,7 +261,7 @@ def main() -> None:
         print(f"raw-socket butterfly  {n} peers, {args.mbytes} MB fp32: {raw:.3f} s/round (ceiling);"
               f" {raw_cpu:.3f} s of CPU per peer per round", flush=True)
         if not args.skip_grpc:
-            grpc = round_seconds(run_group("swarm", n, args, transport="grpc"))
+            grpc = round_seconds(run_group("swarm", n, args, transport="grpc"))  # TLS, like the default
             print(f"swarm over gRPC only  {n} peers, {args.mbytes} MB fp32: {grpc:.3f} s/round"
                   f" ({100 * raw / grpc:.0f}% of raw-socket ceiling)", flush=True)
         reports = run_group("swarm", n, args)
@@ -267,6 +271,14 @@ def main() -> None:
         print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32: {bulk:.3f} s/round"
               f" ({100 * raw / bulk:.0f}% of raw-socket ceiling{f'; goal <= {goal} s' if goal else ''});"
               f" {cpu:.3f} s of CPU per peer per round", flush=True)
+        if not args.skip_plaintext:
+            plain_reports = run_group("swarm", n, args, insecure=True)
+            plain = round_seconds(plain_reports)
+            plain_cpu = statistics.median(c for r in plain_reports for c in r["cpu"])
+            print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32, plaintext (--insecure): {plain:.3f} s/round;"
+                  f" {plain_cpu:.3f} s of CPU per peer per round", flush=True)
+            print(f"TLS/plaintext         {n} peers: {100 * plain / bulk:.0f}% of plaintext throughput"
+                  f" (goal >= 85%); CPU {cpu / plain_cpu:.2f}x", flush=True)
         peak = max(r["peak_mb"] for r in reports)
         base = max(r["baseline_mb"] for r in reports)
         tensor = reports[0]["tensor_mb"]

@@ -9,6 +9,9 @@
   (c) 8 concurrent clients (each its own peer) against one server, small batches: throughput
       with batching vs without (max_batch_tasks=1).
 
+Each figure is measured over TLS (the default) and plaintext (`--insecure` on server and clients)
+in the same run (--modes), lines prefixed [tls] / [plaintext].
+
 Local and remote calls alternate one by one and each ratio is the median of the per-pair
 ratios, because the machine is shared and its load moves within seconds. Each timed call starts
 after a pause (--settle-ms): after a parallel region, libgomp's idle threads spin for ~20 ms, and
@@ -20,7 +23,7 @@ threads and the servers' optimizer (`swarm.moe.server.experts.default_optimizer`
 
 Usage: .venv/bin/python scripts/bench/bench_moe.py [--hidden-dim 1024] [--batch 256] [--pairs 12]
          [--server-threads 1,2] [--clients 8] [--client-batch 32] [--seconds 8] [--only abc]
-         [--settle-ms 50]
+         [--settle-ms 50] [--modes tls,plaintext]
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def serve(args: argparse.Namespace) -> None:
     from swarm.peer import Peer
 
     torch.manual_seed(0)
-    peer = Peer(listen="/ip4/127.0.0.1/tcp/0")
+    peer = Peer(listen="/ip4/127.0.0.1/tcp/0", insecure=args.insecure)
     config = ExpertServerConfig(
         batching=BatchingConfig(max_batch_tasks=args.max_batch_tasks), compute_threads=args.threads,
         checkpoint_interval=None,
@@ -61,9 +64,10 @@ def serve(args: argparse.Namespace) -> None:
 class Server:
     """A `--role server` process of this script; its address is `addr`."""
 
-    def __init__(self, experts: str, hidden_dim: int, threads: int, max_batch_tasks: int | None = None) -> None:
+    def __init__(self, experts: str, hidden_dim: int, threads: int, max_batch_tasks: int | None = None,
+                 insecure: bool = False) -> None:
         cmd = [sys.executable, __file__, "--role", "server", "--experts", experts, "--hidden-dim", str(hidden_dim),
-               "--threads", str(threads)]
+               "--threads", str(threads), *(["--insecure"] if insecure else [])]
         if max_batch_tasks is not None:
             cmd += ["--max-batch-tasks", str(max_batch_tasks)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -121,10 +125,10 @@ def bench_expert(args: argparse.Namespace, client) -> None:
     local_step = local_step_fn([local], [default_optimizer(list(local.parameters()))], x, grad)
     for threads in args.server_threads:
         torch.set_num_threads(threads)  # the local baseline gets the same compute threads as the server
-        with Server("ffn.0", hid, threads) as server:
+        with Server("ffn.0", hid, threads, insecure=args.insecure) as server:
             expert = RemoteExpert(client, "ffn.0", server.addr, forward_timeout=120, backward_timeout=120)
             loc, rem, ratio = paired(local_step, remote_step_fn(expert, x, grad), args.pairs, args.settle_ms / 1e3)
-        print(f"(a) RemoteExpert ffn {batch}x{hid} fwd+bwd, torch threads={threads}: {1 / rem:.2f} calls/s "
+        print(f"[{args.mode}] (a) RemoteExpert ffn {batch}x{hid} fwd+bwd, torch threads={threads}: {1 / rem:.2f} calls/s "
               f"({rem * 1e3:.0f} ms) vs local fwd+bwd+step {1 / loc:.2f} calls/s ({loc * 1e3:.0f} ms): "
               f"remote/local time {ratio:.2f}x (goal <= 1.25x, hivemind ~2x)", flush=True)
 
@@ -162,7 +166,7 @@ def bench_mixture(args: argparse.Namespace, client_factory) -> None:
 
     threads = max(args.server_threads)
     torch.set_num_threads(threads)
-    with Server("ffn.[0:2].[0:2]", hid, threads) as server:
+    with Server("ffn.[0:2].[0:2]", hid, threads, insecure=args.insecure) as server:
         client = client_factory(server.addr)
         moe = RemoteMixtureOfExperts(client, in_features=hid, grid_size=(2, 2), uid_prefix="ffn.", k_best=4,
                                      forward_timeout=120, backward_timeout=120, cache_ttl=60)
@@ -178,8 +182,8 @@ def bench_mixture(args: argparse.Namespace, client_factory) -> None:
         failures = moe.caller.failures
         client.shutdown()
     if failures:
-        print(f"(b) WARNING: {failures} expert calls failed or were late; the figure below is not comparable")
-    print(f"(b) RemoteMixtureOfExperts 2x2 k_best=4 batch {batch} hidden {hid}: {batch / rem:.0f} samples/s "
+        print(f"[{args.mode}] (b) WARNING: {failures} expert calls failed or were late; the figure below is not comparable")
+    print(f"[{args.mode}] (b) RemoteMixtureOfExperts 2x2 k_best=4 batch {batch} hidden {hid}: {batch / rem:.0f} samples/s "
           f"(goal >= 600, 10x hivemind's ~60), torch threads={threads}, vs local compute {batch / loc:.0f} samples/s: "
           f"remote/local time {ratio:.2f}x (goal <= 1.3x)", flush=True)
 
@@ -191,7 +195,7 @@ def bench_concurrent(args: argparse.Namespace, client_factory) -> None:
     hid, batch = args.hidden_dim, args.client_batch
     results = {}
     for label, max_batch_tasks in (("with batching", None), ("without batching", 1)):
-        with Server("ffn.0", hid, max(args.server_threads), max_batch_tasks) as server:
+        with Server("ffn.0", hid, max(args.server_threads), max_batch_tasks, insecure=args.insecure) as server:
             clients = [client_factory(None) for _ in range(args.clients)]
             experts = [RemoteExpert(c, "ffn.0", server.addr, forward_timeout=120, backward_timeout=120)
                        for c in clients]
@@ -199,9 +203,9 @@ def bench_concurrent(args: argparse.Namespace, client_factory) -> None:
             for c in clients:
                 c.shutdown()
         results[label] = steps * batch / elapsed
-        print(f"(c) {args.clients} concurrent clients, batch {batch} each, ffn hidden {hid}, {label}: "
+        print(f"[{args.mode}] (c) {args.clients} concurrent clients, batch {batch} each, ffn hidden {hid}, {label}: "
               f"{results[label]:.0f} samples/s fwd+bwd", flush=True)
-    print(f"(c) batching speed-up: {results['with batching'] / results['without batching']:.2f}x", flush=True)
+    print(f"[{args.mode}] (c) batching speed-up: {results['with batching'] / results['without batching']:.2f}x", flush=True)
 
 
 def run_clients(experts: list, batch: int, hid: int, seconds: float) -> tuple[int, float]:
@@ -247,6 +251,8 @@ def main() -> None:
     parser.add_argument("--only", default="abc", help="which figures to measure, e.g. 'a' or 'bc'")
     parser.add_argument("--settle-ms", type=float, default=50.0,
                         help="pause before each timed call of (a) and (b), so idle OpenMP threads stop spinning")
+    parser.add_argument("--insecure", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default="tls,plaintext", help="transports to measure, in order")
     args = parser.parse_args()
     if args.role == "server":
         return serve(args)
@@ -254,19 +260,22 @@ def main() -> None:
 
     from swarm.peer import Peer
 
-    def client_factory(bootstrap: str | None) -> Peer:
-        return Peer(client_mode=True, initial_peers=[bootstrap] if bootstrap else [])
+    for mode in args.modes.split(","):
+        args.mode, args.insecure = mode, mode == "plaintext"
 
-    client = client_factory(None)
-    try:
-        if "a" in args.only:
-            bench_expert(args, client)
-        if "b" in args.only:
-            bench_mixture(args, client_factory)
-        if "c" in args.only:
-            bench_concurrent(args, client_factory)
-    finally:
-        client.shutdown()
+        def client_factory(bootstrap: str | None) -> Peer:
+            return Peer(client_mode=True, initial_peers=[bootstrap] if bootstrap else [], insecure=args.insecure)
+
+        client = client_factory(None)
+        try:
+            if "a" in args.only:
+                bench_expert(args, client)
+            if "b" in args.only:
+                bench_mixture(args, client_factory)
+            if "c" in args.only:
+                bench_concurrent(args, client_factory)
+        finally:
+            client.shutdown()
 
 
 if __name__ == "__main__":

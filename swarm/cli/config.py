@@ -28,6 +28,7 @@ class PeerOptions:
     checkpoint_dir: str | None = None
     metrics_port: int | None = None
     bulk_port: str | None = None
+    insecure: bool = False
     log_level: str = "INFO"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -46,7 +47,7 @@ class PeerOptions:
 
 
 _LIST_OPTIONS = {"announce", "initial_peers"}
-_BOOL_OPTIONS = {"client_mode"}
+_BOOL_OPTIONS = {"client_mode", "insecure"}
 _INT_OPTIONS = {"hidden_dim", "metrics_port"}
 
 
@@ -67,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--bulk-port", help="TCP port of the side channel that carries tensors (default: any free "
                                             "port; 'off': tensors over the gRPC port only, slower)")
+    parser.add_argument("--insecure", action="store_const", const=True,
+                        help="plaintext instead of TLS on every connection, for a closed cluster only: "
+                             "talks only to peers that also run with --insecure (docs/security.md)")
     parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
 
 

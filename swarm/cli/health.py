@@ -24,7 +24,7 @@ from typing import Any
 from swarm.core.errors import SwarmError
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
-from swarm.net.channels import ChannelPool
+from swarm.net.channels import ChannelConfig, ChannelPool
 
 logger = logging.getLogger("swarm.cli.health")
 
@@ -58,8 +58,8 @@ def _daemon_options() -> Any:
     return resolve(known)
 
 
-async def _probe(target: Multiaddr, expected_peer_id: str | None, timeout: float) -> str:
-    pool = ChannelPool(Identity.generate())
+async def _probe(target: Multiaddr, expected_peer_id: str | None, timeout: float, insecure: bool = False) -> str:
+    pool = ChannelPool(Identity.generate(), ChannelConfig(tls=not insecure))
     try:
         addr = target.with_peer_id(expected_peer_id) if expected_peer_id else target
         channel = (await asyncio.wait_for(pool.dial_unknown(addr), timeout)) if not expected_peer_id \
@@ -101,7 +101,7 @@ def run_self(port: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> int:
     target = Multiaddr(listen.protocol if listen.protocol in ("ip4", "ip6") else "ip4", host, port)
     try:
         message = asyncio.run(asyncio.wait_for(
-            _probe(target, _expected_peer_id(options.identity), timeout), timeout * 2))
+            _probe(target, _expected_peer_id(options.identity), timeout, options.insecure), timeout * 2))
     except (SwarmError, TimeoutError, OSError) as e:
         print(f"unhealthy: peer at {target} did not answer: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -109,7 +109,7 @@ def run_self(port: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> int:
     return 0
 
 
-def run_resolve(maddr: str, wait: float = 0.0, timeout: float = DEFAULT_TIMEOUT) -> int:
+def run_resolve(maddr: str, wait: float = 0.0, timeout: float = DEFAULT_TIMEOUT, insecure: bool = False) -> int:
     """Prints `maddr` with /p2p/<PeerID> of the peer answering there, retrying up to `wait` seconds."""
     addr = Multiaddr.parse(maddr)
     if addr.peer_id:
@@ -117,7 +117,7 @@ def run_resolve(maddr: str, wait: float = 0.0, timeout: float = DEFAULT_TIMEOUT)
         return 0
 
     async def resolve() -> str:
-        pool = ChannelPool(Identity.generate())
+        pool = ChannelPool(Identity.generate(), ChannelConfig(tls=not insecure))
         deadline = time.monotonic() + wait
         try:
             while True:

@@ -70,6 +70,7 @@ def run_daemon(options: PeerOptions) -> int:
         role="expert-server" if options.experts else "peer",
         server_config=ServerConfig(bulk=options.bulk_port != "off",
                                    bulk_port=int(options.bulk_port) if options.bulk_port not in (None, "off") else 0),
+        insecure=options.insecure,
     )
     try:
         _attach_services(peer, options)
@@ -77,6 +78,9 @@ def run_daemon(options: PeerOptions) -> int:
             print(addr, flush=True)
         if options.client_mode:
             logger.info("client mode: peer %s dials out only", peer.peer_id)
+        if options.insecure:
+            logger.warning("--insecure: connections are plaintext (readable and forgeable on the path); "
+                           "only peers started with --insecure can talk to this one")
         while not stop.wait(1.0):
             pass
     finally:

@@ -55,9 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wait", type=float, default=0.0,
                         help="with --resolve: keep retrying this many seconds while the peer starts")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--insecure", action="store_true", default=_env_flag("SWARM_INSECURE"),
+                        help="dial in plaintext, to peers started with --insecure (default: TLS; SWARM_INSECURE)")
     parser.add_argument("--log-level", default=os.environ.get("SWARM_STATUS_LOG_LEVEL", "ERROR"),
                         help="log level (default ERROR)")
     return parser
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
 
 
 # -- what the status shows --------------------------------------------------------------------
@@ -77,6 +83,7 @@ class PeerReport:
     clock_offset_s: float
     dialed: str
     source: str = "initial"  # "initial" (named on the command line) or "dht" (from the routing table)
+    encrypted: bool = True  # the connection was TLS and the peer proved its PeerID in it (False: --insecure)
 
 
 @dataclass
@@ -116,7 +123,7 @@ async def call_info(pool: Any, addr: Multiaddr, timeout: float, source: str = "i
         peer_id=info.peer_id, role=info.role, version=info.version, client_mode=info.client_mode,
         addrs=list(info.addrs), experts=list(info.experts), rtt_ms=round(rtt * 1000, 3),
         clock_offset_s=round(info.time - (time.time() - rtt / 2), 3) if info.time else 0.0,
-        dialed=str(addr), source=source,
+        dialed=str(addr), source=source, encrypted=channel.encrypted,
     )
 
 
@@ -206,8 +213,9 @@ def format_text(view: SwarmView, prefixes: Sequence[str], keys: Sequence[str]) -
     for p in view.peers:
         flags = " client-mode" if p.client_mode else ""
         via = " (via DHT)" if p.source == "dht" else ""
+        transport = "tls1.3" if p.encrypted else "PLAINTEXT (--insecure)"
         lines.append(f"  {p.peer_id}  {p.role or '?'}{flags}  v{p.version or '?'}  rtt {p.rtt_ms:.1f} ms  "
-                     f"clock {p.clock_offset_s:+.3f} s{via}")
+                     f"clock {p.clock_offset_s:+.3f} s  {transport}{via}")
         lines.extend(f"      {a}" for a in (p.addrs or [p.dialed]))
     for u in view.unreachable:
         lines.append(f"  unreachable: {u.addr}  ({u.error})")
@@ -245,10 +253,10 @@ def run_status(args: argparse.Namespace) -> int:
     addrs = _initial_peers(args)
     dialable = [str(a) for a in addrs if a.peer_id]
     try:
-        peer = Peer(initial_peers=dialable, client_mode=True)
+        peer = Peer(initial_peers=dialable, client_mode=True, insecure=args.insecure)
     except SwarmError as e:  # e.g. the DHT could not bootstrap: still ask the peers themselves
         logger.warning("could not join through the initial peers (%s); asking them directly", e)
-        peer = Peer(client_mode=True)
+        peer = Peer(client_mode=True, insecure=args.insecure)
     try:
         view = peer.run(survey(peer, addrs, args.timeout), timeout=args.timeout * 4 + 10)
         dht = peer.dht
@@ -279,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.resolve:
             from swarm.cli.health import run_resolve
 
-            return run_resolve(args.resolve, args.wait, args.timeout)
+            return run_resolve(args.resolve, args.wait, args.timeout, insecure=args.insecure)
         return run_status(args)
     except SwarmError as e:
         print(f"swarm-peer status: error: {e}", file=sys.stderr)

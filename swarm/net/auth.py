@@ -7,8 +7,11 @@ a verification (BENCHMARKS.md, "Transport facts"). Binding the callee's PeerID m
 ticket cannot replay it to anyone else. The callee proves its own PeerID through `Handshake`:
 it signs a fresh challenge of the caller's together with both PeerIDs.
 
-Traffic is not encrypted: this authenticates peers against impostors, not against an on-path
-attacker who can read and rewrite packets.
+By default every connection is TLS 1.3 whose certificate proves the callee's PeerID
+(`swarm.net.tls`), so a ticket reaches only the callee it is addressed to, which no other peer
+would accept it from: a captured ticket is worthless. With `--insecure` connections are plaintext,
+and then this authenticates peers against impostors, not against an on-path attacker who can read
+and rewrite packets or replay a ticket to the same callee (docs/security.md).
 """
 
 from __future__ import annotations

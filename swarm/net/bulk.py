@@ -11,8 +11,10 @@ loopback ceiling (BENCHMARKS.md, "Transport facts"). So a stream registered with
    same typed error a gRPC status would give.
 
 The handler is the one the gRPC stream runs (same `CallContext`: caller PeerID, deadline), so the
-two paths cannot drift apart. The callee's identity is proven by the gRPC handshake of the channel
-the token came over; the caller's by the ticket of that call. A caller that cannot reach the bulk
+two paths cannot drift apart. The connection is TLS 1.3 with the callee's gRPC certificate, checked
+against the PeerID the caller dialed (`swarm.net.tls`), unless both peers run insecure: so the
+token, and every tensor after it, reaches only the callee. The caller's identity is proven by the
+ticket of the OpenBulk call, which travelled inside the gRPC channel's TLS. A caller that cannot reach the bulk
 port (a firewall, a container publishing only the gRPC port) falls back to the gRPC stream and
 remembers to skip the side channel for that peer.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ from swarm.core.errors import (
 )
 from swarm.net.errors import from_status, to_status
 from swarm.net.frames import DATA, END, ERROR, BulkProtocolError, FrameConnection, Sink, Sunk
+from swarm.net.tls import SERVER_NAME, client_context
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +101,11 @@ class BulkListener:
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
-    async def start(self, host: str, port: int = 0) -> int:
+    async def start(self, host: str, port: int = 0, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Listens on `host:port`; with `ssl_context`, every connection is TLS first."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._protocol, host, port, reuse_port=False)
+        self._server = await loop.create_server(self._protocol, host, port, reuse_port=False, ssl=ssl_context,
+                                                ssl_handshake_timeout=self.token_ttl if ssl_context else None)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -143,7 +149,9 @@ class BulkListener:
 
     async def _accept(self, conn: FrameConnection) -> None:
         try:
-            await conn.connected
+            # over TLS the protocol is connected only once the handshake succeeded (never, for a
+            # plaintext or unverifiable caller): wait a bounded time
+            await asyncio.wait_for(conn.connected, self.token_ttl)
             await self._serve(conn)
         except (ConnectionError, TimeoutError) as e:
             logger.debug("bulk connection ended: %s", e)
@@ -208,13 +216,23 @@ async def _discard_until_closed(conn: FrameConnection) -> None:
 
 
 async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_bytes: int,
-                  peer_id: str) -> FrameConnection:
+                  peer_id: str, tls: bool = True) -> FrameConnection:
     """Dials the callee's bulk port and presents the token; `PeerUnreachable` if it cannot be reached
-    within `timeout` (nothing was sent then: the caller may fall back to gRPC)."""
+    within `timeout` (nothing was sent then: the caller may fall back to gRPC). With `tls`, the
+    connection is TLS 1.3 and the callee must prove `peer_id` (`swarm.net.tls`) before the token
+    is sent."""
     loop = asyncio.get_running_loop()
+    context = client_context(peer_id) if tls else None
     try:
         _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: FrameConnection(max_frame_bytes), host, port), timeout)
+            loop.create_connection(lambda: FrameConnection(max_frame_bytes), host, port, ssl=context,
+                                   server_hostname=SERVER_NAME if tls else None,
+                                   ssl_handshake_timeout=timeout if tls else None), timeout)
+    except ssl.SSLCertVerificationError as e:
+        # someone else answers at the bulk port: the stream stays on the (verified) gRPC channel
+        logger.warning("bulk port %s:%d does not prove %s (%s): not using it", host, port, peer_id, e.verify_message)
+        raise PeerUnreachable(f"bulk port {host}:{port} is not {peer_id}'s ({e.verify_message})",
+                              peer_id=peer_id) from None
     except (OSError, TimeoutError) as e:
         raise PeerUnreachable(f"bulk port {host}:{port} unreachable ({type(e).__name__}: {e})",
                               peer_id=peer_id) from None

@@ -1,8 +1,12 @@
 """Client side of the gRPC layer: one channel per remote peer, keyed by PeerID.
 
 Every call carries a ticket proving this peer's PeerID (swarm.net.auth) and an explicit deadline.
-The first use of a channel runs the `Handshake`, so a caller never talks to an address that
-cannot prove it holds the PeerID the caller dialed. Failures surface as swarm's typed errors.
+A channel is TLS 1.3 whose only trusted root is built from the PeerID the caller dialed
+(`swarm.net.tls`), so a caller never talks to an address that cannot prove that PeerID, and
+nobody on the path reads or rewrites a byte. With `ChannelConfig.tls=False` (`--insecure`) the
+channel is plaintext and the first use runs the `Handshake` instead, which proves the callee's
+PeerID but protects nothing after it. A peer of the other kind is refused with an error that
+names the flag. Failures surface as swarm's typed errors.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from google.protobuf.message import Message
 
 from swarm.core.errors import (
     ConfigError,
+    DeadlineExceeded,
     InvalidRequest,
     NotFound,
     PeerUnreachable,
@@ -32,6 +37,8 @@ from swarm.net import bulk as bulk_channel
 from swarm.net.auth import TicketSigner, check_handshake
 from swarm.net.calls import MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
 from swarm.net.errors import from_grpc_error
+from swarm.net.tls import SERVER_NAME, trust_anchor
+from swarm.net.tls import probe as tls_probe
 from swarm.proto import peer_pb2
 
 logger = logging.getLogger(__name__)
@@ -56,6 +63,8 @@ class ChannelConfig:
             opens another).
         calls_retry_after: seconds during which calls to a peer that refused a Calls stream (it
             had too many open, say) go as unary calls of their own before a stream is tried again.
+        tls: dial with TLS 1.3 and check the callee's PeerID in its certificate (docs/security.md).
+            False (`--insecure`) dials plaintext: only peers that are insecure too answer.
     """
 
     default_timeout: float = 10.0
@@ -65,6 +74,7 @@ class ChannelConfig:
     multiplex: bool = True
     calls_idle_timeout: float = 60.0
     calls_retry_after: float = 10.0
+    tls: bool = True
 
     def __post_init__(self) -> None:
         if self.default_timeout <= 0 or self.handshake_timeout <= 0 or self.calls_idle_timeout <= 0:
@@ -91,18 +101,27 @@ class PeerChannel:
         """The grpc channel, created on first use so it binds to the peer's event loop."""
         if self._channel is None:
             cfg = self.pool.config
-            self._channel = grpc.aio.insecure_channel(
-                self.addr.grpc_target,
-                options=[
-                    ("grpc.max_receive_message_length", cfg.max_message_bytes),
-                    ("grpc.max_send_message_length", cfg.max_message_bytes),
-                    ("grpc.enable_retries", 0),
-                    ("grpc.keepalive_time_ms", 60_000),
-                    ("grpc.initial_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", 2_000),
-                ],
-            )
+            options = [
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.enable_retries", 0),
+                ("grpc.keepalive_time_ms", 60_000),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2_000),
+            ]
+            if cfg.tls:
+                # the only root is the dialed PeerID's key: nothing else can complete the handshake
+                credentials = grpc.ssl_channel_credentials(root_certificates=trust_anchor(self.peer_id))
+                options.append(("grpc.ssl_target_name_override", SERVER_NAME))
+                self._channel = grpc.aio.secure_channel(self.addr.grpc_target, credentials, options=options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.addr.grpc_target, options=options)
         return self._channel
+
+    @property
+    def encrypted(self) -> bool:
+        """True when this channel's traffic is TLS (and the callee proved its PeerID in it)."""
+        return self.pool.config.tls
 
     def _metadata(self) -> tuple[tuple[str, bytes], ...]:
         return self.pool.signer.metadata_for(self.peer_id)
@@ -117,12 +136,24 @@ class PeerChannel:
         await asyncio.shield(self._verified)
 
     async def _handshake(self) -> None:
+        if self.pool.config.tls:
+            await self._connect_tls()
+            return
         challenge = os.urandom(32)
         me = self.pool.identity.peer_id
         request = peer_pb2.HandshakeRequest(challenge=challenge, caller_peer_id=me)
-        response = await self._raw_unary(
-            HANDSHAKE, request, peer_pb2.HandshakeResponse, self.pool.config.handshake_timeout, metadata=()
-        )
+        try:
+            response = await self._raw_unary(
+                HANDSHAKE, request, peer_pb2.HandshakeResponse, self.pool.config.handshake_timeout, metadata=()
+            )
+        except PeerUnreachable:
+            found = await tls_probe(self.addr.host, self.addr.port or 0, self.pool.config.handshake_timeout)
+            if found.speaks_tls:
+                raise Unauthenticated(
+                    f"{self.addr} requires TLS, and this peer runs with --insecure (plaintext): "
+                    "remove --insecure here, or start that peer with --insecure too",
+                    peer_id=self.peer_id or None) from None
+            raise
         if not self.peer_id:  # dialed a bare address: learn who is there
             from swarm.core.identity import public_key_to_peer_id
 
@@ -130,6 +161,47 @@ class PeerChannel:
                 raise Unauthenticated(f"peer at {self.addr} sent a malformed handshake")
             self.peer_id = public_key_to_peer_id(response.public_key)
         check_handshake(self.peer_id, response.public_key, response.signature, challenge, me)
+
+    async def _connect_tls(self) -> None:
+        """Waits until the channel's TLS handshake succeeded (the callee proved `peer_id`); explains
+        a failure with one probe of the address: not reachable, not TLS, or not that PeerID."""
+        channel = self.channel
+        loop = asyncio.get_running_loop()
+        timeout = self.pool.config.handshake_timeout
+        deadline = loop.time() + timeout
+        state = channel.get_state(try_to_connect=True)
+        probed = False
+        while state != grpc.ChannelConnectivity.READY:
+            if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE and not probed:
+                probed = True
+                await self._explain_failure(max(0.05, deadline - loop.time()))
+            elif state == grpc.ChannelConnectivity.SHUTDOWN:
+                raise PeerUnreachable(f"channel to {self.addr} is closed", peer_id=self.peer_id)
+            left = deadline - loop.time()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(channel.wait_for_state_change(state), left)
+            except TimeoutError:
+                raise DeadlineExceeded(f"no TLS connection to {self.addr} within {timeout} s",
+                                       peer_id=self.peer_id) from None
+            state = channel.get_state()
+
+    async def _explain_failure(self, timeout: float) -> None:
+        """Raises the reason the channel failed to connect; returns if the address looks fine now."""
+        found = await tls_probe(self.addr.host, self.addr.port or 0, timeout)
+        if not found.reachable:
+            raise PeerUnreachable(f"cannot reach {self.addr}: {found.error}", peer_id=self.peer_id)
+        if not found.speaks_tls:
+            raise Unauthenticated(
+                f"{self.addr} does not speak TLS ({found.error}): the peer there runs with --insecure "
+                "(plaintext), or is no swarm peer. Peers talk only if both run with --insecure or neither does",
+                peer_id=self.peer_id)
+        if found.peer_id != self.peer_id:
+            raise Unauthenticated(
+                f"peer at {self.addr} is not {self.peer_id}: its TLS certificate proves "
+                f"{found.peer_id or 'no libp2p identity'}{f' ({found.error})' if found.error else ''}",
+                peer_id=self.peer_id)
 
     async def unary(
         self, method: str, request: Message | bytes, response_type: type[Message] | None = None,
@@ -274,7 +346,8 @@ class PeerChannel:
         connect_timeout = min(self.pool.config.bulk_connect_timeout, max(0.01, deadline - loop.time()))
         try:
             conn = await bulk_channel.connect(self.addr.host, opened.port, opened.token, connect_timeout,
-                                              self.pool.config.max_message_bytes, self.peer_id)
+                                              self.pool.config.max_message_bytes, self.peer_id,
+                                              tls=self.pool.config.tls)
         except PeerUnreachable as e:
             logger.info("bulk port of %s unreachable (%s): its streams use gRPC", self.peer_id, e)
             self.bulk_reachable = False
@@ -351,6 +424,17 @@ class ChannelPool:
             channel = self.get(addr)
             await channel.verify()
             return channel
+        if self.config.tls:  # learn the PeerID from the certificate; the channel then checks it
+            found = await tls_probe(addr.host, addr.port or 0, self.config.handshake_timeout)
+            if not found.reachable:
+                raise PeerUnreachable(f"cannot reach {addr}: {found.error}")
+            if not found.speaks_tls:
+                raise Unauthenticated(
+                    f"{addr} does not speak TLS ({found.error}): the peer there runs with --insecure "
+                    "(plaintext), or is no swarm peer. Peers talk only if both run with --insecure or neither does")
+            if found.peer_id is None:
+                raise Unauthenticated(f"the peer at {addr} proves no PeerID: {found.error}")
+            return await self.dial_unknown(addr.with_peer_id(found.peer_id))
         channel = PeerChannel(self, addr)
         try:
             await channel.verify()

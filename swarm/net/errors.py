@@ -46,6 +46,12 @@ def from_grpc_error(error: grpc.RpcError, peer_id: str | None = None, method: st
     """Translates a failed call into swarm's error tree, keeping the callee's message."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
+    if code == grpc.StatusCode.UNAVAILABLE and "handshake failed" in (details or "").lower():
+        # a reconnect whose TLS handshake failed: the address no longer proves the PeerID (or the
+        # peer there now runs with --insecure); never a transient network failure to retry blindly
+        return Unauthenticated(f"TLS handshake failed: the peer does not prove its PeerID, or runs with "
+                               f"--insecure ({details}){f' ({method} on {peer_id})' if peer_id else ''}",
+                               peer_id=peer_id)
     return from_status(code, details, peer_id, method)
 
 

@@ -1,5 +1,8 @@
 """The peer's one gRPC server: every service on one TCP port, every call authenticated.
 
+The port speaks TLS 1.3 with a certificate issued by the peer's libp2p key (`swarm.net.tls`),
+unless the operator turned TLS off (`ServerConfig.tls`, `--insecure`).
+
 Services register plain coroutine handlers by method path (`/swarm.DHT/Find`); the server wraps
 each one once with what every call needs: the caller's PeerID from its ticket, decoding of the
 request with a clear INVALID_ARGUMENT on garbage, and translation of swarm errors into statuses.
@@ -26,6 +29,7 @@ from swarm.net.auth import TicketVerifier
 from swarm.net.bulk import OPEN_BULK, BulkListener
 from swarm.net.calls import ACCEPTED, CALLS, Admission, serve_calls
 from swarm.net.errors import to_status
+from swarm.net.tls import PeerCertificate, server_context
 from swarm.proto import peer_pb2
 
 logger = logging.getLogger(__name__)
@@ -48,6 +52,9 @@ class ServerConfig:
             `max_concurrent_rpcs` slots for as long as its caller keeps it. Past it a caller is
             refused the stream and sends its calls as unary calls of their own. 0: half of
             `max_concurrent_rpcs`.
+        tls: serve TLS 1.3 on both ports with a certificate issued by the peer's libp2p key
+            (`swarm.net.tls`, docs/security.md). False (`--insecure`) serves plaintext, which only
+            callers that are also insecure can talk to: for a closed cluster.
     """
 
     max_message_bytes: int = 8 << 20
@@ -57,6 +64,7 @@ class ServerConfig:
     bulk: bool = True
     bulk_port: int = 0
     max_call_streams: int = 0
+    tls: bool = True
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < (1 << 20) + 4096:
@@ -151,9 +159,12 @@ class _Dispatcher(grpc.GenericRpcHandler):
 class RPCServer:
     """One grpc.aio server per peer; `await start(listen)` binds it (port 0 picks a free port)."""
 
-    def __init__(self, identity: Identity, config: ServerConfig | None = None) -> None:
+    def __init__(self, identity: Identity, config: ServerConfig | None = None, *,
+                 certificate: PeerCertificate | None = None) -> None:
         self.identity = identity
         self.config = config or ServerConfig()
+        # the TLS certificate (None with tls=False); `certificate` replaces the one issued here
+        self.certificate = certificate if self.config.tls else None
         self.verifier = TicketVerifier(identity.peer_id)
         self._dispatcher = _Dispatcher()
         self._server: grpc.aio.Server | None = None
@@ -302,8 +313,15 @@ class RPCServer:
         target = listen.grpc_target
         if listen.protocol in ("dns", "dns4", "dns6"):
             raise ConfigError(f"listen on an IP address, not a DNS name ({listen}); announce DNS names instead")
+        if cfg.tls and self.certificate is None:
+            self.certificate = PeerCertificate.issue(self.identity)
         try:
-            port = self._server.add_insecure_port(target)
+            if self.certificate is not None:
+                credentials = grpc.ssl_server_credentials(
+                    [(self.certificate.key_pem, self.certificate.certificate_pem)])
+                port = self._server.add_secure_port(target, credentials)
+            else:
+                port = self._server.add_insecure_port(target)
         except RuntimeError as e:
             raise ConfigError(f"cannot listen on {listen}: {e} (is the port taken?)") from None
         if port == 0:
@@ -312,7 +330,8 @@ class RPCServer:
         self.port = port
         if cfg.bulk:
             try:
-                await self.bulk.start(listen.host, cfg.bulk_port)
+                context = server_context(self.certificate) if self.certificate is not None else None
+                await self.bulk.start(listen.host, cfg.bulk_port, context)
             except OSError as e:
                 if cfg.bulk_port:
                     raise ConfigError(f"cannot open the bulk port {listen.host}:{cfg.bulk_port}: {e}") from None

@@ -1,6 +1,11 @@
+import sys
+from pathlib import Path
+
 import pytest
 
 from swarm.peer import Peer
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/net/proxy.py
 
 
 @pytest.fixture

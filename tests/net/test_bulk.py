@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import struct
 import threading
 import time
 
 import pytest
 
-from swarm.core.errors import DeadlineExceeded, InvalidRequest, NotFound
-from swarm.net import bulk
+from swarm.core.errors import DeadlineExceeded, InvalidRequest, NotFound, PeerUnreachable
+from swarm.net import bulk, tls
 from swarm.net.server import ServerConfig
 from swarm.proto import peer_pb2
 
@@ -160,15 +161,17 @@ def _frame(kind: int, payload: bytes) -> bytes:
     return struct.pack("<BI", kind, len(payload)) + payload
 
 
-def _talk(port: int, data: bytes) -> bytes:
-    """Sends raw bytes to a bulk port and returns everything it answers until it closes."""
+def _talk(port: int, data: bytes, callee: str) -> bytes:
+    """Sends raw bytes over TLS (checking `callee`'s certificate) to a bulk port and returns
+    everything it answers until it closes."""
     chunks = []
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            tls.client_context(callee).wrap_socket(raw, server_hostname=tls.SERVER_NAME) as s:
         try:
             s.sendall(data)
             while chunk := s.recv(65536):
                 chunks.append(chunk)
-        except ConnectionResetError:
+        except (ConnectionResetError, ssl.SSLEOFError):
             pass  # refused by a reset: what arrived before it is the answer
     return b"".join(chunks)
 
@@ -178,13 +181,43 @@ def test_strangers_and_replayed_tokens_get_nothing(make_peer):
     serve_echo(a)
     port, token = _token(b, a)
     # a made-up token: the connection closes without an answer
-    assert _talk(port, _frame(bulk.DATA, b"\x00" * 16) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b"")) == b""
+    assert _talk(port, _frame(bulk.DATA, b"\x00" * 16) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b""), a.peer_id) == b""
     # the real token works once...
-    answer = _talk(port, _frame(bulk.DATA, token) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b""))
+    answer = _talk(port, _frame(bulk.DATA, token) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b""), a.peer_id)
     assert answer.startswith(_frame(bulk.DATA, b"ih"))
     assert f"1 from {b.peer_id[-6:]}".encode() in answer and answer.endswith(_frame(bulk.END, b""))
     # ...and never again
-    assert _talk(port, _frame(bulk.DATA, token) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b"")) == b""
+    assert _talk(port, _frame(bulk.DATA, token) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b""), a.peer_id) == b""
+
+
+def _plain_talk(port: int, data: bytes) -> bytes:
+    chunks = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        try:
+            s.sendall(data)
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except ConnectionResetError:
+            pass
+    return b"".join(chunks)
+
+
+def test_the_bulk_port_is_tls_only_and_proves_the_callee(make_peer):
+    a, b = make_peer(), make_peer()
+    serve_echo(a)
+    port, token = _token(b, a)
+    # a valid token sent in plaintext is never read: the TLS port answers no frame (a TLS alert at most)
+    answer = _plain_talk(port, _frame(bulk.DATA, token) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b""))
+    assert _frame(bulk.DATA, b"ih") not in answer and b"from" not in answer
+    # a caller that expects another PeerID there refuses the port before sending the token
+    async def dial_as_if_b_served_it():
+        return await bulk.connect("127.0.0.1", port, token, 5.0, 1 << 20, b.peer_id)
+
+    with pytest.raises(PeerUnreachable, match="is not"):
+        b.run(dial_as_if_b_served_it())
+    # the token was never presented, so it still works over TLS to the right PeerID
+    answer = _talk(port, _frame(bulk.DATA, token) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b""), a.peer_id)
+    assert answer.startswith(_frame(bulk.DATA, b"ih"))
 
 
 def test_oversized_or_malformed_frames_close_the_connection(make_peer):
@@ -192,12 +225,12 @@ def test_oversized_or_malformed_frames_close_the_connection(make_peer):
     serve_echo(a)
     port, _ = _token(b, a)
     # a stranger's first frame may be no larger than a token: 1 GiB is refused before allocating
-    assert _talk(port, struct.pack("<BI", bulk.DATA, 1 << 30)) == b""
+    assert _talk(port, struct.pack("<BI", bulk.DATA, 1 << 30), a.peer_id) == b""
     # after a valid token: an unknown frame kind, then a frame above the message limit
     port, token = _token(b, a)
-    assert _talk(port, _frame(bulk.DATA, token) + _frame(7, b"??")) == b""
+    assert _talk(port, _frame(bulk.DATA, token) + _frame(7, b"??"), a.peer_id) == b""
     port, token = _token(b, a)
-    assert _talk(port, _frame(bulk.DATA, token) + struct.pack("<BI", bulk.DATA, 1 << 30)) == b""
+    assert _talk(port, _frame(bulk.DATA, token) + struct.pack("<BI", bulk.DATA, 1 << 30), a.peer_id) == b""
     # the peer is unharmed
     assert call(b, a, [b"ok"])[0] == b"ko"
 

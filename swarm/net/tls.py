@@ -1,0 +1,261 @@
+"""TLS 1.3 bound to libp2p PeerIDs, in a form grpcio's Python API can verify (docs/security.md).
+
+The libp2p TLS spec binds a connection to a PeerID with a self-signed certificate carrying an
+extension (OID 1.3.6.1.4.1.53594.1.1) that holds the host's public key and its signature over the
+certificate's key; the verifier checks that extension in a custom callback. grpcio's Python API
+has no such callback: a channel only accepts root certificates. So a peer's certificate here is
+*issued by its libp2p key* instead of self-signed:
+
+- the peer generates a fresh P-256 key at start-up and a certificate for it whose issuer is the
+  name `anchor_name(public key)` and whose X.509 signature is made with the peer's Ed25519 key; it
+  also carries the libp2p extension (`SignedKey`), so the binding is the spec's as well;
+- a caller that dials `/p2p/<PeerID>` builds, from the PeerID alone, a trust anchor with that
+  name and the PeerID's Ed25519 public key (`trust_anchor`), and gives it to gRPC as the channel's
+  only root. TLS then succeeds only if the callee holds a certificate signed by that very key and
+  proves, in the handshake, that it holds the certificate's private key. There is no extra round
+  trip and nothing to fetch first. The anchor's own signature is never checked by a verifier (it
+  is the trust anchor), so the caller signs it with a throwaway key.
+
+The bulk side channel uses the same certificate with Python's `ssl` and the same anchor.
+`read_peer_certificate` reads the PeerID out of a certificate received without verification
+(dialing a bare address), checking both the X.509 signature and the libp2p extension.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import functools
+import ssl
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.x509.oid import NameOID
+
+from swarm.core.errors import Unauthenticated
+from swarm.core.identity import Identity, peer_id_to_public_key, public_key_to_peer_id
+
+LIBP2P_EXTENSION_OID = x509.ObjectIdentifier("1.3.6.1.4.1.53594.1.1")
+SERVER_NAME = "swarm-peer"  # the DNS name in every certificate; the PeerID is what is checked
+_SIGNED_KEY_PREFIX = b"libp2p-tls-handshake:"
+_PUBKEY_PREFIX = bytes([0x08, 0x01, 0x12, 0x20])  # libp2p PublicKey protobuf, Ed25519, 32 bytes
+_PEM = serialization.Encoding.PEM
+_DER = serialization.Encoding.DER
+_LEAF_LIFETIME = datetime.timedelta(days=30)
+_CLOCK_SKEW = datetime.timedelta(days=1)
+ALPN = "h2"
+
+
+def anchor_name(public_key: bytes) -> x509.Name:
+    """The issuer name of every certificate the key behind `public_key` signs (64 hex digits)."""
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "swarm libp2p identity"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, public_key.hex())])
+
+
+# -- the libp2p SignedKey extension (DER by hand: SEQUENCE { OCTET STRING, OCTET STRING }) --------
+
+def _der_length(n: int) -> bytes:
+    if n < 0x80:
+        return bytes([n])
+    body = n.to_bytes((n.bit_length() + 7) // 8, "big")
+    return bytes([0x80 | len(body)]) + body
+
+
+def _der(tag: int, body: bytes) -> bytes:
+    return bytes([tag]) + _der_length(len(body)) + body
+
+
+def _read_der(data: bytes, offset: int, tag: int) -> tuple[bytes, int]:
+    if offset + 2 > len(data) or data[offset] != tag:
+        raise ValueError("unexpected DER tag")
+    length, offset = data[offset + 1], offset + 2
+    if length & 0x80:
+        count = length & 0x7F
+        if count == 0 or count > 4 or offset + count > len(data):
+            raise ValueError("bad DER length")
+        length, offset = int.from_bytes(data[offset:offset + count], "big"), offset + count
+    if offset + length > len(data):
+        raise ValueError("truncated DER")
+    return data[offset:offset + length], offset + length
+
+
+def signed_key(identity: Identity, certificate_key_spki: bytes) -> bytes:
+    """The libp2p extension's value: the host's PublicKey protobuf and its signature over the
+    certificate's SubjectPublicKeyInfo (libp2p TLS spec, "libp2p Public Key Extension")."""
+    signature = identity.sign(_SIGNED_KEY_PREFIX + certificate_key_spki)
+    return _der(0x30, _der(0x04, _PUBKEY_PREFIX + identity.public_key) + _der(0x04, signature))
+
+
+def _parse_signed_key(value: bytes) -> tuple[bytes, bytes]:
+    body, end = _read_der(value, 0, 0x30)
+    if end != len(value):
+        raise ValueError("trailing bytes")
+    key, offset = _read_der(body, 0, 0x04)
+    signature, offset = _read_der(body, offset, 0x04)
+    if offset != len(body) or len(key) != 36 or key[:4] != _PUBKEY_PREFIX:
+        raise ValueError("not an Ed25519 libp2p PublicKey")
+    return key[4:], signature
+
+
+# -- certificates -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PeerCertificate:
+    """A peer's TLS key and certificate (PEM), issued by its libp2p key; made once per process."""
+
+    key_pem: bytes
+    certificate_pem: bytes
+
+    @classmethod
+    def issue(cls, identity: Identity) -> PeerCertificate:
+        key = ec.generate_private_key(ec.SECP256R1())
+        spki = key.public_key().public_bytes(_DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        now = datetime.datetime.now(datetime.UTC)
+        certificate = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.peer_id)]))
+            .issuer_name(anchor_name(identity.public_key))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _CLOCK_SKEW)
+            .not_valid_after(now + _LEAF_LIFETIME)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.UnrecognizedExtension(LIBP2P_EXTENSION_OID, signed_key(identity, spki)),
+                           critical=False)
+            .sign(identity.private_key, None)
+        )
+        return cls(
+            key.private_bytes(_PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+            certificate.public_bytes(_PEM),
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _anchor_signer() -> ed25519.Ed25519PrivateKey:
+    return ed25519.Ed25519PrivateKey.generate()
+
+
+@functools.lru_cache(maxsize=4096)
+def trust_anchor(peer_id: str) -> bytes:
+    """PEM of the root that makes TLS accept exactly the certificates signed by `peer_id`'s key.
+
+    Raises `Unauthenticated` for a PeerID that holds no Ed25519 key (nothing could prove it).
+    """
+    try:
+        public_key = peer_id_to_public_key(peer_id)
+    except Exception:  # noqa: BLE001 - IdentityError, or garbage from a record
+        raise Unauthenticated(f"{peer_id!r} is not an Ed25519 PeerID: no TLS certificate can prove it",
+                              peer_id=peer_id) from None
+    name = anchor_name(public_key)
+    anchor = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(ed25519.Ed25519PublicKey.from_public_bytes(public_key))
+        .serial_number(1)
+        .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC))
+        .not_valid_after(datetime.datetime(9999, 12, 31, tzinfo=datetime.UTC))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        .sign(_anchor_signer(), None)  # a trust anchor's own signature is not verified
+    )
+    return anchor.public_bytes(_PEM)
+
+
+def read_peer_certificate(der: bytes) -> str:
+    """The PeerID a certificate proves (its X.509 signature and its libp2p extension both made by
+    that key); raises `Unauthenticated` otherwise. Used on certificates received unverified."""
+    try:
+        certificate = x509.load_der_x509_certificate(der)
+        value = certificate.extensions.get_extension_for_oid(LIBP2P_EXTENSION_OID).value
+        public_key, signature = _parse_signed_key(value.value)  # type: ignore[attr-defined]
+        host_key = ed25519.Ed25519PublicKey.from_public_bytes(public_key)
+        spki = certificate.public_key().public_bytes(_DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        host_key.verify(signature, _SIGNED_KEY_PREFIX + spki)
+        host_key.verify(certificate.signature, certificate.tbs_certificate_bytes)
+        if certificate.issuer != anchor_name(public_key):
+            raise ValueError("issuer is not the host key")
+    except (ValueError, InvalidSignature, x509.ExtensionNotFound, TypeError) as e:
+        raise Unauthenticated(f"the peer's TLS certificate does not prove a libp2p identity ({e or type(e).__name__})"
+                              ) from None
+    return public_key_to_peer_id(public_key)
+
+
+# -- Python ssl contexts (the bulk side channel, probes) ------------------------------------------
+
+def server_context(certificate: PeerCertificate) -> ssl.SSLContext:
+    """TLS 1.3 server context presenting `certificate` (the bulk listener)."""
+    import os
+    import tempfile
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    # load_cert_chain reads files only: a private temporary directory, removed at once
+    with tempfile.TemporaryDirectory(prefix="swarm-tls-") as tmp:
+        path = os.path.join(tmp, "peer.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(certificate.key_pem + certificate.certificate_pem)
+        context.load_cert_chain(path)
+    return context
+
+
+@functools.lru_cache(maxsize=1024)
+def client_context(peer_id: str) -> ssl.SSLContext:
+    """TLS 1.3 client context that accepts only certificates signed by `peer_id`'s key."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.load_verify_locations(cadata=trust_anchor(peer_id).decode())
+    return context
+
+
+@functools.lru_cache(maxsize=1)
+def _unverified_context() -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # the certificate is checked by read_peer_certificate
+    context.set_alpn_protocols([ALPN])
+    return context
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a TLS handshake with an address showed (`probe`)."""
+
+    reachable: bool       # a TCP connection was accepted
+    speaks_tls: bool      # the TLS 1.3 handshake completed
+    peer_id: str | None   # the PeerID its certificate proves (None: it proves none)
+    error: str = ""
+
+
+async def probe(host: str, port: int, timeout: float) -> Probe:
+    """Runs one TLS handshake with `host:port`, verifying nothing, and reads the PeerID that the
+    certificate proves. Used to learn a bare address's PeerID and to explain a failed dial."""
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=_unverified_context(), server_hostname=SERVER_NAME,
+                                    ssl_handshake_timeout=timeout), timeout)
+    except ssl.SSLError as e:
+        return Probe(True, False, None, f"{type(e).__name__}: {e.reason or e}")
+    except (ConnectionResetError, asyncio.IncompleteReadError, EOFError) as e:
+        return Probe(True, False, None, f"{type(e).__name__}: {e}")
+    except (OSError, TimeoutError) as e:
+        return Probe(False, False, None, f"{type(e).__name__}: {e}")
+    try:
+        ssl_object = writer.get_extra_info("ssl_object")
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        try:
+            peer_id = read_peer_certificate(der) if der else None
+            error = ""
+        except Unauthenticated as e:
+            peer_id, error = None, str(e)
+        return Probe(True, True, peer_id, error)
+    finally:
+        writer.transport.abort()  # a probe: no close_notify exchange (a gRPC server may never answer it)
