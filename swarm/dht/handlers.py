@@ -20,6 +20,7 @@ from swarm.core.multiaddr import Multiaddr
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.config import DHTConfig
 from swarm.dht.contacts import Contacts
+from swarm.dht.keys import deserialize_key
 from swarm.dht.routing import DHTID, NodeInfo, RoutingTable
 from swarm.dht.storage import CacheStorage, DHTLocalStorage, DictionaryValue, merge
 from swarm.dht.validation import DHTRecord, RecordValidator
@@ -163,6 +164,9 @@ class DHTHandlers:
             return INVALID, "the expiration time is not a finite number"
         if len(value) > self.config.max_value_bytes:
             return REFUSED, f"value of {len(value)} bytes exceeds the {self.config.max_value_bytes}-byte limit"
+        horizon = self.config.expiration_horizon(_user_key(raw_key) if self.config.expiration_horizons else None)
+        if expiration_time > get_dht_time() + horizon:
+            return REFUSED, f"the record expires more than {horizon:g} s ahead, this node's limit for the key"
         key = hashlib.sha256(raw_key).digest()
         try:
             self.validator.validate(DHTRecord(key, subkey, value, expiration_time, raw_key))
@@ -225,3 +229,10 @@ class DHTHandlers:
                 self._bare_addrs.clear()
             found = self._bare_addrs[addr] = bare(addr)
         return found
+
+
+def _user_key(raw_key: bytes) -> bytes | str | None:
+    try:
+        return deserialize_key(raw_key)
+    except ValueError:
+        return None
