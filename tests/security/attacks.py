@@ -10,7 +10,7 @@ from procs import PeerProcess
 from swarm.dht.keys import hash_serialized_key, serialize_key, serialize_subkey
 from swarm.dht.routing import DHTID, NodeInfo
 from swarm.dht.validation import DHTRecord
-from swarm.dht.wire import StoreResult, store_item
+from swarm.dht.wire import StoreResult, node_id_of, store_item
 from swarm.peer import Peer
 
 HID = 8
@@ -48,3 +48,18 @@ def store_raw(attacker: Peer, records: list[DHTRecord], nodes: list[NodeInfo]) -
             results.extend(found)
         answers.append(results)
     return answers
+
+
+def node_of(addr: str) -> NodeInfo:
+    """The DHT node at a full multiaddr (ending in /p2p/<PeerID>)."""
+    peer_id = addr.rsplit("/p2p/", 1)[1]
+    return NodeInfo(node_id_of(peer_id), peer_id, addr)
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of process `pid`."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
