@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarm.core.errors import ConfigError, InvalidRequest, NotFound, PeerUnreachable
-from swarm.moe.admission import Admission, check_declared
+from swarm.core.errors import ConfigError, NotFound, PeerUnreachable
+from swarm.moe.admission import Admission, check_declared, receive_header
 from swarm.moe.backend import ExpertBackend
 from swarm.moe.checkpoints import CheckpointSaver
 from swarm.moe.dht_declare import ExpertDeclarer
@@ -33,7 +33,16 @@ from swarm.moe.group_calls import BACKWARD_GROUP, FORWARD_GROUP
 from swarm.moe.group_serving import GroupCallHandlers
 from swarm.moe.hosted import GraphGone, HostedExpert
 from swarm.moe.layers import OptimizerFactory, backend_for_module, default_optimizer, make_backend
-from swarm.moe.protocol import BACKWARD, FORWARD, GRAPH_GONE, INFO, ExpertCall, ExpertInfo, parse_call_header
+from swarm.moe.protocol import (
+    BACKWARD,
+    FORWARD,
+    GRAPH_GONE,
+    INFO,
+    ExpertCall,
+    ExpertInfo,
+    parse_call_header,
+    shown_uid,
+)
 from swarm.moe.runtime import Runtime
 from swarm.moe.schema import TensorSchema
 from swarm.moe.server_config import ExpertServerConfig
@@ -114,7 +123,8 @@ class ExpertServer(GroupCallHandlers):
             [pool for hosted in self.experts.values() for pool in hosted.pools], threads,
             self.config.compute_workers or threads,
         )
-        self.admission = Admission(self.config.max_inflight_requests, self.config.max_inflight_bytes)
+        self.admission = Admission(self.config.max_inflight_requests, self.config.max_inflight_bytes,
+                                   self.config.max_inflight_per_caller)
         self.declarer: ExpertDeclarer | None = None
         self._declare = declare
         self._started = False
@@ -215,7 +225,7 @@ class ExpertServer(GroupCallHandlers):
             raise PeerUnreachable(f"expert server {self.peer.peer_id} is shutting down")
         hosted = self.experts.get(uid)
         if hosted is None:
-            raise NotFound(f"{what}: expert {uid!r} is not hosted by {self.peer.peer_id}")
+            raise NotFound(f"{what}: expert {shown_uid(uid)} is not hosted by {self.peer.peer_id}")
         return hosted
 
     def _request(self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool) -> Any:
@@ -227,11 +237,9 @@ class ExpertServer(GroupCallHandlers):
         self, stream: AsyncIterator[bytes], ctx: CallContext, backward: bool, held: contextlib.AsyncExitStack
     ) -> tuple[HostedExpert, ExpertCall, list[torch.Tensor], Hashable | None]:
         what = "backward" if backward else "forward"
-        held.enter_context(self.admission.request(what))
-        header_bytes = await anext(stream, None)
-        if header_bytes is None:
-            raise InvalidRequest(f"{what}: empty request stream")
+        header_bytes = await receive_header(stream, self.config.header_timeout, what)
         call, header = parse_call_header(header_bytes)
+        held.enter_context(self.admission.request(what, ctx.peer_id or ""))
         hosted = self._hosted(call.uid, what)
         backend = hosted.backend
         what = f"{what} of {call.uid}"
