@@ -115,6 +115,8 @@ class ExpertServer(GroupCallHandlers):
             if checkpoint_dir is not None
             else None
         )
+        if self.checkpoints is not None:
+            self.checkpoints.check_writable()  # a read-only directory fails now, not at the first save
         self.restored: list[str] = self.checkpoints.load() if self.checkpoints is not None else []
         """UIDs restored from checkpoints at start."""
         self.experts = {uid: HostedExpert(b, self.config.batching) for uid, b in self.backends.items()}
@@ -308,6 +310,7 @@ class ExpertServer(GroupCallHandlers):
             "saved_graph_hits": sum(h.saved.hits for h in self.experts.values()),
             "saved_graph_misses": sum(h.saved.misses for h in self.experts.values()),
             "saved_graph_rows": sum(h.saved.rows for h in self.experts.values()),
+            "checkpoint_failures": self.checkpoints.failures if self.checkpoints is not None else 0,
         }
 
     def __repr__(self) -> str:
