@@ -241,7 +241,7 @@ class DHTProtocol:
             return None
         if not count:
             return [StoreResult(r.status, r.reason) for r in response.results]
-        peers = self._answer_peers(node, response.peers, len(items))
+        peers = self._answer_peers(node, response.peers, len(items) * max(count, self.config.max_contacts_per_answer))
         if peers is None:
             return None
         return [StoreResult(r.status, r.reason, self._nearest(peers, r.nearest)) for r in response.results]
@@ -256,11 +256,11 @@ class DHTProtocol:
                 nearest.append(peer)
         return nearest
 
-    def _answer_peers(self, node: NodeInfo, peers: Sequence[Any], keys: int) -> _Peers | None:
+    def _answer_peers(self, node: NodeInfo, peers: Sequence[Any], most: int) -> _Peers | None:
         """The peers an answer names, parsed as they are used; None (and `node` distrusted) if it
-        names more than an honest node would."""
-        if len(peers) > keys * self.config.max_contacts_per_answer:
-            self.distrust(node, f"its answer names {len(peers)} nodes for {keys} keys")
+        names more than the `most` an honest node would (the count asked for, per key)."""
+        if len(peers) > most:
+            self.distrust(node, f"its answer names {len(peers)} nodes, more than the {most} asked for")
             return None
         return _Peers(self, peers)
 
@@ -284,6 +284,7 @@ class DHTProtocol:
             values_suffice: The nearest nodes of a key are not wanted if its value comes back.
             count: How many nearest nodes per key (0: k).
         """
+        count = count or self.config.bucket_size  # said explicitly: the callee's own k may be larger
         request = dht_pb2.DHTFindRequest(
             caller=self._caller, keys=[key.to_bytes() for key in keys], nodes_only=nodes_only,
             values_suffice=values_suffice, count=count,
@@ -294,7 +295,7 @@ class DHTProtocol:
         if len(response.results) != len(keys):
             logger.debug("DHT node %s answered %d of %d keys", node.peer_id, len(response.results), len(keys))
             return None
-        peers = self._answer_peers(node, response.peers, len(keys))
+        peers = self._answer_peers(node, response.peers, len(keys) * max(count, self.config.max_contacts_per_answer))
         if peers is None:
             return None
         answers: dict[DHTID, FindAnswer] = {}
