@@ -1,7 +1,8 @@
 """`swarm-peer`: the daemon a volunteer runs (docs/operations.md).
 
 On ready it prints each reachable multiaddr on its own stdout line and keeps serving.
-SIGINT/SIGTERM stop it cleanly (exit 0); a second signal exits at once.
+SIGINT/SIGTERM stop it cleanly (exit 0; 1 if the experts' last checkpoint could not be saved);
+a second signal exits at once. Bad options, identity files or checkpoint directories: exit 2.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarm.cli.config import PeerOptions, build_parser, resolve
 from swarm.core.errors import SwarmError
@@ -31,16 +32,25 @@ def _setup_logging(level: str) -> None:
         logging.getLogger("asyncio").setLevel(logging.ERROR)
 
 
-def _attach_services(peer: PeerHandle, options: PeerOptions) -> None:
-    """Starts what the options ask for beyond the bare peer (experts, metrics)."""
+def _attach_services(peer: PeerHandle, options: PeerOptions) -> Any:
+    """Starts what the options ask for beyond the bare peer (experts, metrics); the expert server, if any."""
+    server = None
     if options.experts:
         from swarm.moe.server.cli import serve_experts  # imports torch only when experts are served
 
-        serve_experts(peer, options)
+        server = serve_experts(peer, options)
     if options.metrics_port is not None:
         from swarm.metrics import serve_metrics
 
         serve_metrics(peer, options.metrics_port)
+    return server
+
+
+def _unsaved(server: Any) -> str | None:
+    """Why the expert server's last checkpoint failed, if it did (the trained updates are lost)."""
+    saver = getattr(server, "checkpoints", None)
+    error = getattr(saver, "last_error", None)
+    return None if error is None else str(error)
 
 
 def run_daemon(options: PeerOptions) -> int:
@@ -72,8 +82,9 @@ def run_daemon(options: PeerOptions) -> int:
                                    bulk_port=int(options.bulk_port) if options.bulk_port not in (None, "off") else 0),
         insecure=options.insecure,
     )
+    server = None
     try:
-        _attach_services(peer, options)
+        server = _attach_services(peer, options)
         for addr in peer.addrs:
             print(addr, flush=True)
         if options.client_mode:
@@ -85,6 +96,11 @@ def run_daemon(options: PeerOptions) -> int:
             pass
     finally:
         peer.shutdown()
+    unsaved = _unsaved(server)
+    if unsaved is not None:
+        logger.error("stopped, but the experts' last checkpoint failed, so trained updates are lost: %s", unsaved)
+        print(f"swarm-peer: error: the last checkpoint failed: {unsaved}", file=sys.stderr)
+        return 1
     logger.info("stopped")
     return 0
 

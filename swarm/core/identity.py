@@ -7,7 +7,9 @@ importing py-libp2p is slow and large (BENCHMARKS.md, "Transport facts"); tests 
 result against py-libp2p's and against fixed vectors.
 
 Identity files hold the libp2p `PrivateKey` protobuf (Data = 32-byte seed + 32-byte public
-key, as go-libp2p writes it), are created with mode 0600, and are locked while a peer runs.
+key, as go-libp2p writes it), are created with mode 0600, and are locked while a peer runs: the
+file itself (its inode), so that a symlink or a hard link to a key in use cannot start a second
+peer with the same PeerID. A key file that others may read or write is refused, as ssh does.
 """
 
 from __future__ import annotations
@@ -128,43 +130,79 @@ class Identity:
 class IdentityFile:
     """An identity kept on disk, locked for as long as one peer process uses it.
 
-    The lock is an `flock` on `<path>.lock`, so it is released by the kernel when the holder
-    dies, even by SIGKILL; a second peer that tries to use the same file gets `IdentityError`.
+    Two `flock`s, released by the kernel when the holder dies, even by SIGKILL: one on
+    `<real path>.lock` (symlinks resolved), which serializes creating the file and records the
+    holder's pid, and one on the key file itself, which holds for every path that names the same
+    inode (hard links too). A second peer that tries to use the same file gets `IdentityError`,
+    as does every other problem with the file (unreadable, not a key, readable by others, a path
+    that cannot be created), with a message that says what to do.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._lock_fd: int | None = None
+        self._key_fd: int | None = None
 
     def load_or_create(self) -> Identity:
-        """Locks the file, then loads it, or creates it (mode 0600) if it does not exist."""
-        self._lock()
+        """Locks the file, then loads it, or creates it (mode 0600) if it does not exist.
+
+        Raises:
+            IdentityError: The file is in use, unusable or not a key; the message says why.
+        """
         try:
-            if self.path.exists():
-                return self._load()
-            identity = Identity.generate()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(identity.private_bytes())
-            return identity
+            return self._open()
+        except OSError as e:
+            self.release()
+            where = f" ({e.filename})" if e.filename and str(e.filename) != str(self.path) else ""
+            raise IdentityError(f"cannot use identity file {self.path}{where}: {e.strerror or e}") from None
         except BaseException:
             self.release()
             raise
 
-    def _load(self) -> Identity:
+    def _open(self) -> Identity:
+        real = Path(os.path.realpath(self.path))
+        real.parent.mkdir(parents=True, exist_ok=True)
+        self._lock(real.with_name(real.name + ".lock"))
         try:
-            data = self.path.read_bytes()
-        except OSError as e:
-            raise IdentityError(f"cannot read identity file {self.path}: {e.strerror}") from e
+            fd = os.open(real, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            created = True
+        except FileExistsError:
+            fd = os.open(real, os.O_RDONLY)
+            created = False
+        self._key_fd = fd
         try:
-            return Identity.from_private_bytes(data)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise IdentityError(
+                f"identity file {self.path} is in use by another running peer (through another path to "
+                "the same file, such as a hard link); give each peer its own --identity"
+            ) from None
+        if created:
+            identity = Identity.generate()
+            os.write(fd, identity.private_bytes())
+            os.fsync(fd)
+            return identity
+        identity = self._load(fd)
+        mode = os.fstat(fd).st_mode
+        if mode & 0o077:
+            raise IdentityError(
+                f"identity file {self.path} is accessible by other users (mode {mode & 0o777:04o}); "
+                f"its private key must be private: chmod 600 {self.path}"
+            )
+        return identity
+
+    def _load(self, fd: int) -> Identity:
+        chunks = []
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+            if sum(map(len, chunks)) > 4096:
+                raise IdentityError(f"identity file {self.path} is too large to be a swarm/libp2p Ed25519 key")
+        try:
+            return Identity.from_private_bytes(b"".join(chunks))
         except IdentityError as e:
             raise IdentityError(f"identity file {self.path} is not a swarm/libp2p Ed25519 key: {e}") from e
 
-    def _lock(self) -> None:
-        lock_path = self.path.with_name(self.path.name + ".lock")
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
+    def _lock(self, lock_path: Path) -> None:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -180,6 +218,8 @@ class IdentityFile:
         self._lock_fd = fd
 
     def release(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for name in ("_key_fd", "_lock_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)

@@ -42,6 +42,22 @@ class DHTConfig:
             (an expert server that joined). 0: every such get looks the key up.
         storage_size: Most records (keys) this node keeps for others, so that no writer can fill
             its memory; past it, records expiring soonest make room. None: no limit.
+        storage_bytes: Most bytes (values, subkeys and keys) this node keeps for others; past
+            it, new records are refused. None: no limit.
+        max_key_bytes: Most bytes one key (all its subkeys together) may hold on this node.
+        max_subkeys: Most subkeys one key may hold on this node.
+        max_writer_bytes: Most bytes this node keeps for one writer: the owner a record's key or
+            subkey names (its signature proves it), else the caller that sent it.
+        max_writer_records: Most records (values or subkeys) this node keeps for one writer.
+        max_expiration_ahead: How far ahead of now, in seconds, a record may expire; a store
+            expiring later is refused, and a value found on the network that expires later is
+            dropped (so a writer cannot make a record outlive its purpose, or win every
+            comparison by expiration, with a far-future time).
+        expiration_horizons: (key prefix, seconds) pairs that override `max_expiration_ahead`
+            for keys starting with the prefix (the longest matching prefix wins).
+        max_contacts_per_answer: Most nodes taken from one node's answer for one key; the rest
+            of a longer list is ignored (a liar cannot flood a lookup with fake contacts).
+            0: `bucket_size`.
         max_value_bytes: Largest serialized value accepted (signature included).
         max_keys_per_call: Most keys in one batched Find or Store request.
         blacklist_base_time: Ban, in seconds, of a peer after its first failed call; each
@@ -67,6 +83,14 @@ class DHTConfig:
     cache_nearest: int = 1
     cache_max_age: float = 5.0
     storage_size: int | None = 100_000
+    storage_bytes: int | None = 256 << 20
+    max_key_bytes: int = 8 << 20
+    max_subkeys: int = 4096
+    max_writer_bytes: int = 32 << 20
+    max_writer_records: int = 20_000
+    max_expiration_ahead: float = 86_400.0
+    expiration_horizons: tuple[tuple[str, float], ...] = ()
+    max_contacts_per_answer: int = 0
     max_value_bytes: int = MAX_VALUE_BYTES
     max_keys_per_call: int = 128
     blacklist_base_time: float = 5.0
@@ -74,6 +98,16 @@ class DHTConfig:
     leave_timeout: float = 0.5
     validators: tuple[RecordValidator, ...] = ()
     fault_plan: FaultPlan | None = None
+
+    def expiration_horizon(self, key: str | bytes | None) -> float:
+        """Seconds ahead of now that a record under `key` (the user's key) may expire at most."""
+        best, horizon = -1, self.max_expiration_ahead
+        if key is not None and self.expiration_horizons:
+            text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+            for prefix, seconds in self.expiration_horizons:
+                if len(prefix) > best and text.startswith(prefix):
+                    best, horizon = len(prefix), seconds
+        return horizon
 
     def __post_init__(self) -> None:
         for name in ("bucket_size", "alpha", "num_replicas", "depth_modulo", "max_keys_per_call"):
@@ -93,6 +127,22 @@ class DHTConfig:
             raise ConfigError(f"DHTConfig.cache_max_age must be >= 0, got {self.cache_max_age}")
         if self.storage_size is not None and self.storage_size < 1:
             raise ConfigError(f"DHTConfig.storage_size must be >= 1 or None, got {self.storage_size}")
+        for name in ("max_key_bytes", "max_subkeys", "max_writer_bytes", "max_writer_records"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"DHTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.storage_bytes is not None and self.storage_bytes < 1:
+            raise ConfigError(f"DHTConfig.storage_bytes must be >= 1 or None, got {self.storage_bytes}")
+        if not self.max_expiration_ahead > 0:
+            raise ConfigError(f"DHTConfig.max_expiration_ahead must be > 0, got {self.max_expiration_ahead}")
+        horizons = tuple((str(prefix), float(seconds)) for prefix, seconds in self.expiration_horizons)
+        for prefix, seconds in horizons:
+            if not seconds > 0:
+                raise ConfigError(f"DHTConfig.expiration_horizons: {prefix!r} maps to {seconds}, not > 0")
+        object.__setattr__(self, "expiration_horizons", horizons)
+        if self.max_contacts_per_answer == 0:
+            object.__setattr__(self, "max_contacts_per_answer", self.bucket_size)
+        if self.max_contacts_per_answer < 1:
+            raise ConfigError(f"DHTConfig.max_contacts_per_answer must be >= 1, got {self.max_contacts_per_answer}")
         if self.max_value_bytes < 1:
             raise ConfigError(f"DHTConfig.max_value_bytes must be >= 1, got {self.max_value_bytes}")
         validators = tuple(self.validators)

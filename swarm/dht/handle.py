@@ -25,6 +25,11 @@ class KeyValueStore(Protocol):
     `ValueWithExpiration` whose value maps each subkey to its own `ValueWithExpiration`.
     """
 
+    @property
+    def peer_id(self) -> str:
+        """The PeerID of the peer this store writes as (the owner of its self-records)."""
+        ...
+
     async def astore(self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None) -> bool:
         """Stores `value` under `key` (and `subkey`) until `expiration_time`; True if a replica took it."""
         ...

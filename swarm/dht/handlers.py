@@ -23,9 +23,10 @@ from swarm.dht.config import DHTConfig
 from swarm.dht.contacts import Contacts
 from swarm.dht.dictionary_value import DictionaryValue
 from swarm.dht.ids import DHTID
+from swarm.dht.keys import deserialize_key
 from swarm.dht.routing import RoutingTable
 from swarm.dht.storage import CacheStorage, DHTLocalStorage, merge
-from swarm.dht.validation import DHTRecord, RecordValidator
+from swarm.dht.validation import DHTRecord, RecordValidator, record_owner
 from swarm.dht.wire import (
     CACHE_LIMIT,
     FIND,
@@ -47,6 +48,7 @@ from swarm.net.server import CallContext, RPCServer
 from swarm.proto import dht_pb2
 
 _RESPONSE_VALUE_BUDGET = 4 << 20  # bytes of values in one Find answer; past it values are omitted
+_ROW_OVERHEAD = 24  # msgpack bytes around one subkey's row, at most
 
 
 class DHTHandlers:
@@ -138,7 +140,7 @@ class DHTHandlers:
         results = response.results
         indices: dict[DHTID, int] = {}
         for item in request.items:
-            status, reason = self._store_item(item)
+            status, reason = self._store_item(item, ctx.peer_id or "")
             result = results.add() if status == STORED else results.add(status=status, reason=reason)
             if count and item.raw_key:
                 key_id = DHTID.from_bytes(hashlib.sha256(item.raw_key).digest())
@@ -158,7 +160,7 @@ class DHTHandlers:
                 peers.add(peer_id=node.peer_id, addr=self._bare_addr(node.addr))
             nearest.append(index)
 
-    def _store_item(self, item: dht_pb2.DHTStoreItem) -> tuple[int, str]:
+    def _store_item(self, item: dht_pb2.DHTStoreItem, caller: str) -> tuple[int, str]:
         raw_key, subkey, value, expiration_time = item.raw_key, item.subkey, item.value, item.expiration_time
         if not raw_key or len(raw_key) > MAX_RAW_KEY_BYTES or len(subkey) > MAX_SUBKEY_BYTES:
             return INVALID, f"keys and subkeys are 1..{MAX_RAW_KEY_BYTES} serialized bytes"
@@ -166,16 +168,24 @@ class DHTHandlers:
             return INVALID, "the expiration time is not a finite number"
         if len(value) > self.config.max_value_bytes:
             return REFUSED, f"value of {len(value)} bytes exceeds the {self.config.max_value_bytes}-byte limit"
+        horizon = self.config.expiration_horizon(_user_key(raw_key) if self.config.expiration_horizons else None)
+        if expiration_time > get_dht_time() + horizon:
+            return REFUSED, f"the record expires more than {horizon:g} s ahead, this node's limit for the key"
         key = hashlib.sha256(raw_key).digest()
+        record = DHTRecord(key, subkey, value, expiration_time, raw_key)
         try:
-            self.validator.validate(DHTRecord(key, subkey, value, expiration_time, raw_key))
+            self.validator.validate(record)
+            owner = record_owner(record)
         except ValidationError as e:
             return INVALID, str(e)
         target = self.cache if item.in_cache else self.storage
         if target is None:
             return REFUSED, "this node keeps no cache"
-        if target.store(key, value, expiration_time, subkey or None, raw_key):
+        # the owner's signature was checked: its records count against its quota, whoever forwards them
+        if target.store(key, value, expiration_time, subkey or None, raw_key, writer=owner or caller):
             return STORED, ""
+        if target.last_refusal is not None:
+            return REFUSED, target.last_refusal
         target.mark_received(key, raw_key)
         if expiration_time <= get_dht_time():
             return OUTDATED, "the record has expired"
@@ -206,10 +216,10 @@ class DHTHandlers:
                 if found is not None:
                     value = found.value
                     if isinstance(value, DictionaryValue):
-                        value, kind = value.packb(), dht_pb2.DHT_DICTIONARY
+                        value, kind = _pack_within(value, budget), dht_pb2.DHT_DICTIONARY
                     else:
                         kind = dht_pb2.DHT_VALUE
-                    if len(value) <= budget or budget == _RESPONSE_VALUE_BUDGET:
+                    if value is not None and (len(value) <= budget or budget == _RESPONSE_VALUE_BUDGET):
                         budget -= len(value)
                         result.type, result.value, result.expiration_time = kind, value, found.expiration_time
                         if values_suffice:
@@ -228,3 +238,32 @@ class DHTHandlers:
                 self._bare_addrs.clear()
             found = self._bare_addrs[addr] = bare(addr)
         return found
+
+
+def _user_key(raw_key: bytes) -> bytes | str | None:
+    try:
+        return deserialize_key(raw_key)
+    except ValueError:
+        return None
+
+
+def _pack_within(dictionary: DictionaryValue, budget: int) -> bytes | None:
+    """The packed dictionary, or, where it exceeds `budget`, as many of its subkeys as fit,
+    smallest first (the latest expiring first among equals); None if not even one fits.
+
+    An answer never grows past the message cap however much a key holds, and a writer who
+    stuffs a key with large junk subkeys cannot crowd out the small records (declarations,
+    sign-ups) that readers look for.
+    """
+    rows = [(subkey, entry.value, entry.expiration_time) for subkey, entry in dictionary.items()]
+    if sum(len(s) + len(v) + _ROW_OVERHEAD for s, v, _ in rows) <= budget:
+        return dictionary.packb()
+    rows.sort(key=lambda row: (len(row[0]) + len(row[1]), -row[2]))
+    kept, used = [], 0
+    for row in rows:
+        size = len(row[0]) + len(row[1]) + _ROW_OVERHEAD
+        if used + size > budget:
+            break
+        kept.append(row)
+        used += size
+    return DictionaryValue(kept).packb() if kept else None

@@ -40,7 +40,7 @@ from swarm.dht.protocol import DHTProtocol
 from swarm.dht.replication import Replicator, stored_records
 from swarm.dht.retrieval import Retriever
 from swarm.dht.routing import RoutingTable
-from swarm.dht.storage import CacheStorage, DHTLocalStorage
+from swarm.dht.storage import CacheStorage, DHTLocalStorage, StorageQuota
 from swarm.dht.store_outcome import StoreOutcome
 from swarm.dht.traversal import LookupResult, Traversal
 from swarm.dht.validation import DHTRecord, RecordValidator
@@ -72,8 +72,12 @@ class DHTNode:
         self.validator = validator
         self.routing_table = RoutingTable(self.node_id, config.bucket_size, config.depth_modulo)
         self.blacklist = Blacklist(config.blacklist_base_time, 2.0, config.blacklist_max_time)
-        self.storage = DHTLocalStorage(max_size=config.storage_size)
-        self.cache = CacheStorage(max_size=config.cache_size) if config.cache_size else None
+        quota = StorageQuota(
+            max_bytes=config.storage_bytes, max_key_bytes=config.max_key_bytes, max_subkeys=config.max_subkeys,
+            max_writer_bytes=config.max_writer_bytes, max_writer_records=config.max_writer_records,
+        )
+        self.storage = DHTLocalStorage(max_size=config.storage_size, quota=quota)
+        self.cache = CacheStorage(max_size=config.cache_size, quota=quota) if config.cache_size else None
         self.protocol = DHTProtocol(
             peer_id, addrs, pool, self.routing_table, self.blacklist, self.storage, self.cache, validator, config
         )

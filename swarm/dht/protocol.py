@@ -22,7 +22,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from swarm.core.errors import IdentityError, MultiaddrError, RPCError
+from swarm.core.errors import IdentityError, MultiaddrError, PeerUnreachable, RPCError
 from swarm.core.multiaddr import Multiaddr
 from swarm.dht.blacklist import Blacklist
 from swarm.dht.buckets import NodeInfo
@@ -135,6 +135,8 @@ class DHTProtocol:
                 response = await self._send(node, method, request, response_type, timeout)
         except RPCError as e:
             self.contacts.failed(node, e, method)
+            if isinstance(e, PeerUnreachable) and node.node_id not in self.routing_table:
+                await self.pool.forget(node.peer_id)  # no channel kept open to a node that is not there
             if reraise:
                 raise
             return None
@@ -235,18 +237,35 @@ class DHTProtocol:
             return None
         if not count:
             return [StoreResult(r.status, r.reason) for r in response.results]
-        peers = [self._peer_node(p.peer_id, p.addr) for p in response.peers]
+        peers = self._answer_peers(node, response.peers, len(items) * max(count, self.config.max_contacts_per_answer))
+        if peers is None:
+            return None
         return [StoreResult(r.status, r.reason, self._nearest(peers, r.nearest)) for r in response.results]
 
-    @staticmethod
-    def _nearest(peers: list[NodeInfo | None], indices: Sequence[int]) -> list[NodeInfo]:
-        nearest = []
-        for index in indices:
-            if index < len(peers):
-                peer = peers[index]
-                if peer is not None:
-                    nearest.append(peer)
+    def _nearest(self, peers: _Peers, indices: Sequence[int]) -> list[NodeInfo]:
+        """The nodes an answer names for one key, at most `max_contacts_per_answer` of them."""
+        nearest: list[NodeInfo] = []
+        limit = self.config.max_contacts_per_answer
+        for index in indices[:limit]:
+            peer = peers.get(index)
+            if peer is not None:
+                nearest.append(peer)
         return nearest
+
+    def _answer_peers(self, node: NodeInfo, peers: Sequence[Any], most: int) -> _Peers | None:
+        """The peers an answer names, parsed as they are used; None (and `node` distrusted) if it
+        names more than the `most` an honest node would (the count asked for, per key)."""
+        if len(peers) > most:
+            self.distrust(node, f"its answer names {len(peers)} nodes, more than the {most} asked for")
+            return None
+        return _Peers(self, peers)
+
+    def distrust(self, node: NodeInfo, reason: str) -> None:
+        """Drops and bans a node caught lying (an answer no honest node would give): lookups skip it."""
+        logger.info("DHT node %s sent an answer no honest node would: %s; it is banned", node.peer_id, reason)
+        self.contacts.failures["lied"] += 1
+        self.contacts.blacklist.register_failure(node.peer_id)
+        self.routing_table.remove(node.node_id)
 
     async def call_find(
         self, node: NodeInfo, keys: Sequence[DHTID], *, nodes_only: bool = False,
@@ -261,6 +280,7 @@ class DHTProtocol:
             values_suffice: The nearest nodes of a key are not wanted if its value comes back.
             count: How many nearest nodes per key (0: k).
         """
+        count = count or self.config.bucket_size  # said explicitly: the callee's own k may be larger
         request = dht_pb2.DHTFindRequest(
             caller=self._caller, keys=[key.to_bytes() for key in keys], nodes_only=nodes_only,
             values_suffice=values_suffice, count=count,
@@ -271,18 +291,29 @@ class DHTProtocol:
         if len(response.results) != len(keys):
             logger.debug("DHT node %s answered %d of %d keys", node.peer_id, len(response.results), len(keys))
             return None
-        peers = [self._peer_node(p.peer_id, p.addr) for p in response.peers]
+        peers = self._answer_peers(node, response.peers, len(keys) * max(count, self.config.max_contacts_per_answer))
+        if peers is None:
+            return None
         answers: dict[DHTID, FindAnswer] = {}
+        max_value_bytes = self.config.max_value_bytes
         for key, result in zip(keys, response.results):
             nearest = self._nearest(peers, result.nearest)
             kind, value = result.type, None
             if kind == dht_pb2.DHT_VALUE:
+                if len(result.value) > max_value_bytes:
+                    self.distrust(node, f"it sent a value of {len(result.value)} bytes")
+                    return None
                 value = ValueWithExpiration(result.value, result.expiration_time)
             elif kind == dht_pb2.DHT_DICTIONARY:
                 try:
-                    value = ValueWithExpiration(DictionaryValue.unpackb(result.value), result.expiration_time)
+                    dictionary = DictionaryValue.unpackb(result.value)
                 except ValueError as e:
-                    logger.debug("DHT node %s sent a malformed dictionary: %s", node.peer_id, e)
+                    self.distrust(node, f"it sent a malformed dictionary: {e}")
+                    return None
+                if any(len(entry.value) > max_value_bytes for _, entry in dictionary.items()):
+                    self.distrust(node, "it sent a subkey whose value exceeds the size limit")
+                    return None
+                value = ValueWithExpiration(dictionary, result.expiration_time)
             answers[key] = FindAnswer(value, nearest, kind == dht_pb2.DHT_OMITTED)
         return answers
 
@@ -304,3 +335,24 @@ class DHTProtocol:
             self._peers.clear()
         self._peers[key] = node
         return node
+
+
+class _Peers:
+    """The peers of one answer, each parsed (`DHTProtocol._peer_node`) when first used."""
+
+    __slots__ = ("_parsed", "_protocol", "_raw")
+
+    def __init__(self, protocol: DHTProtocol, raw: Sequence[Any]) -> None:
+        self._protocol = protocol
+        self._raw = raw
+        self._parsed: dict[int, NodeInfo | None] = {}
+
+    def get(self, index: int) -> NodeInfo | None:
+        if not 0 <= index < len(self._raw):
+            return None
+        try:
+            return self._parsed[index]
+        except KeyError:
+            peer = self._raw[index]
+            node = self._parsed[index] = self._protocol._peer_node(peer.peer_id, peer.addr)
+            return node

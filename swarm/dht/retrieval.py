@@ -25,6 +25,7 @@ from swarm.dht.context import NodeContext
 from swarm.dht.dictionary_value import DictionaryValue
 from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.ids import DHTID
+from swarm.dht.keys import deserialize_key
 from swarm.dht.storage import merge
 from swarm.dht.traversal import LookupResult, Traversal
 from swarm.dht.validation import DHTRecord
@@ -47,6 +48,17 @@ class _Get:
         self.holders: dict[DHTID, float] = {}  # node -> expiration of the value it returned
         self.first_holder: DHTID | None = None
 
+
+
+_CLOCK_SLACK = 60.0
+"""Seconds by which another node's clock may run ahead of this one's (expiration horizons)."""
+
+
+def _user_key(raw_key: bytes) -> bytes | str | None:
+    try:
+        return deserialize_key(raw_key)
+    except ValueError:
+        return None
 
 
 class Retriever:
@@ -120,7 +132,7 @@ class Retriever:
                 get = gets[key_id]
                 if answer.value is None or (get.found is not None and not latest):
                     continue  # nothing here, or any value will do and one was found already
-                value = self._checked(get, answer.value)
+                value = self._checked(get, answer.value, node)
                 if value is None:
                     continue
                 get.found = merge(get.found, value)
@@ -148,10 +160,18 @@ class Retriever:
         self._cache_found(gets, lookups)
         return results
 
-    def _checked(self, get: _Get, found: ValueWithExpiration) -> ValueWithExpiration | None:
-        """`found` without what is expired or fails validation (another node may lie)."""
+    def _checked(self, get: _Get, found: ValueWithExpiration, node: NodeInfo) -> ValueWithExpiration | None:
+        """`found` without what is expired or fails validation (another node may lie); None, and
+        `node` distrusted, if it expires further ahead than any node accepts (a forged record)."""
         now = get_dht_time()
         if found.expiration_time <= now:
+            return None
+        horizon = self.config.expiration_horizon(_user_key(get.raw_key) if self.config.expiration_horizons else None)
+        latest = found.expiration_time
+        if isinstance(found.value, DictionaryValue):
+            latest = max((entry.expiration_time for _, entry in found.value.items()), default=latest)
+        if latest > now + horizon + _CLOCK_SLACK:
+            self.protocol.distrust(node, f"it sent a record expiring {latest - now:.3g} s ahead")
             return None
         if not isinstance(found.value, DictionaryValue):
             try:

@@ -23,6 +23,13 @@ need to check owner markers and schemas, so that replication and republication c
 too, and when a store for the key last arrived (Kademlia §2.5: a node that received a store
 recently need not republish the record).
 
+Quotas (`StorageQuota`) bound what one writer can make a node hold, so that no stranger can
+fill its memory or make a key unwritable: bytes in all, bytes and subkeys per key, and bytes
+and records per writer. The writer of a record is whoever the node holds responsible: the owner
+its key or subkey names (its signature proved it), else the caller that sent it; records a
+node stores for itself are charged to no writer. A store past a quota is refused (and
+`last_refusal` says which one); nothing already stored is evicted for it.
+
 `ValueWithExpiration` (from `expiring.py`, with the expiring map both stores build on) and
 `DictionaryValue` (from `dictionary_value.py`) are re-exported here.
 """
@@ -32,12 +39,47 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from swarm.dht.dictionary_value import DictionaryValue
 from swarm.dht.expiring import ExpiringMap, ValueWithExpiration, check_bytes, check_expiration
 
-__all__ = ["CacheStorage", "DHTLocalStorage", "latest", "merge", "merge_all"]
+__all__ = ["CacheStorage", "DHTLocalStorage", "StorageQuota", "latest", "merge", "merge_all"]
+
+_RECORD_OVERHEAD = 64
+"""Bytes a record is charged beyond its value and subkey (the bookkeeping around it)."""
+
+
+@dataclass(frozen=True)
+class StorageQuota:
+    """What a storage holds at most; None: no limit.
+
+    Attributes:
+        max_bytes: Bytes of every record together.
+        max_key_bytes: Bytes of one key's records (all its subkeys).
+        max_subkeys: Subkeys of one key.
+        max_writer_bytes: Bytes of one writer's records.
+        max_writer_records: Records (plain values and subkeys) of one writer.
+    """
+
+    max_bytes: int | None = None
+    max_key_bytes: int | None = None
+    max_subkeys: int | None = None
+    max_writer_bytes: int | None = None
+    max_writer_records: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_key_bytes", "max_subkeys", "max_writer_bytes", "max_writer_records"):
+            limit = getattr(self, name)
+            if limit is not None and limit < 1:
+                raise ValueError(f"StorageQuota.{name} must be >= 1 or None, got {limit}")
+
+
+class _Charge(NamedTuple):
+    writer: str | None
+    nbytes: int
+    received: float
 
 
 class DHTLocalStorage(ExpiringMap):
@@ -48,16 +90,28 @@ class DHTLocalStorage(ExpiringMap):
             evicted to make room, and a new record expiring no later than it is refused.
             None: unbounded.
         clock: Time source.
+        quota: Byte, subkey and per-writer limits (see the module docstring).
     """
 
-    def __init__(self, max_size: int | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, max_size: int | None = None, clock: Callable[[], float] = time.time, quota: StorageQuota | None = None
+    ) -> None:
         super().__init__()
         if max_size is not None and max_size < 1:
             raise ValueError(f"max_size must be >= 1 or None, got {max_size}")
         self.max_size = max_size
+        self.quota = quota or StorageQuota()
         self._clock = clock
         self._raw_keys: dict[bytes, bytes] = {}
         self._received: dict[bytes, float] = {}
+        self._charges: dict[bytes, dict[bytes, _Charge]] = {}  # key -> subkey (b"" if plain) -> charge
+        self._key_bytes: dict[bytes, int] = {}
+        self._writer_bytes: dict[str, int] = {}
+        self._writer_records: dict[str, int] = {}
+        self.nbytes = 0
+        """Bytes charged for every record held."""
+        self.last_refusal: str | None = None
+        """Why the last refused store was refused, if a quota refused it (else None)."""
 
     def store(
         self,
@@ -66,6 +120,7 @@ class DHTLocalStorage(ExpiringMap):
         expiration_time: float,
         subkey: bytes | None = None,
         raw_key: bytes | None = None,
+        writer: str | None = None,
     ) -> bool:
         """Stores a plain value, or one subkey of a dictionary value.
 
@@ -76,10 +131,12 @@ class DHTLocalStorage(ExpiringMap):
             subkey: The serialized subkey, or None (or empty bytes) for a plain value.
             raw_key: The serialized original key (its sha256 is `key`), kept with the record
                 so it can be forwarded; None keeps what is already known.
+            writer: Who is charged for the record (its owner, else the caller); None: nobody.
 
         Returns:
             True if stored; False if already expired or not newer than what is stored (see
-            the module docstring for plain-vs-dictionary), or refused for lack of space.
+            the module docstring for plain-vs-dictionary), or refused for lack of space or
+            past a quota (`last_refusal` then says which).
 
         Raises:
             ValueError: `raw_key` does not hash to `key`.
@@ -89,7 +146,8 @@ class DHTLocalStorage(ExpiringMap):
             raise TypeError(f"subkey must be bytes or None, got {type(subkey).__name__}")
         check_expiration(expiration_time)
         _check_raw_key(key, raw_key)
-        stored = self._store(key, value, expiration_time, subkey)
+        self.last_refusal = None
+        stored = self._store(key, value, expiration_time, subkey, writer)
         if stored:
             self.mark_received(key, raw_key)
         return stored
@@ -112,29 +170,145 @@ class DHTLocalStorage(ExpiringMap):
     def _dropped(self, key: bytes) -> None:
         self._raw_keys.pop(key, None)
         self._received.pop(key, None)
+        self._release_key(key)
 
-    def _store(self, key: bytes, value: bytes, expiration_time: float, subkey: bytes | None) -> bool:
+    # -- quota bookkeeping --------------------------------------------------------------------------
+
+    def _release_key(self, key: bytes) -> None:
+        charges = self._charges.pop(key, None)
+        if charges is None:
+            return
+        for charge in charges.values():
+            self._uncharge(charge)
+        self._key_bytes.pop(key, None)
+
+    def _uncharge(self, charge: _Charge) -> None:
+        self.nbytes -= charge.nbytes
+        writer = charge.writer
+        if writer is not None:
+            left = self._writer_bytes[writer] - charge.nbytes
+            records = self._writer_records[writer] - 1
+            if records:
+                self._writer_bytes[writer], self._writer_records[writer] = left, records
+            else:
+                del self._writer_bytes[writer], self._writer_records[writer]
+
+    def _charge(self, key: bytes, subkey: bytes, charge: _Charge) -> None:
+        charges = self._charges.setdefault(key, {})
+        old = charges.get(subkey)
+        if old is not None:
+            self._uncharge(old)
+            self._key_bytes[key] -= old.nbytes
+        charges[subkey] = charge
+        self._key_bytes[key] = self._key_bytes.get(key, 0) + charge.nbytes
+        self.nbytes += charge.nbytes
+        if charge.writer is not None:
+            self._writer_bytes[charge.writer] = self._writer_bytes.get(charge.writer, 0) + charge.nbytes
+            self._writer_records[charge.writer] = self._writer_records.get(charge.writer, 0) + 1
+
+    def _reconcile(self, key: bytes, dictionary: DictionaryValue) -> None:
+        """Releases the charges of subkeys that expired inside a dictionary."""
+        charges = self._charges.get(key)
+        if charges is None or len(charges) == len(dictionary):
+            return
+        for subkey in [s for s in charges if s not in dictionary]:
+            charge = charges.pop(subkey)
+            self._uncharge(charge)
+            self._key_bytes[key] -= charge.nbytes
+
+    def _refusal(self, key: bytes, subkey: bytes, nbytes: int, writer: str | None, replaces_key: bool) -> str | None:
+        """Why storing `nbytes` under (key, subkey) for `writer` would break a quota, or None."""
+        quota = self.quota
+        charges = self._charges.get(key, {})
+        if replaces_key:
+            freed_key, old = self._key_bytes.get(key, 0), None
+        else:
+            old = charges.get(subkey)
+            freed_key = old.nbytes if old is not None else 0
+        if quota.max_bytes is not None and self.nbytes - freed_key + nbytes > quota.max_bytes:
+            return f"the node holds {self.nbytes} bytes of records, its limit of {quota.max_bytes}"
+        key_bytes = 0 if replaces_key else self._key_bytes.get(key, 0) - freed_key
+        if quota.max_key_bytes is not None and key_bytes + nbytes > quota.max_key_bytes:
+            return f"the key holds {key_bytes} bytes, and {quota.max_key_bytes} is the limit per key"
+        if (
+            subkey
+            and quota.max_subkeys is not None
+            and not replaces_key
+            and old is None
+            and len(charges) >= quota.max_subkeys
+        ):
+            return f"the key holds {len(charges)} subkeys, the limit per key"
+        if writer is None:
+            return None
+        held = self._writer_bytes.get(writer, 0)
+        records = self._writer_records.get(writer, 0)
+        for charge in (charges.values() if replaces_key else (old,) if old is not None else ()):
+            if charge.writer == writer:
+                held -= charge.nbytes
+                records -= 1
+        if quota.max_writer_bytes is not None and held + nbytes > quota.max_writer_bytes:
+            return f"the writer holds {held} bytes here, and {quota.max_writer_bytes} is the limit per writer"
+        if quota.max_writer_records is not None and records + 1 > quota.max_writer_records:
+            return f"the writer holds {records} records here, the limit per writer"
+        return None
+
+    # -- storing --------------------------------------------------------------------------------------
+
+    def _store(
+        self, key: bytes, value: bytes, expiration_time: float, subkey: bytes | None, writer: str | None = None
+    ) -> bool:
         now = self._clock()
         if expiration_time <= now:
             return False
         current = self._live(key, now)
+        sub = subkey or b""
+        nbytes = len(value) + len(sub) + _RECORD_OVERHEAD
+        charge = _Charge(writer, nbytes, now)
         if not subkey:
             if current is not None and current.expiration_time >= expiration_time:
                 return False
-            return self._put(key, value, expiration_time, is_new=current is None, now=now)
+            if not self._allowed(key, sub, nbytes, writer, replaces_key=True):
+                return False
+            if not self._put(key, value, expiration_time, is_new=current is None, now=now):
+                return False
+            self._release_key(key)
+            self._charge(key, sub, charge)
+            return True
         if current is None or not isinstance(current.value, DictionaryValue):
             if current is not None and current.expiration_time >= expiration_time:
                 return False
+            if not self._allowed(key, sub, nbytes, writer, replaces_key=True):
+                return False
             dictionary = DictionaryValue([(subkey, value, expiration_time)])
-            return self._put(key, dictionary, expiration_time, is_new=current is None, now=now)
+            if not self._put(key, dictionary, expiration_time, is_new=current is None, now=now):
+                return False
+            self._release_key(key)
+            self._charge(key, sub, charge)
+            return True
         dictionary = current.value
-        if not dictionary.store(subkey, value, expiration_time):
+        existing = dictionary.get(subkey)
+        if existing is not None and existing.expiration_time >= expiration_time:
             return False
+        if not self._allowed(key, sub, nbytes, writer, replaces_key=False):
+            return False
+        dictionary.store(subkey, value, expiration_time)
+        self._charge(key, sub, charge)
         if dictionary.latest_expiration_time > current.expiration_time:
             self._set(key, dictionary, dictionary.latest_expiration_time)
         return True
 
-    def store_dictionary(self, key: bytes, dictionary: DictionaryValue, raw_key: bytes | None = None) -> bool:
+    def _allowed(self, key: bytes, subkey: bytes, nbytes: int, writer: str | None, replaces_key: bool) -> bool:
+        refusal = self._refusal(key, subkey, nbytes, writer, replaces_key)
+        if refusal is not None and self._heap and self._heap[0][0] <= self._clock():
+            self.remove_outdated()  # expired records may still be charged: purge them, then look again
+            refusal = self._refusal(key, subkey, nbytes, writer, replaces_key)
+        if refusal is not None:
+            self.last_refusal = refusal
+        return refusal is None
+
+    def store_dictionary(
+        self, key: bytes, dictionary: DictionaryValue, raw_key: bytes | None = None, writer: str | None = None
+    ) -> bool:
         """Merges a whole dictionary value (for example, one received from another node).
 
         A stored dictionary takes each subkey by the per-subkey rule; a stored plain value is
@@ -147,25 +321,29 @@ class DHTLocalStorage(ExpiringMap):
         if not isinstance(dictionary, DictionaryValue):
             raise TypeError(f"dictionary must be a DictionaryValue, got {type(dictionary).__name__}")
         _check_raw_key(key, raw_key)
-        stored = self._store_dictionary(key, dictionary)
+        self.last_refusal = None
+        stored = self._store_dictionary(key, dictionary, writer)
         if stored:
             self.mark_received(key, raw_key)
         return stored
 
-    def _store_dictionary(self, key: bytes, dictionary: DictionaryValue) -> bool:
+    def _store_dictionary(self, key: bytes, dictionary: DictionaryValue, writer: str | None) -> bool:
         now = self._clock()
-        incoming = dictionary.copy()
-        incoming.remove_outdated(now)
-        if not len(incoming):
+        incoming = [(s, v, e) for s, (v, e) in dictionary.items() if e > now]
+        if not incoming:
             return False
         current = self._live(key, now)
-        if current is None or not isinstance(current.value, DictionaryValue):
-            if current is not None and current.expiration_time >= incoming.latest_expiration_time:
-                return False
-            return self._put(key, incoming, incoming.latest_expiration_time, is_new=current is None, now=now)
+        if (
+            current is not None
+            and not isinstance(current.value, DictionaryValue)
+            and current.expiration_time >= max(e for _, _, e in incoming)
+        ):
+            return False
+        # latest first: the first subkey replaces a plain value it outlives, the others join it
+        incoming.sort(key=lambda row: -row[2])
         stored_any = False
-        for subkey, (value, expiration_time) in incoming.items():
-            stored_any = self._store(key, value, expiration_time, subkey) or stored_any
+        for subkey, value, expiration_time in incoming:
+            stored_any = self._store(key, value, expiration_time, subkey, writer) or stored_any
         return stored_any
 
     def get(self, key: bytes) -> ValueWithExpiration | None:
@@ -208,6 +386,7 @@ class DHTLocalStorage(ExpiringMap):
             return None
         if isinstance(record.value, DictionaryValue):
             record.value.remove_outdated(now)
+            self._reconcile(key, record.value)
         return record
 
     def _put(self, key: bytes, value: Any, expiration_time: float, is_new: bool, now: float) -> bool:
@@ -233,8 +412,10 @@ class CacheStorage(DHTLocalStorage):
     this node is from the key) and never republishes cached values.
     """
 
-    def __init__(self, max_size: int | None = 10_000, clock: Callable[[], float] = time.time) -> None:
-        super().__init__(max_size=max_size, clock=clock)
+    def __init__(
+        self, max_size: int | None = 10_000, clock: Callable[[], float] = time.time, quota: StorageQuota | None = None
+    ) -> None:
+        super().__init__(max_size=max_size, clock=clock, quota=quota)
 
     def get_fresh(self, key: bytes, max_age: float) -> ValueWithExpiration | None:
         """The cached record under `key` if a store for it arrived (`mark_received`) within the

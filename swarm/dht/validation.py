@@ -209,6 +209,15 @@ def _single_owner(record: DHTRecord) -> str | None:
     return owners.pop().decode("utf-8", "replace") if owners else None
 
 
+def record_owner(record: DHTRecord) -> str | None:
+    """The PeerID `record`'s key or subkey names as owner (`owner_marker`), or None.
+
+    Raises:
+        ValidationError: The key and subkey name different owners.
+    """
+    return _single_owner(record)
+
+
 class SignatureValidator(RecordValidator):
     """Protected records: a key or subkey holding `[owner:<PeerID>]` is writable only by that peer.
 

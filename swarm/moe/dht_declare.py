@@ -1,22 +1,31 @@
 """Declaring experts in the DHT, and finding them there.
 
-A server serving expert ``ffn.3.1`` at address A stores, each with expiration now + T:
+A server with PeerID P serving expert ``ffn.3.1`` at address A (ending in ``/p2p/P``) stores,
+each with expiration now + T and signed with P's key:
 
-- key ``ffn.``   subkey ``3`` -> ``["ffn.3.1", A]``  (something under ``ffn.3.`` is alive)
-- key ``ffn.3.`` subkey ``1`` -> ``["ffn.3.1", A]``
-- key ``ffn.3.1``            -> ``A``
+- key ``ffn.``   subkey ``"3[owner:P]"`` -> ``["ffn.3.1", A]``  (something under ``ffn.3.`` is alive)
+- key ``ffn.3.`` subkey ``"1[owner:P]"`` -> ``["ffn.3.1", A]``
+- key ``ffn.3.1`` subkey ``"[owner:P]"``  -> ``A``
 
 and re-announces every T/3 (`ExpertDeclarer`), so a client finds the live successors of any
 prefix with one DHT read (`get_successors`, the step of the beam search) and an expert whose
 server died disappears within T. Pairs (prefix, subkey) shared by several local experts are
-stored once per round. Values read back are checked: an entry that does not name an expert
-under its prefix is ignored, so a garbage writer cannot crash a client.
+stored once per round.
+
+Every declaration names its server as owner (`swarm.dht.owner_marker`), so DHT nodes accept it
+only with that server's signature and no one else can overwrite it; servers of the same expert
+or coordinate hold separate subkeys. Values read back are checked: an entry counts only if its
+subkey names an owner, the address it gives ends in that owner's PeerID, and it names an expert
+under its prefix. A garbage or hostile writer can neither crash a client nor point an expert at
+another address; where several servers declare one coordinate, the declaration expiring last
+(the most recently renewed) wins.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,15 +39,32 @@ __all__ = ["DHTExpertSource", "ExpertDeclarer", "declarations", "declare_experts
 
 logger = logging.getLogger(__name__)
 
-def declarations(uids: Iterable[str], addr: str) -> list[tuple[str, int | None, Any]]:
-    """The (key, subkey, value) records that declare `uids` served at `addr`, deduplicated."""
-    records: dict[tuple[str, int | None], Any] = {}
+_OWNED_SUBKEY = re.compile(r"(0|[1-9][0-9]*)?\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]")
+
+
+def declarations(uids: Iterable[str], addr: str, owner: str) -> list[tuple[str, str, Any]]:
+    """The (key, subkey, value) records that declare `uids` served at `addr` by the peer `owner`,
+    deduplicated; each subkey names `owner` (`swarm.dht.owner_marker`), so only it can write them."""
+    marker = f"[owner:{owner}]"
+    records: dict[tuple[str, str], Any] = {}
     for uid in uids:
         _, coords = parse_uid(uid)
         for prefix, coord in zip(uid_prefixes(uid), coords):
-            records.setdefault((prefix, coord), [uid, addr])
-        records[(uid, None)] = addr
+            records.setdefault((prefix, f"{coord}{marker}"), [uid, addr])
+        records[(uid, marker)] = addr
     return [(key, subkey, value) for (key, subkey), value in records.items()]
+
+
+def _owned_entry(subkey: Any, addr: Any) -> tuple[int | None, str] | None:
+    """(coordinate or None, owner) of a declaration's subkey, if it names an owner and `addr` is
+    that owner's; else None."""
+    if not isinstance(subkey, str) or not isinstance(addr, str):
+        return None
+    match = _OWNED_SUBKEY.fullmatch(subkey)
+    if match is None or not addr.endswith(f"/p2p/{match.group(2)}"):
+        return None
+    coord = match.group(1)
+    return (int(coord) if coord is not None else None), match.group(2)
 
 
 async def declare_experts(dht: KeyValueStore, uids: Sequence[str], addr: str, expiration_time: float) -> int:
@@ -47,7 +73,7 @@ async def declare_experts(dht: KeyValueStore, uids: Sequence[str], addr: str, ex
     Returns:
         How many records the DHT accepted (failures are logged at debug level).
     """
-    records = declarations(uids, addr)
+    records = declarations(uids, addr, dht.peer_id)
     try:
         results: list[Any] = await dht.astore_many(
             [k for k, _, _ in records], [v for _, _, v in records], expiration_time, [s for _, s, _ in records]
@@ -88,18 +114,20 @@ async def get_successors(dht: KeyValueStore, prefixes: Sequence[str]) -> dict[st
         if isinstance(record, BaseException):
             logger.debug("reading %s from the DHT failed: %s", prefix, record)
         elif record is not None and hasattr(getattr(record, "value", None), "items"):
+            newest: dict[int, float] = {}
             for subkey, entry in record.value.items():
                 value = getattr(entry, "value", None)
                 if not _alive(entry, now) or not isinstance(value, list | tuple) or len(value) != 2:
                     continue
                 uid, addr = value
-                if (
-                    isinstance(uid, str)
-                    and isinstance(addr, str)
-                    and isinstance(subkey, int)
-                    and successor_coord(prefix, uid) == subkey
-                ):
-                    successors[subkey] = (uid, addr)
+                owned = _owned_entry(subkey, addr)
+                if owned is None or owned[0] is None or not isinstance(uid, str):
+                    continue
+                coord = owned[0]
+                expiration = float(getattr(entry, "expiration_time", now))
+                if successor_coord(prefix, uid) == coord and expiration > newest.get(coord, -1.0):
+                    newest[coord] = expiration
+                    successors[coord] = (uid, addr)
         found[prefix] = successors
     return found
 
@@ -113,8 +141,16 @@ async def get_experts(dht: KeyValueStore, uids: Sequence[str]) -> dict[str, str]
     for uid, record in zip(uids, results):
         if isinstance(record, BaseException):
             logger.debug("reading %s from the DHT failed: %s", uid, record)
-        elif record is not None and _alive(record, now) and isinstance(getattr(record, "value", None), str):
-            found[uid] = record.value
+        elif record is not None and hasattr(getattr(record, "value", None), "items"):
+            newest = -1.0
+            for subkey, entry in record.value.items():
+                addr = getattr(entry, "value", None)
+                owned = _owned_entry(subkey, addr)
+                if owned is None or owned[0] is not None or not _alive(entry, now):
+                    continue
+                expiration = float(getattr(entry, "expiration_time", now))
+                if expiration > newest:
+                    newest, found[uid] = expiration, addr
     return found
 
 

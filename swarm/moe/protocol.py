@@ -39,6 +39,7 @@ __all__ = [
     "call_forward_keeping",
     "call_info",
     "parse_call_header",
+    "shown_uid",
     "stream_slot",
 ]
 
@@ -52,6 +53,17 @@ MAX_RESPONSE_BYTES = 1 << 31
 GRAPH_GONE = "gone"
 """A Backward answer's metadata ``{"graph": GRAPH_GONE}`` (and no tensors): the request left out the
 inputs, but the server no longer keeps that forward's graph; send them."""
+
+
+_SHOWN_UID_CHARS = 64
+
+
+def shown_uid(uid: str) -> str:
+    """`uid` as error messages show it: in full up to 64 characters, else cut with its length
+    (a status must never echo unbounded input back to the caller)."""
+    if len(uid) <= _SHOWN_UID_CHARS:
+        return repr(uid)
+    return f"{uid[:_SHOWN_UID_CHARS]!r}... ({len(uid)} characters)"
 
 
 @dataclass(frozen=True)

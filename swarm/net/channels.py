@@ -133,6 +133,9 @@ class PeerChannel:
             return  # the per-call fast path: no new future, no shield
         if self._verified is None or (self._verified.done() and self._verified.exception() is not None):
             self._verified = asyncio.ensure_future(self._handshake())
+            # a caller cancelled while the handshake runs leaves it unawaited: its failure is
+            # reported to the callers that wait, never as "Task exception was never retrieved"
+            self._verified.add_done_callback(_retrieve)
         await asyncio.shield(self._verified)
 
     async def _handshake(self) -> None:
@@ -384,6 +387,11 @@ class PeerChannel:
             self._calls = None
         if self._channel is not None:
             await self._channel.close()
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class ChannelPool:

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import pytest
 from torch import nn
 
+from swarm.core.identity import Identity
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import DHTConfig, FaultPlan, LinkFault
 from swarm.dht.ids import DHTID
@@ -23,7 +24,11 @@ from swarm.moe.dht_declare import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-A = "/ip4/127.0.0.1/tcp/1/p2p/A"
+P = Identity.from_seed(bytes(32)).peer_id
+Q = Identity.from_seed(bytes([1]) * 32).peer_id
+A = f"/ip4/127.0.0.1/tcp/1/p2p/{P}"
+B = f"/ip4/127.0.0.1/tcp/2/p2p/{Q}"
+MP, MQ = f"[owner:{P}]", f"[owner:{Q}]"
 
 
 class Record(NamedTuple):
@@ -44,45 +49,53 @@ class DictDHT:
         return {key: self.records.get(key) for key in keys}
 
 
-def test_declarations_cover_every_prefix_once() -> None:
-    records = declarations(["ffn.0.0", "ffn.0.1", "ffn.1.0"], A)
+def test_declarations_cover_every_prefix_once_and_name_their_owner() -> None:
+    records = declarations(["ffn.0.0", "ffn.0.1", "ffn.1.0"], A, P)
     assert sorted(records, key=str) == sorted(
         [
-            ("ffn.", 0, ["ffn.0.0", A]),
-            ("ffn.", 1, ["ffn.1.0", A]),
-            ("ffn.0.", 0, ["ffn.0.0", A]),
-            ("ffn.0.", 1, ["ffn.0.1", A]),
-            ("ffn.1.", 0, ["ffn.1.0", A]),
-            ("ffn.0.0", None, A),
-            ("ffn.0.1", None, A),
-            ("ffn.1.0", None, A),
+            ("ffn.", f"0{MP}", ["ffn.0.0", A]),
+            ("ffn.", f"1{MP}", ["ffn.1.0", A]),
+            ("ffn.0.", f"0{MP}", ["ffn.0.0", A]),
+            ("ffn.0.", f"1{MP}", ["ffn.0.1", A]),
+            ("ffn.1.", f"0{MP}", ["ffn.1.0", A]),
+            ("ffn.0.0", MP, A),
+            ("ffn.0.1", MP, A),
+            ("ffn.1.0", MP, A),
         ],
         key=str,
     )
 
 
-def test_reading_back_ignores_garbage_and_expired_entries() -> None:
+def test_reading_back_ignores_garbage_expired_and_unowned_entries() -> None:
     later, earlier = get_dht_time() + 60, get_dht_time() - 60
     dht = DictDHT({
         "ffn.": Record({
-            0: Record(["ffn.0.3", A], later),
-            1: Record(["ffn.2.0", A], later),       # names another coordinate
-            2: Record(["ffn.2.0", A], earlier),     # expired
-            3: Record("not a pair", later),
-            4: Record(["other.4.0", A], later),     # another grid
-            "x": Record(["ffn.0.0", A], later),     # subkey is not a coordinate
-            5: Record([5, A], later),
+            f"0{MP}": Record(["ffn.0.3", A], later),
+            f"1{MP}": Record(["ffn.2.0", A], later),     # names another coordinate
+            f"2{MP}": Record(["ffn.2.0", A], earlier),   # expired
+            f"3{MP}": Record("not a pair", later),
+            f"4{MP}": Record(["other.4.0", A], later),   # another grid
+            f"x{MP}": Record(["ffn.0.0", A], later),     # subkey is not a coordinate
+            f"5{MP}": Record([5, A], later),
+            6: Record(["ffn.6.0", A], later),            # names no owner (an unsigned write)
+            f"7{MQ}": Record(["ffn.7.0", A], later),     # the address is not the owner's
+            f"8{MP}": Record(["ffn.8.0", A], later),
+            f"8{MQ}": Record(["ffn.8.1", B], later + 1),  # two servers: the later declaration wins
         }, later),
         "ffn.1.": Record("not a dictionary", later),
-        "ffn.0.3": Record(A, later),
-        "ffn.0.4": Record(["not", "an address"], later),
-        "ffn.0.5": Record(A, earlier),
+        "ffn.0.3": Record({MP: Record(A, later)}, later),
+        "ffn.0.4": Record({MP: Record(["not", "an address"], later)}, later),
+        "ffn.0.5": Record({MP: Record(A, earlier)}, later),
+        "ffn.0.6": Record(A, later),                     # a plain value: no owner, no signature
+        "ffn.0.7": Record({MQ: Record(A, later + 5), MP: Record(A, later)}, later),
     })
 
     async def main() -> None:
         found = await get_successors(dht, ["ffn.", "ffn.1.", "ffn.7.", "not a prefix"])
-        assert found == {"ffn.": {0: ("ffn.0.3", A)}, "ffn.1.": {}, "ffn.7.": {}}
-        assert await get_experts(dht, ["ffn.0.3", "ffn.0.4", "ffn.0.5", "bad uid"]) == {"ffn.0.3": A}
+        assert found == {"ffn.": {0: ("ffn.0.3", A), 8: ("ffn.8.1", B)}, "ffn.1.": {}, "ffn.7.": {}}
+        assert await get_experts(
+            dht, ["ffn.0.3", "ffn.0.4", "ffn.0.5", "ffn.0.6", "ffn.0.7", "bad uid"]
+        ) == {"ffn.0.3": A, "ffn.0.7": A}
 
     asyncio.run(main())
 
@@ -140,7 +153,7 @@ def test_the_first_declaration_returns_once_every_replica_holds_it(make_peer) ->
     peers = [make_peer(dht_config=config)]
     peers += [make_peer(initial_peers=peers[0].addrs, dht_config=config) for _ in range(3)]
     writer = make_peer(initial_peers=peers[0].addrs, dht_config=config, client_mode=True)
-    keys = [key for key, _, _ in declarations(["ffn.0"], A)]
+    keys = [key for key, _, _ in declarations(["ffn.0"], A, P)]
     assert len(peers) <= config.num_replicas  # every peer is a replica of every key
     nearest = {min(peers, key=lambda p: p.dht.node.node_id ^ DHTID.from_key(key)).peer_id for key in keys}
     slow = [p for p in peers if p.peer_id not in nearest]

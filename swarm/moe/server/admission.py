@@ -13,11 +13,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 
-from swarm.core.errors import InvalidRequest, ResourceExhausted
+from swarm.core.errors import DeadlineExceeded, InvalidRequest, ResourceExhausted
 from swarm.moe.schema import TensorSchema, dtype_name
 from swarm.proto import tensor_pb2
 
-__all__ = ["Admission", "check_declared", "check_declared_batch", "drain_request"]
+__all__ = ["Admission", "check_declared", "check_declared_batch", "drain_request", "receive_header"]
 
 
 def check_declared(
@@ -88,20 +88,40 @@ def check_declared_batch(
     return batch, total
 
 
-async def drain_request(stream: AsyncIterator[bytes], limit: int) -> None:
-    """Reads and drops up to `limit` bytes of what is left of a refused request stream.
+async def drain_request(stream: AsyncIterator[bytes], limit: int, timeout: float | None = None) -> None:
+    """Reads and drops up to `limit` bytes of what is left of a refused request stream, for at most
+    `timeout` seconds.
 
     A call that ends while the caller is still writing reaches it as INTERNAL instead of the
-    status that says why it was refused.
+    status that says why it was refused; a caller that writes nothing more must not hold the
+    refusal up.
     """
     drained = 0
     try:
-        async for chunk in stream:
-            drained += len(chunk)
-            if drained > limit:
-                return
-    except Exception:  # noqa: BLE001 - the call may already be over; the refusal is what matters
+        async with asyncio.timeout(timeout):
+            async for chunk in stream:
+                drained += len(chunk)
+                if drained > limit:
+                    return
+    except Exception:  # noqa: BLE001 - the call may be over or stalled; the refusal is what matters
         return
+
+
+async def receive_header(stream: AsyncIterator[bytes], timeout: float, what: str) -> bytes:
+    """The first message of a request stream, which must arrive within `timeout` seconds.
+
+    Raises:
+        InvalidRequest: the stream ended before it.
+        DeadlineExceeded: it did not arrive in time.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            header = await anext(stream, None)
+    except TimeoutError:
+        raise DeadlineExceeded(f"{what}: no request header within {timeout:g} s") from None
+    if header is None:
+        raise InvalidRequest(f"{what}: empty request stream")
+    return header
 
 
 class Admission:
@@ -112,13 +132,17 @@ class Admission:
     Args:
         max_requests: the most requests in flight at once.
         max_bytes: the most tensor bytes held by requests in flight at once.
+        max_per_caller: the most requests in flight at once for one caller (None: `max_requests`).
     """
 
-    def __init__(self, max_requests: int, max_bytes: int) -> None:
-        if max_requests < 1 or max_bytes < 1:
+    def __init__(self, max_requests: int, max_bytes: int, max_per_caller: int | None = None) -> None:
+        if max_requests < 1 or max_bytes < 1 or (max_per_caller is not None and max_per_caller < 1):
             raise ValueError("admission limits must be positive")
         self.max_requests = max_requests
         self.max_bytes = max_bytes
+        self.max_per_caller = min(max_requests, max_per_caller or max_requests)
+        self.by_caller: dict[str, int] = {}
+        """Requests in flight per caller (callers with none are left out)."""
         self.requests = 0
         self.bytes = 0
         self.admitted = 0
@@ -135,19 +159,31 @@ class Admission:
             await self._idle.wait()
 
     @contextlib.contextmanager
-    def request(self, what: str) -> Iterator[None]:
-        """Holds one request slot for the duration of the block."""
+    def request(self, what: str, caller: str = "") -> Iterator[None]:
+        """Holds one request slot (of the server's and of `caller`'s) for the duration of the block."""
         if self.requests >= self.max_requests:
             self.refused += 1
             raise ResourceExhausted(
                 f"{what}: the server has {self.requests} requests in flight, its limit; retry later"
             )
+        held = self.by_caller.get(caller, 0)
+        if held >= self.max_per_caller:
+            self.refused += 1
+            raise ResourceExhausted(
+                f"{what}: this caller has {held} requests in flight, the server's limit per caller; retry later"
+            )
+        self.by_caller[caller] = held + 1
         self.requests += 1
         self.admitted += 1
         try:
             yield
         finally:
             self.requests -= 1
+            left = self.by_caller[caller] - 1
+            if left:
+                self.by_caller[caller] = left
+            else:
+                del self.by_caller[caller]
             if not self.requests and self._idle is not None:
                 self._idle.set()
 

@@ -3,7 +3,11 @@
 Saves are atomic: the state goes to a temporary file in the same directory, is flushed to
 disk, then renamed over the old checkpoint (``os.replace``), so a crash mid-save leaves the
 previous checkpoint intact. A checkpoint that exists but cannot be read is an error naming the
-file; it is never silently replaced by fresh parameters.
+file; it is never silently replaced by fresh parameters. Whatever makes a save fail (a read-only
+directory, a full disk: an `OSError`, or the `RuntimeError` torch raises for a failed write) is
+a `CheckpointError`; a `CheckpointSaver` checks at start that it can write its directory, and
+counts, logs and remembers failed saves (``swarm_expert_checkpoint_failures_total``), so the
+daemon can exit non-zero when the trained updates could not be saved.
 
 File format: ``torch.save`` of ``{"format": 1, "uid": <uid>, "state": backend.state_dict()}``,
 read back with ``weights_only=True``.
@@ -22,13 +26,17 @@ from typing import Any
 import torch
 
 from swarm.core.errors import SwarmError
+from swarm.metrics import REGISTRY
 from swarm.moe.server.backend import ExpertBackend
 
-__all__ = ["CheckpointError", "CheckpointSaver", "checkpoint_path", "load_experts", "save_experts"]
+__all__ = [
+    "CheckpointError", "CheckpointSaver", "check_writable", "checkpoint_path", "load_experts", "save_experts",
+]
 
 logger = logging.getLogger(__name__)
 
 _FORMAT = 1
+_FAILURES = REGISTRY.counter("swarm_expert_checkpoint_failures_total", "Expert checkpoint saves that failed")
 Backends = Mapping[str, ExpertBackend] | Iterable[ExpertBackend]
 
 
@@ -75,7 +83,7 @@ def save_expert(backend: ExpertBackend, checkpoint_dir: str | os.PathLike[str]) 
         os.replace(tmp_name, path)
         tmp_name = None
         _fsync_dir(path.parent)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch reports a failed write (a full disk) as RuntimeError
         raise CheckpointError(f"could not save checkpoint of expert {backend.name} to {path}: {e}") from e
     finally:
         if tmp_name is not None:
@@ -98,6 +106,21 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def check_writable(checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Creates `checkpoint_dir` if needed and checks that a file can be written in it.
+
+    Raises:
+        CheckpointError: it cannot be created or written, with the reason.
+    """
+    directory = Path(checkpoint_dir)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check.", suffix=".tmp"):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"checkpoint directory {directory} is not writable: {e.strerror or e}") from e
 
 
 def save_experts(backends: Backends, checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
@@ -192,10 +215,18 @@ class CheckpointSaver:
         self.on_save = on_save
         self.saves = 0
         """How many complete saves have finished."""
+        self.failures = 0
+        """How many saves failed."""
+        self.last_error: CheckpointError | None = None
+        """Why the last save failed, until a later save of every expert succeeds (None: all saved)."""
         self._saved_updates: dict[str, int] = {}  # what is on disk: each expert's update count
         self._save_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def check_writable(self) -> None:
+        """Checks that checkpoints can be written (see `check_writable`); raises `CheckpointError`."""
+        check_writable(self.checkpoint_dir)
 
     def load(self) -> list[str]:
         """Restores the experts that have checkpoints; returns their UIDs (see `load_experts`)."""
@@ -215,12 +246,19 @@ class CheckpointSaver:
         """
         with self._save_lock:  # the periodic thread and a final save never interleave
             paths = []
-            for backend in self.backends:
-                updates = backend.updates
-                if only_changed and self._saved_updates.get(backend.name) == updates:
-                    continue
-                paths.append(save_expert(backend, self.checkpoint_dir))
-                self._saved_updates[backend.name] = updates
+            try:
+                for backend in self.backends:
+                    updates = backend.updates
+                    if only_changed and self._saved_updates.get(backend.name) == updates:
+                        continue
+                    paths.append(save_expert(backend, self.checkpoint_dir))
+                    self._saved_updates[backend.name] = updates
+            except CheckpointError as e:
+                self.failures += 1
+                self.last_error = e
+                _FAILURES.inc()
+                raise
+            self.last_error = None
             self.saves += 1
         if self.on_save is not None:
             self.on_save(paths)

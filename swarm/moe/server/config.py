@@ -19,6 +19,14 @@ class ExpertServerConfig:
         batching: how requests are merged into batches and forward graphs kept.
         max_inflight_requests: Forward/Backward calls handled at once; past it, RESOURCE_EXHAUSTED.
         max_inflight_bytes: tensor bytes held by requests in flight; past it, RESOURCE_EXHAUSTED.
+        max_inflight_per_caller: Forward/Backward calls handled at once for one caller (PeerID),
+            so that one identity cannot take every slot; past it, RESOURCE_EXHAUSTED at once.
+            The limit in force is the smaller of this and `max_inflight_requests`.
+        header_timeout: seconds a call may take to send its first message (the header naming the
+            expert and its tensors); a call that stalls longer is refused (DEADLINE_EXCEEDED).
+            No slot is held while the header is awaited.
+        body_timeout: seconds a call may take to send its tensors once admitted; a call that
+            stalls longer loses its slot and its bytes (DEADLINE_EXCEEDED).
         check_finite: refuse inputs and gradients holding NaN or Inf.
         declare_ttl: seconds a DHT declaration lives; re-announced every third of it.
         checkpoint_interval: seconds between periodic checkpoints (None: only at shutdown).
@@ -31,12 +39,17 @@ class ExpertServerConfig:
         runtime_shutdown_timeout: seconds a running batch gets to finish at shutdown.
         max_drain_bytes: how much of a refused request is still read (and dropped) so that the
             caller sees the refusal's status; a caller that sends more sees a broken call.
+        max_drain_seconds: how long, at most, a refused request is read before the refusal is
+            sent anyway (a caller that sends nothing more is answered at once).
     """
 
     max_batch_size: int = 4096
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     max_inflight_requests: int = 256
     max_inflight_bytes: int = 1 << 30
+    max_inflight_per_caller: int = 64
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
     check_finite: bool = True
     declare_ttl: float = 60.0
     checkpoint_interval: float | None = 300.0
@@ -44,10 +57,16 @@ class ExpertServerConfig:
     compute_workers: int | None = None
     runtime_shutdown_timeout: float = 5.0
     max_drain_bytes: int = 128 << 20
+    max_drain_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_inflight_requests < 1 or self.max_inflight_bytes < 1:
             raise ConfigError("max_batch_size and in-flight limits must be positive")
+        if self.max_inflight_per_caller < 1:
+            raise ConfigError("max_inflight_per_caller must be positive")
+        for name in ("header_timeout", "body_timeout", "max_drain_seconds"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive")
         if not self.declare_ttl > 0:
             raise ConfigError("declare_ttl must be positive")
         if self.checkpoint_interval is not None and not self.checkpoint_interval > 0:

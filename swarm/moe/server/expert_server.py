@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarm.core.errors import ConfigError, InvalidRequest, NotFound, PeerUnreachable
+from swarm.core.errors import ConfigError, NotFound, PeerUnreachable
 from swarm.dht.handle import PeerHandle
 from swarm.moe.dht_declare import ExpertDeclarer
 from swarm.moe.group_calls import BACKWARD_GROUP, FORWARD_GROUP
-from swarm.moe.protocol import BACKWARD, FORWARD, GRAPH_GONE, INFO, ExpertCall, parse_call_header
+from swarm.moe.protocol import BACKWARD, FORWARD, GRAPH_GONE, INFO, ExpertCall, parse_call_header, shown_uid
 from swarm.moe.schema import TensorSchema
-from swarm.moe.server.admission import Admission, check_declared
+from swarm.moe.server.admission import Admission, check_declared, receive_header
 from swarm.moe.server.backend import ExpertBackend
 from swarm.moe.server.checkpoints import CheckpointSaver
 from swarm.moe.server.config import ExpertServerConfig
@@ -104,6 +104,8 @@ class ExpertServer(GroupCallHandlers):
             if checkpoint_dir is not None
             else None
         )
+        if self.checkpoints is not None:
+            self.checkpoints.check_writable()  # a read-only directory fails now, not at the first save
         self.restored: list[str] = self.checkpoints.load() if self.checkpoints is not None else []
         """UIDs restored from checkpoints at start."""
         self.experts = {uid: HostedExpert(b, self.config.batching) for uid, b in self.backends.items()}
@@ -112,7 +114,8 @@ class ExpertServer(GroupCallHandlers):
             [pool for hosted in self.experts.values() for pool in hosted.pools], threads,
             self.config.compute_workers or threads,
         )
-        self.admission = Admission(self.config.max_inflight_requests, self.config.max_inflight_bytes)
+        self.admission = Admission(self.config.max_inflight_requests, self.config.max_inflight_bytes,
+                                   self.config.max_inflight_per_caller)
         self.declarer: ExpertDeclarer | None = None
         self._declare = declare
         self._started = False
@@ -212,7 +215,7 @@ class ExpertServer(GroupCallHandlers):
             raise PeerUnreachable(f"expert server {self.peer.peer_id} is shutting down")
         hosted = self.experts.get(uid)
         if hosted is None:
-            raise NotFound(f"{what}: expert {uid!r} is not hosted by {self.peer.peer_id}")
+            raise NotFound(f"{what}: expert {shown_uid(uid)} is not hosted by {self.peer.peer_id}")
         return hosted
 
     def _request(self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool) -> Any:
@@ -224,11 +227,9 @@ class ExpertServer(GroupCallHandlers):
         self, stream: AsyncIterator[bytes], ctx: CallContext, backward: bool, held: contextlib.AsyncExitStack
     ) -> tuple[HostedExpert, ExpertCall, list[torch.Tensor], Hashable | None]:
         what = "backward" if backward else "forward"
-        held.enter_context(self.admission.request(what))
-        header_bytes = await anext(stream, None)
-        if header_bytes is None:
-            raise InvalidRequest(f"{what}: empty request stream")
+        header_bytes = await receive_header(stream, self.config.header_timeout, what)
         call, header = parse_call_header(header_bytes)
+        held.enter_context(self.admission.request(what, ctx.peer_id or ""))
         hosted = self._hosted(call.uid, what)
         backend = hosted.backend
         what = f"{what} of {call.uid}"
@@ -297,6 +298,7 @@ class ExpertServer(GroupCallHandlers):
             "saved_graph_hits": sum(h.saved.hits for h in self.experts.values()),
             "saved_graph_misses": sum(h.saved.misses for h in self.experts.values()),
             "saved_graph_rows": sum(h.saved.rows for h in self.experts.values()),
+            "checkpoint_failures": self.checkpoints.failures if self.checkpoints is not None else 0,
         }
 
     def __repr__(self) -> str:

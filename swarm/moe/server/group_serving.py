@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 import swarm.moe.rows as row_ops
-from swarm.core.errors import InvalidRequest, NotFound, PeerUnreachable, SwarmError
+from swarm.core.errors import DeadlineExceeded, InvalidRequest, NotFound, PeerUnreachable, SwarmError
 from swarm.dht.handle import PeerHandle
 from swarm.moe.group_calls import GroupRequest, error_metadata, parse_group_header
-from swarm.moe.server.admission import check_declared_batch, drain_request
+from swarm.moe.protocol import shown_uid
+from swarm.moe.server.admission import check_declared_batch, drain_request, receive_header
 from swarm.moe.server.hosted import HostedExpert
 from swarm.net.server import CallContext
 from swarm.net.streaming import TensorReceiver, tensors_to_messages
@@ -120,10 +121,12 @@ class GroupCallHandlers:
         async with contextlib.AsyncExitStack() as held:
             try:
                 received = await receive(stream, held)
+            except DeadlineExceeded:
+                raise  # the caller stalled: nothing to drain, refuse at once
             except SwarmError:
                 # Read what the caller still sends before refusing: a call that ends while the caller
                 # is still writing reaches it as INTERNAL instead of the status that says why.
-                await drain_request(stream, self.config.max_drain_bytes)
+                await drain_request(stream, self.config.max_drain_bytes, self.config.max_drain_seconds)
                 raise
             yield received
 
@@ -133,11 +136,16 @@ class GroupCallHandlers:
         request's tensors into it; a stream that ends early or says more than it declared is refused."""
         held.enter_context(self.admission.reserve(nbytes, what))
         receiver = TensorReceiver(header_bytes, max_bytes=nbytes)
-        while not receiver.complete:
-            chunk = await anext(stream, None)
-            if chunk is None:
-                break
-            receiver.feed(chunk)
+        timeout = self.config.body_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                while not receiver.complete:
+                    chunk = await anext(stream, None)
+                    if chunk is None:
+                        break
+                    receiver.feed(chunk)
+        except TimeoutError:
+            raise DeadlineExceeded(f"{what}: the request's tensors did not arrive within {timeout:g} s") from None
         return receiver.result()
 
     def _group_request(self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool) -> Any:
@@ -148,11 +156,9 @@ class GroupCallHandlers:
         self, stream: AsyncIterator[bytes], ctx: CallContext, backward: bool, held: contextlib.AsyncExitStack
     ) -> _Received:
         what = "backward group" if backward else "forward group"
-        held.enter_context(self.admission.request(what))
-        header_bytes = await anext(stream, None)
-        if header_bytes is None:
-            raise InvalidRequest(f"{what}: empty request stream")
+        header_bytes = await receive_header(stream, self.config.header_timeout, what)
         request = parse_group_header(header_bytes)
+        held.enter_context(self.admission.request(what, ctx.peer_id or ""))
         if self._closing:
             raise PeerUnreachable(f"expert server {self.peer.peer_id} is shutting down")
         hosted, refused = self._resolve(request, what, backward)
@@ -191,7 +197,7 @@ class GroupCallHandlers:
         for i, (uid, _, _) in enumerate(request.members):
             expert = self.experts.get(uid)
             if expert is None:
-                error = NotFound(f"{what}: expert {uid!r} is not hosted by {self.peer.peer_id}")
+                error = NotFound(f"{what}: expert {shown_uid(uid)} is not hosted by {self.peer.peer_id}")
                 if backward:  # the layout of the gradients depends on the expert's outputs
                     raise error
                 refused[i] = error
@@ -225,7 +231,7 @@ class GroupCallHandlers:
                 meta = next(row_metas)
                 if meta.dtype != "int64" or len(meta.shape) != 1 or not 1 <= meta.shape[0] <= batch:
                     raise InvalidRequest(
-                        f"{what}: the rows of {uid} must be an int64 vector of 1 to {batch} indices, "
+                        f"{what}: the rows of {shown_uid(uid)} must be an int64 vector of 1 to {batch} indices, "
                         f"got {meta.dtype}{list(meta.shape)}"
                     )
                 share = meta.shape[0]
@@ -244,7 +250,7 @@ class GroupCallHandlers:
 def _checked_rows(rows: torch.Tensor, batch: int, uid: str, what: str) -> torch.Tensor:
     index = rows.numpy()
     if index[0] < 0 or index[-1] >= batch or bool((np.diff(index) <= 0).any()):
-        raise InvalidRequest(f"{what}: the rows of {uid} must be strictly increasing indices below {batch}")
+        raise InvalidRequest(f"{what}: the rows of {shown_uid(uid)} must be strictly increasing indices below {batch}")
     return rows
 
 
