@@ -330,7 +330,10 @@ class Averager:
             self.matchmaking.timing.observe_failure()  # the next round this peer leads gets more time
             raise
         else:
-            self.matchmaking.timing.observe_success(loop.time() - t0)
+            if decision.excluded:  # senders left out (too late, stalled): the round did not fit its time
+                self.matchmaking.timing.observe_failure()
+            else:
+                self.matchmaking.timing.observe_success(loop.time() - t0)
         finally:
             task = spawn(self._release(group, allreduce, coordinator, scratch, end + cfg.linger),
                          name=f"avg-release-{group.round_id.hex()[:8]}")

@@ -9,7 +9,7 @@ stdout, one JSON object per line:
     {"event": "result", "ok": false, "error": "AveragingError", "message": "...", "seconds": s}
 stdin, one JSON object per line:
     {"cmd": "announce", "ready_in": s, "key": k}
-    {"cmd": "step", "key": k, "timeout": t}
+    {"cmd": "step", "key": k, "timeout": t, "busy": s}   (busy: seconds of work before the step)
     {"cmd": "exit"}
 
 Every peer averages a tensor filled with its index, so a result's value says who was in the mean.
@@ -34,7 +34,7 @@ def emit(**fields: object) -> None:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    peer = Peer(initial_peers=cfg.get("initial_peers") or None)
+    peer = Peer(initial_peers=cfg.get("initial_peers", []))
     tensor = torch.full((cfg.get("numel", 1000),), float(cfg["index"]))
     config = AveragerConfig(matchmaking=MatchmakingConfig(adaptive=cfg.get("adaptive", True)))
     avg = Averager(peer, [tensor], prefix="mm", target_group_size=cfg["target"], min_group_size=2, config=config)
@@ -48,6 +48,7 @@ def main() -> None:
                 emit(event="announced", ok=avg.announce(msg["ready_in"], group_key=msg["key"]))
                 continue
             tensor.fill_(float(cfg["index"]))
+            time.sleep(msg.get("busy", 0.0))  # the peer computes what it averages
             started = time.monotonic()
             try:
                 result = avg.step(timeout=msg["timeout"], group_key=msg["key"])
