@@ -307,7 +307,7 @@ class Averager:
         if self.config.matchmaking.adaptive:
             # a sender silent for the round's expected time is dropped (the round's timeout, a
             # multiple of that time, comes from the leader's measurements)
-            stall = clamp(timeout / self.config.matchmaking.round_timeout_multiple, 0.5, cfg.sender_timeout)
+            stall = clamp(timeout / self.config.matchmaking.round_timeout_multiple, 1.0, cfg.sender_timeout)
             cfg = dataclasses.replace(cfg, sender_timeout=stall)
         t0 = loop.time()
         coordinator: Coordinator | None = None
@@ -330,10 +330,9 @@ class Averager:
             self.matchmaking.timing.observe_failure()  # the next round this peer leads gets more time
             raise
         else:
-            if decision.excluded:  # senders left out (too late, stalled): the round did not fit its time
-                self.matchmaking.timing.observe_failure()
-            else:
-                self.matchmaking.timing.observe_success(loop.time() - t0)
+            # a round that left senders out (too late, stalled) was cut short by its timeline: its
+            # time is a lower bound of what the round needs, and the next timeout grows with it
+            self.matchmaking.timing.observe_success(loop.time() - t0)
         finally:
             task = spawn(self._release(group, allreduce, coordinator, scratch, end + cfg.linger),
                          name=f"avg-release-{group.round_id.hex()[:8]}")

@@ -9,8 +9,8 @@ Pure logic, no networking (unit-tested without sockets):
 - `RoundTiming`: how long this peer's successful all-reduces took. A leader writes a small
   multiple of the expected time into the group as the round's timeout (between a floor and the
   time the step has left), so a stalled or dead member costs the survivors that multiple, not
-  a fixed share of the step's timeout. The expected time is the longer of the recent rounds'
-  median and the last round. A round that failed doubles the next timeout, as TCP backs
+  a fixed share of the step's timeout. The expected time is the longer of the window's median and
+  the last three rounds' median. A round that failed doubles the next timeout, as TCP backs
   off its retransmission timer (RFC 6298 §5.5), so a link that became slower is followed rather
   than failed on forever; a success resets it.
 """
@@ -99,10 +99,11 @@ class RoundTiming:
         self.backoff = min(self.max_backoff, 2 * self.backoff)
 
     def expected(self, estimate: float | None = None) -> float | None:
-        """Expected all-reduce time: the median of recent rounds or the last one, whichever is
-        longer (a link that became slower counts at once, one that became faster after one
-        round), or at least `estimate` (e.g. from link throughput); None when nothing is known."""
-        measured = max(statistics.median(self.durations), self.durations[-1]) if self.durations else None
+        """Expected all-reduce time: the median of the window or of the last three rounds, whichever
+        is longer (a link that became slower counts after two rounds, a single slow round does
+        not), or at least `estimate` (e.g. from link throughput); None when nothing is known."""
+        recent = list(self.durations)[-3:]
+        measured = max(statistics.median(self.durations), statistics.median(recent)) if self.durations else None
         known = [x for x in (measured, estimate) if x is not None]
         return max(known) if known else None
 
