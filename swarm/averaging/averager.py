@@ -32,10 +32,12 @@ from swarm.averaging.matchmaking import Matchmaking, MatchmakingConfig
 from swarm.averaging.partition import FlatTensors, schema_digest
 from swarm.averaging.parts import RoundFailed, scratch_numel
 from swarm.averaging.service import REPORT, AveragingService, RoundEntry
+from swarm.averaging.timing import clamp
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
 from swarm.core.loop import spawn
 from swarm.dht.handle import PeerHandle
+from swarm.core.timeutil import get_dht_time
 from swarm.metrics import AVERAGING_ROUNDS
 
 logger = logging.getLogger(__name__)
@@ -197,6 +199,36 @@ class Averager:
         """Awaitable form of `step`, for code already inside an event loop."""
         return await self.peer.loop.wrap(self._step(timeout, weight, group_key, expected_size))
 
+    def announce(self, ready_in: float, group_key: str | None = None) -> bool:
+        """Tells the peers of a DHT group that this peer will step in about `ready_in` seconds.
+
+        A leader of that group then waits for this peer (up to the bound it learned past that
+        time) instead of starting without it. Call before computing what the step averages; the
+        announcement lapses `config.matchmaking.max_wait` seconds after that time (the step's
+        timeout must reach past it, so that its declaration replaces the announcement). Returns whether it was stored (always
+        False for a static group, whose leader expects every member anyway).
+        """
+        if not (math.isfinite(ready_in) and ready_in >= 0):
+            raise ValueError(f"ready_in must be a finite number >= 0, got {ready_in}")
+        return self.peer.run(self.aannounce(ready_in, group_key), timeout=30.0)
+
+    async def aannounce(self, ready_in: float, group_key: str | None = None) -> bool:
+        """Awaitable form of `announce`."""
+        election = self.matchmaking.election
+        if not isinstance(election, DHTElection):
+            return False
+        me = MemberInfo(self.peer.peer_id, self.peer.addrs[0] if self.peer.addrs else "",
+                        0.0 if self.auxiliary else 1.0, self.config.bandwidth, self.peer.server is None, self.auxiliary)
+        bound = self.matchmaking.config.max_wait
+        now = get_dht_time()
+        key = election.group_key if group_key is None else group_key
+
+        async def store() -> bool:
+            target = DHTElection(election.dht, election.prefix, key)
+            return await target.announce(me, now + ready_in, now + ready_in + bound)
+
+        return await self.peer.loop.wrap(store())
+
     def abandon_matchmaking(self, reason: str) -> bool:
         """Stops the running step if it is still looking for a group (call on the peer's loop).
 
@@ -236,8 +268,12 @@ class Averager:
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
         async with self._lock:
             election = self.matchmaking.election
-            if group_key is not None and isinstance(election, DHTElection):
-                election.group_key = group_key
+            if isinstance(election, DHTElection):
+                # a key given to this step names its round: a group under it that started without
+                # this peer was its round's group (see `matchmaking`)
+                election.names_round = group_key is not None
+                if group_key is not None:
+                    election.group_key = group_key
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             self._formed, self._abandoned = False, None
@@ -284,6 +320,11 @@ class Averager:
         if timeout <= 0:
             raise RoundFailed(group.round_id, "no time left for the all-reduce")
         cfg = self.config.allreduce
+        if self.config.matchmaking.adaptive:
+            # a sender silent for the round's expected time is dropped (the round's timeout, a
+            # multiple of that time, comes from the leader's measurements)
+            stall = clamp(timeout / self.config.matchmaking.round_timeout_multiple, 1.0, cfg.sender_timeout)
+            cfg = dataclasses.replace(cfg, sender_timeout=stall)
         t0 = loop.time()
         coordinator: Coordinator | None = None
         if my_index == 0:
@@ -301,6 +342,13 @@ class Averager:
         self.service.register(group.prefix, group.round_id, RoundEntry(allreduce, coordinator))
         try:
             decision = await allreduce.run()
+        except RoundFailed:
+            self.matchmaking.timing.observe_failure()  # the next round this peer leads gets more time
+            raise
+        else:
+            # a round that left senders out (too late, stalled) was cut short by its timeline: its
+            # time is a lower bound of what the round needs, and the next timeout grows with it
+            self.matchmaking.timing.observe_success(loop.time() - t0)
         finally:
             task = spawn(self._release(group, allreduce, coordinator, scratch, end + cfg.linger),
                          name=f"avg-release-{group.round_id.hex()[:8]}")

@@ -8,6 +8,11 @@ Two elections:
   PeerID; expiration: when they give up waiting); the live declaration that expires first leads,
   because that peer must start soonest (as in hivemind's matchmaking). A vanished leader is
   skipped after one failed call; a leader that sees an earlier one appear steps down.
+
+Both say who else is coming (`declared`): a leader waits for those peers (see `matchmaking`).
+A DHT declaration carries when its peer will be ready (``ready_at``, DHT time) and whether it
+is looking for a group now; `DHTElection.announce` declares a peer ahead of its step (e.g. when
+training progress says when it will be ready) without making it a candidate to lead.
 """
 
 from __future__ import annotations
@@ -34,6 +39,21 @@ class Candidate:
     addr: str
 
 
+@dataclass(frozen=True)
+class Declaration:
+    """A peer known to want this group.
+
+    Attributes:
+        peer_id: its PeerID.
+        ready_at: DHT time at which it said it will be ready (0: now).
+        looking: it is in its step now (not only announced).
+    """
+
+    peer_id: str
+    ready_at: float = 0.0
+    looking: bool = True
+
+
 class Election(Protocol):
     """Decides who leads the group this peer is looking for."""
 
@@ -43,8 +63,14 @@ class Election(Protocol):
     async def leader(self, me: MemberInfo, down: set[str]) -> Candidate | None:
         """The peer that should lead now (None: no leader known yet), skipping `down` peers."""
 
-    async def end(self, me: MemberInfo) -> None:
-        """Called when the step found a group or gave up."""
+    async def end(self, me: MemberInfo, started: bytes | None = None) -> None:
+        """Called when the step found a group (the round id in `started`) or gave up."""
+
+    def declared(self, me: MemberInfo) -> dict[str, Declaration]:
+        """Other peers known to want this group, as of the last look (`leader` or `refresh`)."""
+
+    async def refresh(self, me: MemberInfo) -> None:
+        """Looks again at who wants this group (a no-op where that is fixed)."""
 
 
 class StaticElection:
@@ -70,7 +96,14 @@ class StaticElection:
         alive = sorted(pid for pid in self.candidates if pid not in down)
         return self.candidates[alive[0]] if alive else None
 
-    async def end(self, me: MemberInfo) -> None:
+    async def end(self, me: MemberInfo, started: bytes | None = None) -> None:
+        return None
+
+    def declared(self, me: MemberInfo) -> dict[str, Declaration]:
+        # every member of a static group is expected at every step
+        return {pid: Declaration(pid) for pid in self.candidates if pid != me.peer_id}
+
+    async def refresh(self, me: MemberInfo) -> None:
         return None
 
 
@@ -89,6 +122,13 @@ class DHTElection:
         self.prefix = prefix
         self.group_key = group_key
         self._expiration = 0.0
+        self._began = 0.0
+        self._declared: dict[str, Declaration] = {}
+        self._leaders: dict[str, tuple[float, str]] = {}
+        self.started: dict[str, str] = {}
+        """PeerID -> round id (hex) of peers whose declaration says they started a group."""
+        self.names_round = False
+        """Whether `group_key` names one round (e.g. an epoch) rather than being reused by every step."""
 
     @property
     def key(self) -> str:
@@ -96,24 +136,26 @@ class DHTElection:
 
     async def begin(self, me: MemberInfo, deadline_wall: float) -> None:
         self._expiration = deadline_wall
-        value = {"addr": me.addr, "client_mode": me.client_mode}
+        self._declared, self._leaders, self.started = {}, {}, {}
+        self._began = get_dht_time()
+        value = {"addr": me.addr, "client_mode": me.client_mode, "ready_at": self._began, "looking": True}
         ok = await self.dht.astore(self.key, value, expiration_time=deadline_wall, subkey=me.peer_id)
         if not ok:
             logger.debug("declaration under %s was not stored", self.key)
 
+    async def announce(self, me: MemberInfo, ready_at: float, expiration: float) -> bool:
+        """Declares that this peer will look for this group at `ready_at` (DHT time), until `expiration`.
+
+        A leader then waits for it (up to its learned bound past `ready_at`); it is no candidate
+        to lead before its step declares it again (`begin`, which must expire later).
+        """
+        value = {"addr": me.addr, "client_mode": me.client_mode, "ready_at": ready_at, "looking": False}
+        return bool(await self.dht.astore(self.key, value, expiration_time=expiration, subkey=me.peer_id))
+
     async def leader(self, me: MemberInfo, down: set[str]) -> Candidate | None:
-        found = await self.dht.aget(self.key, latest=True)
-        now = get_dht_time()
-        entries: list[tuple[float, str, str]] = []
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                value = getattr(item, "value", None)
-                expiration = getattr(item, "expiration_time", 0.0)
-                if not isinstance(subkey, str) or not isinstance(value, dict) or expiration <= now:
-                    continue
-                if value.get("client_mode") or value.get("done") or not value.get("addr") or subkey in down:
-                    continue
-                entries.append((float(expiration), subkey, str(value["addr"])))
+        await self.refresh(me)
+        entries: list[tuple[float, str, str]] = [
+            (expiration, peer_id, addr) for peer_id, (expiration, addr) in self._leaders.items() if peer_id not in down]
         if me.is_reducer and me.peer_id not in down and not any(pid == me.peer_id for _, pid, _ in entries):
             entries.append((self._expiration, me.peer_id, me.addr))  # our own store may not be visible yet
         if not entries:
@@ -121,10 +163,43 @@ class DHTElection:
         _, peer_id, addr = min(entries)
         return Candidate(peer_id, addr)
 
-    async def end(self, me: MemberInfo) -> None:
+    def declared(self, me: MemberInfo) -> dict[str, Declaration]:
+        return {pid: d for pid, d in self._declared.items() if pid != me.peer_id}
+
+    async def refresh(self, me: MemberInfo) -> None:
+        found = await self.dht.aget(self.key, latest=True)
+        now = get_dht_time()
+        declared: dict[str, Declaration] = {}
+        leaders: dict[str, tuple[float, str]] = {}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                value = getattr(item, "value", None)
+                expiration = getattr(item, "expiration_time", 0.0)
+                if not isinstance(subkey, str) or not isinstance(value, dict) or expiration <= now:
+                    continue
+                if value.get("done"):
+                    at = value.get("at", 0.0)
+                    # a key that names one round: any group under it is of that round; a key reused
+                    # from step to step: only a group that started during this step
+                    recent = self.names_round or (isinstance(at, (int, float)) and at >= self._began)
+                    if isinstance(value.get("started"), str) and recent:
+                        self.started[subkey] = value["started"]
+                    continue
+                ready_at = value.get("ready_at", 0.0)
+                looking = value.get("looking", True) is not False
+                declared[subkey] = Declaration(
+                    subkey, float(ready_at) if isinstance(ready_at, (int, float)) else 0.0, looking)
+                if looking and not value.get("client_mode") and value.get("addr"):
+                    leaders[subkey] = (float(expiration), str(value["addr"]))
+        self._declared, self._leaders = declared, leaders
+
+    async def end(self, me: MemberInfo, started: bytes | None = None) -> None:
         # withdraw: a later expiration replaces our declaration with one that says we stopped looking
+        # (and, when we are in a group, which round: a peer that missed it learns so from here)
+        value: dict[str, Any] = {"addr": me.addr, "client_mode": me.client_mode, "done": True}
+        if started is not None:
+            value["started"], value["at"] = started.hex(), get_dht_time()
         try:
-            await self.dht.astore(self.key, {"addr": me.addr, "client_mode": me.client_mode, "done": True},
-                                  expiration_time=self._expiration + 0.001, subkey=me.peer_id)
+            await self.dht.astore(self.key, value, expiration_time=self._expiration + 0.001, subkey=me.peer_id)
         except Exception:  # best effort; it expires on its own anyway
             logger.debug("could not withdraw the declaration under %s", self.key, exc_info=True)

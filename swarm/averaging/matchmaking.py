@@ -2,9 +2,15 @@
 
 A group forms around a leader. Followers call the leader's ``Join`` RPC, a long poll that is
 answered with the group once it forms, so client-mode peers (which only dial out) join the same
-way. The leader starts as soon as `target_group_size` members are in, or, once
-`min_group_size` is met, after a short `join_window` without new arrivals (never always waiting
-out a fixed window). A joiner whose call is gone (it died or gave up) is left out.
+way. The leader starts as soon as `target_group_size` members are in. Once `min_group_size` is
+met it waits a short `join_window` for peers it knows nothing of, and for the peers the election
+says are coming (declared for this group, with their announced readiness) up to a bound learned
+from how late earlier joiners were (`timing`); it starts when they are in or past it. With
+`adaptive=False` it waits the `join_window` only.
+A joiner whose call is gone (it died or gave up) is left out. A peer that asks after its group
+started is told so at once ("group started"), looks for another group of the same round, and
+raises saying why when nobody else is coming. The round's timeout, which the leader writes into
+the group, is a multiple of what measured rounds took, so a dead member costs that multiple.
 
 Who leads comes from an `Election` (`election`: a static list of peers, or declarations in the
 DHT). `moshpit.moshpit_group_key` names the group to look for in each round of Moshpit SGD.
@@ -20,10 +26,13 @@ from dataclasses import dataclass
 
 from swarm.averaging.election import Candidate, DHTElection, Election, StaticElection
 from swarm.averaging.group import GroupInfo, MemberInfo
-from swarm.averaging.service import JOIN, AveragingService
+from swarm.averaging.moshpit import moshpit_group_key, moshpit_next_coords, random_coords
+from swarm.averaging.service import JOIN, REPORT, AveragingService
+from swarm.averaging.timing import ArrivalSpread, RoundTiming
 from swarm.core.errors import AveragingError, ConfigError, DeadlineExceeded, PeerUnreachable, RPCError
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
+from swarm.metrics import REGISTRY
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
 
@@ -31,6 +40,22 @@ from swarm.proto import averaging_pb2
 __all__ = ["Matchmaking", "MatchmakingConfig"]
 
 logger = logging.getLogger(__name__)
+
+_STARTED = "group started"  # how a refusal says: a group of this round formed, and you are not in it
+
+MATCHMAKING_WAIT_BOUND = REGISTRY.gauge(
+    "swarm_matchmaking_wait_bound_seconds", "How long a leader waits for a declared peer past its readiness "
+    "(learned from joiners' lateness)", ("prefix",))
+MATCHMAKING_WAITED = REGISTRY.gauge(
+    "swarm_matchmaking_leader_waited_seconds", "How long the last group this peer led waited before it started",
+    ("prefix",))
+MATCHMAKING_STARTS = REGISTRY.counter(
+    "swarm_matchmaking_starts_total", "Groups this peer led, by why they started", ("prefix", "why"))
+MATCHMAKING_MISSED = REGISTRY.counter(
+    "swarm_matchmaking_missed_total", "Times this peer learned that its round's group started without it",
+    ("prefix",))
+ROUND_TIMEOUT = REGISTRY.gauge(
+    "swarm_averaging_round_timeout_seconds", "The timeout the last group this peer led was given", ("prefix",))
 
 
 @dataclass(frozen=True)
@@ -40,11 +65,21 @@ class MatchmakingConfig:
     Attributes:
         target_group_size: the leader starts as soon as this many members are in.
         min_group_size: fewest members a round may have.
-        join_window: once `min_group_size` is met, how long the leader waits for one more arrival.
+        join_window: once `min_group_size` is met, how long the leader waits for peers it knows
+            nothing of (without `adaptive`, the only wait).
         matchmaking_share: at most this share of a step's timeout goes to forming a group when
             `min_group_size` is met (the rest is for the all-reduce).
         retry_interval: pause before a follower asks again after a leader refused it.
         poll_interval: how often a waiting DHT leader checks that it still leads.
+        adaptive: wait for the peers declared for this group (up to a bound learned from how late
+            joiners arrived), tell late joiners at once that the group started, and derive the
+            round's timeout from measured round times. False: the fixed `join_window` and the
+            step's whole remaining time as the round's timeout (the behaviour before issue #14).
+        min_wait: floor of the learned wait bound, seconds.
+        max_wait: cap of the learned wait bound, and the bound before any arrival was seen: a
+            declared peer that never comes costs at most this.
+        round_timeout_multiple: the round's timeout is this many times its expected duration.
+        min_round_timeout: floor of that timeout, seconds (the step's remaining time is its cap).
     """
 
     target_group_size: int = 4
@@ -53,6 +88,11 @@ class MatchmakingConfig:
     matchmaking_share: float = 0.5
     retry_interval: float = 0.05
     poll_interval: float = 0.5
+    adaptive: bool = True
+    min_wait: float = 0.05
+    max_wait: float = 5.0
+    round_timeout_multiple: float = 4.0
+    min_round_timeout: float = 1.0
 
     def __post_init__(self) -> None:
         if self.min_group_size < 1 or self.target_group_size < self.min_group_size:
@@ -61,6 +101,10 @@ class MatchmakingConfig:
             raise ConfigError("need join_window >= 0 and 0 < matchmaking_share < 1")
         if self.retry_interval <= 0 or self.poll_interval <= 0:
             raise ConfigError("retry_interval and poll_interval must be > 0")
+        if not 0 <= self.min_wait <= self.max_wait:
+            raise ConfigError("need 0 <= min_wait <= max_wait")
+        if self.round_timeout_multiple < 1 or self.min_round_timeout <= 0:
+            raise ConfigError("need round_timeout_multiple >= 1 and min_round_timeout > 0")
 
 
 @dataclass
@@ -68,6 +112,7 @@ class _Joiner:
     member: MemberInfo
     timeout_at: float  # loop time
     answer: asyncio.Future[averaging_pb2.JoinResponse]
+    arrived: float = 0.0  # loop time
 
 
 class Matchmaking:
@@ -90,14 +135,26 @@ class Matchmaking:
     ) -> None:
         self.peer, self.prefix, self.schema, self.numel = peer, prefix, schema, numel
         self.election = election
-        self.config = config or MatchmakingConfig()
+        self.config = cfg = config or MatchmakingConfig()
         self.compression, self.chunk_bytes = compression, chunk_bytes
+        self.spread = ArrivalSpread(initial=cfg.max_wait, floor=cfg.min_wait, cap=cfg.max_wait)
+        """How late joiners arrived past their readiness: the bound a leader waits for a declared peer."""
+        self.timing = RoundTiming(multiple=cfg.round_timeout_multiple, floor=cfg.min_round_timeout)
+        """What this peer's rounds took: the timeout a leader writes into its group."""
+        self.last_start: dict[str, Any] = {}
+        """Figures behind the last group this peer led (why it started, waits, the round's timeout)."""
         self._joiners: dict[str, _Joiner] = {}
         self._arrived = asyncio.Event()
         self._looking: MemberInfo | None = None
         self._leading = False
-        self._start_size = self.config.target_group_size
+        self._start_size = cfg.target_group_size
+        self._expect_unnamed = False
         self._down: set[str] = set()
+        self._missed: str | None = None  # why this step knows a group of its round started without it
+        self._last_round: bytes | None = None  # the round this peer's last step joined (until the next step)
+        self._link = getattr(getattr(peer, "pool", None), "estimates", None)
+        if self._link is not None:
+            self._link.exclude(JOIN, REPORT)  # long polls, not round trips
         AveragingService.of(peer).join_handlers[prefix] = self.rpc_join
 
     def close(self) -> None:
@@ -114,19 +171,31 @@ class Matchmaking:
         `expected_size`: how many peers are known to want this group (e.g. from training progress
         records); if this peer leads, it starts as soon as that many are in (within the
         configured min and target sizes) instead of waiting for the target size.
+
+        With `config.adaptive`, a step that learns that its round's group started without it (the
+        leader says so, or the DHT declarations do) looks for another group of the same round at
+        once, and raises `AveragingError` saying so when no other peer is coming for it.
         """
         loop = asyncio.get_running_loop()
         cfg = self.config
         self._start_size = cfg.target_group_size if expected_size is None else max(
             cfg.min_group_size, min(expected_size, cfg.target_group_size))
+        self._expect_unnamed = expected_size is not None or isinstance(self.election, StaticElection)
         start = loop.time()
         deadline = start + timeout
         self._down = set()
+        self._missed = None
+        self._last_round = None
         self._looking = me
+        group: GroupInfo | None = None
         await self.election.begin(me, get_dht_time() + timeout)
         try:
             while loop.time() < deadline:
                 candidate = await self.election.leader(me, self._down)
+                if cfg.adaptive and self._missed is None and isinstance(self.election, DHTElection) \
+                        and self.election.started:
+                    rounds = sorted(set(self.election.started.values()))
+                    self._missed = f"round(s) {', '.join(r[:8] for r in rounds)} of this group started without this peer"
                 if candidate is None:
                     await asyncio.sleep(self.config.retry_interval)
                     continue
@@ -144,10 +213,14 @@ class Matchmaking:
                 group = await self._follow(me, candidate, deadline)
                 if group is not None:
                     return group
+            if self._missed is not None:
+                raise AveragingError(f"no averaging group formed within {timeout:.1f} s: {self._missed}")
             raise AveragingError(f"no averaging group formed within {timeout:.1f} s")
         finally:
             self._looking = None
-            await self.election.end(me)
+            if group is not None:
+                self._last_round = group.round_id
+            await self.election.end(me, group.round_id if group is not None else None)
 
     async def _follow(self, me: MemberInfo, leader: Candidate, deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
@@ -177,6 +250,12 @@ class Matchmaking:
                 return None
             return group
         logger.debug("leader %s refused: %s", leader.peer_id[-8:], response.reason)
+        if response.reason.startswith(_STARTED) and self.config.adaptive:
+            # it is in a group of this round already: look for the next one now, not after a pause
+            self._down.add(leader.peer_id)
+            self._missed = f"the group of {leader.peer_id[-8:]} started without this peer ({response.reason})"
+            MATCHMAKING_MISSED.labels(self.prefix).inc()
+            return None
         if response.reason == "not the leader":
             self._down.clear()  # our view of who is down may be what sent us there: look again
         if "schema" in response.reason:
@@ -197,12 +276,15 @@ class Matchmaking:
         if member.peer_id != ctx.peer_id:
             return averaging_pb2.JoinResponse(accepted=False, reason="a peer may only join as itself")
         if not self._may_lead():
+            if self._looking is None and self._last_round is not None and self.config.adaptive:
+                return averaging_pb2.JoinResponse(
+                    accepted=False, reason=f"{_STARTED}: this peer is in round {self._last_round.hex()[:8]}")
             return averaging_pb2.JoinResponse(accepted=False, reason="not the leader")
         loop = asyncio.get_running_loop()
         previous = self._joiners.pop(member.peer_id, None)
         if previous is not None and not previous.answer.done():
             previous.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason="joined again"))
-        joiner = _Joiner(member, loop.time() + max(0.0, request.timeout), loop.create_future())
+        joiner = _Joiner(member, loop.time() + max(0.0, request.timeout), loop.create_future(), loop.time())
         self._joiners[member.peer_id] = joiner
         self._arrived.set()
         try:
@@ -220,53 +302,150 @@ class Matchmaking:
             return self.peer.server is not None and isinstance(self.election, StaticElection)
         return self._leading
 
+    def _live(self, now: float) -> list[_Joiner]:
+        return [j for j in self._joiners.values() if not j.answer.done() and j.timeout_at > now + 0.05]
+
+    def _outstanding(self, me: MemberInfo, now: float, expected_at: dict[str, float], bound: float) -> dict[str, float]:
+        """Declared peers not in yet -> loop time until which this leader waits for them.
+
+        A peer is expected at its announced readiness or, if that passed, when this leader first
+        saw its declaration; it is waited for `bound` seconds past that.
+        """
+        wall = get_dht_time()
+        out: dict[str, float] = {}
+        for peer_id, declaration in self.election.declared(me).items():
+            if peer_id in self._down:
+                continue
+            if peer_id not in expected_at:
+                expected_at[peer_id] = max(now, now + declaration.ready_at - wall)
+            joiner = self._joiners.get(peer_id)
+            if joiner is not None and not joiner.answer.done():
+                continue
+            until = expected_at[peer_id] + bound
+            if until > now:
+                out[peer_id] = until
+        if self._expect_unnamed and 1 + len(self.election.declared(me)) < self._start_size:
+            # more peers are expected than declared (client-mode members of a static group are not
+            # listed; training progress names peers that have not declared yet): wait for them too
+            until = expected_at.setdefault("", now) + bound
+            if until > now:
+                out[""] = until
+        return out
+
     async def _lead(self, me: MemberInfo, start: float, deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
         cfg = self.config
         latest_start = start + cfg.matchmaking_share * (deadline - start)
+        led_at = loop.time()
         min_met_at: float | None = None
-        next_poll = loop.time() + cfg.poll_interval
+        next_poll = led_at + cfg.poll_interval
+        refreshed_at = led_at  # `election.leader` just looked at the declarations
+        expected_at: dict[str, float] = {}
+        bound = self.spread.bound(self._link.rtt() if self._link is not None else None)
+        outstanding: dict[str, float] = {}
+        why = ""
         while True:
             now = loop.time()
-            live = [j for j in self._joiners.values() if not j.answer.done() and j.timeout_at > now + 0.05]
-            size = 1 + len(live)
+            size = 1 + len(self._live(now))
+            if cfg.adaptive:
+                outstanding = self._outstanding(me, now, expected_at, bound)
             if size >= self._start_size:
+                why = "target size" if self._start_size == cfg.target_group_size else "expected size"
                 break
             if size >= cfg.min_group_size:
                 if min_met_at is None:
                     min_met_at = now
-                if now >= min_met_at + cfg.join_window or now >= latest_start:
+                if now >= latest_start:
+                    why = "matchmaking share of the timeout spent"
                     break
+                if not cfg.adaptive and now >= min_met_at + cfg.join_window:
+                    why = "join window"
+                    break
+                if cfg.adaptive and not outstanding and now >= min_met_at + cfg.join_window:
+                    if refreshed_at < min_met_at + cfg.join_window:  # a peer may have declared meanwhile
+                        await self.election.refresh(me)
+                        refreshed_at = loop.time()
+                        continue
+                    why = "every declared peer is in or past its wait bound"
+                    break
+            elif cfg.adaptive and self._missed is not None and not outstanding and now >= led_at + bound:
+                if refreshed_at < led_at + bound:  # look once more before giving up
+                    await self.election.refresh(me)
+                    refreshed_at = loop.time()
+                    continue
+                raise AveragingError(f"{self._missed}, and no other peer is coming for another group of it "
+                                     f"(waited {now - led_at:.2f} s, bound {bound:.2f} s)")
             if now >= deadline:
                 return None
             if now >= next_poll and (isinstance(self.election, DHTElection) or self._down):
                 next_poll = now + cfg.poll_interval
+                refreshed_at = now
                 if await self._should_step_down(me):
                     self._refuse_all("the leader changed")
                     return None
             wake = min(deadline, next_poll)
+            if outstanding:
+                wake = min(wake, *outstanding.values())
+            elif self._missed is not None and now < led_at + bound:
+                wake = min(wake, led_at + bound)
             if min_met_at is not None:
-                wake = min(wake, min_met_at + cfg.join_window, latest_start)
+                wake = min(wake, latest_start)
+                if now < min_met_at + cfg.join_window:
+                    wake = min(wake, min_met_at + cfg.join_window)
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), max(0.001, wake - now))
             except TimeoutError:
                 pass
         now = loop.time()
-        live = sorted((j for j in self._joiners.values() if not j.answer.done() and j.timeout_at > now + 0.05),
-                      key=lambda j: j.member.peer_id)
+        live = sorted(self._live(now), key=lambda j: j.member.peer_id)
         chosen, rest = live[: cfg.target_group_size - 1], live[cfg.target_group_size - 1:]
-        timeout = min([deadline - now] + [j.timeout_at - now for j in chosen]) - 0.05
+        cap = min([deadline - now] + [j.timeout_at - now for j in chosen]) - 0.05
+        timeout = self._round_timeout(cap, 1 + len(chosen)) if cfg.adaptive else cap
+        for j in chosen:
+            if j.member.peer_id in expected_at:
+                self.spread.observe(j.arrived - expected_at[j.member.peer_id])
         group = GroupInfo(
             round_id=os.urandom(16), prefix=self.prefix, members=(me, *(j.member for j in chosen)), numel=self.numel,
             timeout=max(0.01, timeout), compression=self.compression, chunk_bytes=self.chunk_bytes, schema=self.schema,
         )
+        self._report_start(group, why, now - led_at, bound, outstanding, cap)
         response = averaging_pb2.JoinResponse(accepted=True, group=group.to_proto())
         for j in chosen:
             j.answer.set_result(response)
+        full = f"{_STARTED}: round {group.round_id.hex()[:8]} is full"
         for j in rest:
-            j.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason="group full"))
+            j.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason=full if cfg.adaptive else "group full"))
         return group
+
+    def _round_timeout(self, cap: float, size: int) -> float:
+        """The round's timeout: a multiple of what rounds took (or of what the links' throughput
+        says the bytes take), within [min_round_timeout, cap]."""
+        estimate = None
+        if self._link is not None and size > 1:
+            # butterfly: each member sends and receives 2 (n-1)/n of the vector (raw float32 at most)
+            estimate = self._link.expected_time(None, int(2 * (size - 1) / size * self.numel * 4))
+        return self.timing.timeout(cap, estimate)
+
+    def _report_start(self, group: GroupInfo, why: str, waited: float, bound: float,
+                      outstanding: dict[str, float], cap: float) -> None:
+        expected = self.timing.expected()
+        self.last_start = {
+            "why": why, "size": len(group.members), "waited": waited, "wait_bound": bound,
+            "lags_seen": len(self.spread.lags), "left_waiting_for": sorted(outstanding),
+            "round_timeout": group.timeout, "timeout_cap": cap, "expected_round": expected,
+            "backoff": self.timing.backoff, "rtt": self._link.rtt() if self._link is not None else None,
+        }
+        MATCHMAKING_WAIT_BOUND.labels(self.prefix).set(bound)
+        MATCHMAKING_WAITED.labels(self.prefix).set(waited)
+        ROUND_TIMEOUT.labels(self.prefix).set(group.timeout)
+        MATCHMAKING_STARTS.labels(self.prefix, why).inc()
+        logger.debug(
+            "leading round %s of %s: started with %d member(s) after %.3f s (%s); wait bound %.3f s from %d lag(s); "
+            "round timeout %.2f s (expected round %s s x %.0f x backoff %.0f, cap %.2f s)",
+            group.round_id.hex()[:8], self.prefix, len(group.members), waited, why, bound, len(self.spread.lags),
+            group.timeout, f"{expected:.3f}" if expected is not None else "unknown", self.timing.multiple,
+            self.timing.backoff, cap)
 
     async def _should_step_down(self, me: MemberInfo) -> bool:
         """Whether someone else should lead now: a DHT leader that expires earlier appeared, or a
@@ -278,8 +457,11 @@ class Matchmaking:
             candidate = getattr(self.election, "candidates", {}).get(peer_id)
             if candidate is None or peer_id > me.peer_id:
                 continue
+            timeout = self.config.poll_interval
+            if self._link is not None:
+                timeout = self._link.deadline(peer_id, 0, multiple=4, floor=0.05, cap=timeout)
             try:
-                await self.peer.pool.get(candidate.addr).info(timeout=self.config.poll_interval)
+                await self.peer.pool.get(candidate.addr).info(timeout=timeout)
             except RPCError:
                 continue
             self._down.discard(peer_id)

@@ -171,7 +171,11 @@ class DHTProtocol:
         deadline = loop.time() + timeout
         attempts = {asyncio.ensure_future(self._send(node, method, request, response_type, timeout))}
         try:
-            done, _ = await asyncio.wait(attempts, timeout=min(max(5 * self.round_trip, 0.02), timeout / 2))
+            # the RFC 6298 timeout of this link as measured by the channel layer (issue #14)
+            resend_after = self.pool.estimates.retransmit_after(
+                node.peer_id, floor=0.02, cap=timeout / 2, default=5 * self.round_trip)
+            logger.debug("DHT %s to %s: resend after %.3f s", method.rsplit("/", 1)[-1], node.peer_id, resend_after)
+            done, _ = await asyncio.wait(attempts, timeout=resend_after)
             if not done:
                 self.calls_sent[method] += 1
                 logger.debug("DHT %s to %s unanswered for a while: sending it once more", method.rsplit("/", 1)[-1],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from swarm.net import bulk as bulk_channel
 from swarm.net.auth import TicketSigner, check_handshake
 from swarm.net.calls import MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
 from swarm.net.errors import from_grpc_error
+from swarm.net.estimates import LinkEstimates
 from swarm.net.tls import SERVER_NAME, trust_anchor
 from swarm.net.tls import probe as tls_probe
 from swarm.proto import peer_pb2
@@ -244,6 +246,7 @@ class PeerChannel:
             data = await calls.call(method, payload, timeout or self.pool.config.default_timeout)
             stats.received.value += len(data)  # metrics
             ok = True
+            self.pool.estimates.observe_call(self.peer_id, method, time.perf_counter() - started)  # issue #14
         finally:
             stats.finish(started, ok)  # metrics
         return self._decode(data, response_type)
@@ -263,6 +266,7 @@ class PeerChannel:
             data = await callable_(payload, timeout=timeout or self.pool.config.default_timeout, metadata=metadata)
             stats.received.value += len(data)  # metrics
             ok = True
+            self.pool.estimates.observe_call(self.peer_id, method, time.perf_counter() - started)  # issue #14
         except grpc.aio.AioRpcError as e:
             raise from_grpc_error(e, self.peer_id or str(self.addr), method) from None
         finally:
@@ -403,6 +407,7 @@ class ChannelPool:
         self.signer = TicketSigner(identity)
         self._channels: dict[str, PeerChannel] = {}
         self.metrics = RPCMetrics("client")  # metrics (issue #7)
+        self.estimates = LinkEstimates()  # measured RTT and throughput per peer (issue #14)
 
     def __len__(self) -> int:
         """Channels open to other peers (metrics, issue #7: known peers when there is no DHT)."""

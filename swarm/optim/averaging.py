@@ -60,6 +60,11 @@ class AveragerLike(Protocol):
         """Leaves: withdraws from matchmaking and stops serving (the optimizer calls it at shutdown)."""
         ...
 
+    async def aannounce(self, ready_in: float, group_key: str) -> bool:
+        """Tells the peers of round `group_key` that this peer will join it in about `ready_in`
+        seconds, so a leader waits for it; False when the strategy has no such notion."""
+        ...
+
 
 class SwarmAverager:
     """`AveragerLike` over `swarm.Averager`.
@@ -88,6 +93,13 @@ class SwarmAverager:
 
     def abandon_matchmaking(self, reason: str) -> bool:
         return self.averager.abandon_matchmaking(reason)
+
+    async def aannounce(self, ready_in: float, group_key: str) -> bool:
+        return await self.averager.aannounce(ready_in, group_key)
+
+    def round_trip(self) -> float | None:
+        """The smoothed round-trip time this peer measured to the others (None: nothing yet)."""
+        return self.averager.peer.pool.estimates.rtt()
 
     def _estimate_bytes_sent(self, group_size: int) -> int:
         # butterfly all-reduce: a member sends the (n-1)/n of the vector it does not reduce, and

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -136,6 +137,7 @@ class Optimizer:
         self._meter = ThroughputMeter()
         self._digest = state_digest(self.mode.shared_tensors)
         self._resync_not_before = 0.0
+        self._announced_epoch = -1  # the last epoch whose round this peer announced it will join
         self._closed = False
         addr = peer.addrs[0] if peer.addrs and not peer.client_mode else ""
         self.tracker = ProgressTracker(peer, run_id, config, addr=addr)
@@ -194,6 +196,7 @@ class Optimizer:
         self._report()
         progress = self.tracker.progress
         if not self.mode.wants_round(progress):
+            self._announce_round(progress)
             return StepOutcome(self.epoch)
         outcome = self._run_round(progress)
         swarm_epoch = self.tracker.progress.epoch
@@ -312,6 +315,29 @@ class Optimizer:
             if not round_task.done():
                 round_task.cancel()
 
+    def _announce_round(self, progress: SwarmProgress) -> None:
+        """Once the swarm's target batch is near, tells the round's leader when this peer will come.
+
+        "Near" is the horizon within which a leader would otherwise start without us: a few
+        progress reports, or many measured round trips, whichever is longer (the measurement
+        counts on slow links), and never beyond the averaging timeout. Runs in the background:
+        the training step does not wait for the DHT.
+        """
+        aannounce = getattr(self.averager, "aannounce", None)
+        if aannounce is None or self._announced_epoch == self.epoch or not math.isfinite(progress.eta):
+            return
+        rtt_of = getattr(self.averager, "round_trip", None)
+        rtt = rtt_of() if rtt_of is not None else None
+        horizon = min(self.config.averaging_timeout / 2,
+                      max(2 * self.config.report_period, 50 * (rtt or 0.0)))
+        if progress.eta > horizon:
+            return
+        self._announced_epoch = self.epoch
+        logger.debug("[%s] epoch %d: announcing this peer for the round in %.2f s (horizon %.2f s, rtt %s)",
+                     self.run_id, self.epoch, progress.eta, horizon, f"{rtt:.4f}" if rtt is not None else "unknown")
+        future = self.peer.loop.submit(aannounce(progress.eta, str(self.epoch)))
+        future.add_done_callback(_log_announce_failure)
+
     def _finish_round(self, outcome: RoundOutcome, summary: str) -> RoundOutcome:
         """Records the round and logs its outcome once."""
         if outcome.ok:
@@ -398,3 +424,8 @@ class Optimizer:
 
 
 __all__ = ["Optimizer"]
+
+
+def _log_announce_failure(future: Any) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.debug("announcing the next round failed: %s", future.exception())

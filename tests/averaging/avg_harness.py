@@ -14,19 +14,20 @@ import time
 from typing import Any
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+DHT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dht_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Worker:
     """One peer process; `events` receives its stdout JSON lines."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], script: str = WORKER) -> None:
         self.config = config
         self.index = config["index"]
         self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
         env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, WORKER, json.dumps(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, script, json.dumps(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.stderr, text=True, env=env,
         )
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()

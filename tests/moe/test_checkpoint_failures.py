@@ -16,7 +16,7 @@ import torch
 from procs import PeerProcess
 
 from swarm.moe import RemoteExpert
-from swarm.moe.checkpoints import checkpoint_path
+from swarm.moe.server.checkpoints import checkpoint_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 HID = 256  # a checkpoint of ~2 MB, ~6 MB once Adam has state

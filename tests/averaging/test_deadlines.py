@@ -1,0 +1,108 @@
+"""Round deadlines follow what rounds take, with real peers (in-process, real gRPC and bulk streams).
+
+A slow link is made with the reducer's fault hook (a delay on every chunk it receives). The
+round's timeout, written into the group by its leader, starts as a small multiple of the fast
+rounds; when the link slows down the rounds that no longer fit fail alike on every member and
+the timeout backs off until they fit; it never becomes the step's whole timeout. A stalled
+member then costs the survivors about that timeout, not the step's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from avg_harness import run_steps
+
+from swarm.averaging import (
+    Action,
+    AllReduceConfig,
+    Averager,
+    AveragerConfig,
+    FaultPlan,
+    FaultPoint,
+    MatchmakingConfig,
+)
+from swarm.peer import Peer
+
+STEP_TIMEOUT = 60.0
+
+
+@pytest.mark.timeout(240)
+def test_round_timeout_follows_a_slow_link_and_bounds_what_a_stalled_peer_costs():
+    peers = [Peer() for _ in range(3)]
+    try:
+        addrs = [p.addrs[0] for p in peers]
+        plans = [FaultPlan() for _ in peers]
+        config = AveragerConfig(allreduce=AllReduceConfig(chunk_bytes=16384),
+                                matchmaking=MatchmakingConfig(min_round_timeout=0.5))
+        avgs = [Averager(p, [torch.full((200_000,), float(i))], prefix="dl", target_group_size=3,
+                         initial_group=addrs, config=config, faults=plan)
+                for i, (p, plan) in enumerate(zip(peers, plans))]
+        leader = min(avgs, key=lambda a: a.peer.peer_id)
+        slow = next(i for i, a in enumerate(avgs) if a is not leader)
+
+        def round_(r: int) -> list:
+            for i, a in enumerate(avgs):
+                a.tensors[0].fill_(float(i))
+            return run_steps(avgs, timeout=STEP_TIMEOUT)
+
+        for r in range(3):
+            out = round_(r)
+            assert all(not isinstance(x, Exception) and len(x.contributors) == 3 for x in out), out
+        fast_timeout = leader.matchmaking.last_start["round_timeout"]
+        assert fast_timeout < 10.0, leader.matchmaking.last_start  # from measurement, not the step's 60 s
+
+        # the link into one reducer slows down: 20 ms per chunk it receives (~30 chunks a round)
+        plans[slow].add(FaultPoint.AFTER_CHUNKS_RECEIVED, Action.DELAY, times=100_000, seconds=0.02)
+        outcomes: list[bool] = []
+        for r in range(3, 12):
+            started = time.monotonic()
+            out = round_(r)
+            ok = [not isinstance(x, Exception) for x in out]
+            assert all(ok) or not any(ok), out  # every member applies a round, or none does
+            assert time.monotonic() - started < STEP_TIMEOUT / 2, out
+            # a round that had to leave senders out ("too late") did not fit its deadline either
+            outcomes.append(all(ok) and all(len(x.contributors) == 3 for x in out))
+            if outcomes[-2:] == [True, True]:
+                break
+        assert outcomes[-2:] == [True, True], outcomes  # the deadline caught up with the slower link
+        slow_figures = leader.matchmaking.last_start
+        slow_round = leader.matchmaking.timing.durations[-1]
+        assert slow_figures["round_timeout"] >= slow_round, slow_figures
+        assert slow_figures["round_timeout"] > fast_timeout and slow_figures["round_timeout"] < STEP_TIMEOUT / 2
+        assert all(torch.allclose(a.tensors[0], torch.full((200_000,), 1.0)) for a in avgs)
+
+        # a member that stalls (stops sending for 20 s) costs the others about the round's timeout
+        stalled = next(i for i, a in enumerate(avgs) if a is not leader and i != slow)
+        plans[stalled].add(FaultPoint.BEFORE_REDUCE_SCATTER, Action.DELAY, seconds=20.0,
+                           rounds={plans[stalled].round_index})
+        out: list = [None] * len(avgs)
+        finished: dict[int, float] = {}
+
+        def run(i: int) -> None:
+            try:
+                out[i] = avgs[i].step(timeout=STEP_TIMEOUT)
+            except Exception as e:  # noqa: BLE001 - inspected below
+                out[i] = e
+            finished[i] = time.monotonic()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(avgs))]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(STEP_TIMEOUT + 10)
+        survivors = [i for i in range(len(avgs)) if i != stalled]
+        cost = max(finished[i] for i in survivors) - started
+        # the round's timeout (a multiple of the measured round) bounds it, far below the 20 s stall
+        assert cost <= slow_figures["round_timeout"] * 1.5 + 2.0, (cost, slow_figures, out)
+        oks = [not isinstance(out[i], Exception) for i in survivors]
+        assert all(oks) or not any(oks), out
+        if all(oks):
+            assert stalled not in {avgs.index(a) for a in avgs if a.peer.peer_id in out[survivors[0]].contributors}
+    finally:
+        for p in peers:
+            p.shutdown()
