@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import simnet
 
 simnet.install_virtual_time()  # before swarm is imported: some of it binds time.time as a default
+simnet.share_parsing()
 
 
 class Simulation:
@@ -159,7 +160,10 @@ class Simulation:
         live_area = 0.0  # integral of live nodes over time
         last = start
         tasks: set[asyncio.Task[Any]] = set()
-        for at, kind in events:
+        for done, (at, kind) in enumerate(events):
+            if done % max(1, len(events) // 5) == 0:
+                print(f"  N={self.size}: churn {at / 60:.0f}/{args.minutes:g} virtual min, {len(self.live)} live, "
+                      f"{time.process_time():.0f} s CPU", file=sys.stderr, flush=True)
             delay = start + at - simnet.CLOCK.now
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -201,6 +205,7 @@ class Simulation:
         wall0 = time.perf_counter()
         memory, join_bytes = await self.build()
         build_s = time.perf_counter() - wall0
+        print(f"  N={self.size}: built in {build_s:.0f} s", file=sys.stderr, flush=True)
         keys = await self.store_keys()
         upkeep = await self.churn(keys)
         await self.shutdown()
@@ -257,11 +262,7 @@ def main() -> None:
     print(header, flush=True)
     results = []
     for i, size in enumerate(sizes):
-        loop = simnet.VirtualTimeLoop()
-        try:
-            r = loop.run_until_complete(Simulation(args, size, args.seed + 1000 * i).run())
-        finally:
-            loop.close()
+        r = simnet.run(Simulation(args, size, args.seed + 1000 * i).run())
         results.append(r)
         ok = round(r["success"] * r["lookups"])
         print(f"{r['n']:5d} {r['log2n']:5.1f} {ok:>4}/{r['lookups']:<4} {r['hops_mean']:5.2f} {r['hops_p95']:3.0f} "

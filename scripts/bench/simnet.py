@@ -24,6 +24,7 @@ The protocol code is swarm's own; only the transport and the clock are simulated
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import math
 import random
@@ -53,6 +54,25 @@ def install_virtual_time() -> None:
     """Makes `time.time()` and `time.monotonic()` read the simulation's clock (call before importing swarm)."""
     time.time = lambda: EPOCH + CLOCK.now  # type: ignore[assignment]
     time.monotonic = lambda: CLOCK.now  # type: ignore[assignment]
+
+
+def share_parsing() -> None:
+    """Memoizes `Multiaddr.parse` across the process (multiaddrs are immutable): every simulated
+    node parses the same few thousand addresses, which on N machines costs each of them once."""
+    from swarm.core.multiaddr import Multiaddr
+
+    original = Multiaddr.parse.__func__  # type: ignore[attr-defined]
+    memo: dict[str, Any] = {}
+
+    def parse(cls: type, text: str) -> Any:
+        found = memo.get(text) if isinstance(text, str) else None
+        if found is None:
+            found = original(cls, text)  # bad input raises, and is not remembered
+            if len(memo) < 1 << 20:
+                memo[text] = found
+        return found
+
+    Multiaddr.parse = classmethod(parse)  # type: ignore[method-assign, assignment]
 
 
 class _VirtualSelector(selectors.DefaultSelector):
@@ -118,12 +138,16 @@ class SimNetwork:
 
     Args:
         rng: Source of the links' round trips, jitter and losses.
-        loss: Probability that a message is lost.
+        loss: Probability that a unary message (request or answer) is lost.
+        retransmit: What a lost message costs. False: it is gone, and the caller waits out its
+            deadline (pessimistic, as for a datagram). True: TCP sends it again after a
+            retransmission timeout of max(0.2 s, 2 round trips), so it only arrives late.
     """
 
-    def __init__(self, rng: random.Random, loss: float = 0.0) -> None:
+    def __init__(self, rng: random.Random, loss: float = 0.0, retransmit: bool = False) -> None:
         self.rng = rng
         self.loss = loss
+        self.retransmit = retransmit
         self.servers: dict[str, SimServer] = {}
         self.gone: dict[str, str] = {}  # peer_id -> "left" or "crashed"
         self.rtt: dict[str, float] = {}  # peer_id -> access round trip
@@ -142,10 +166,19 @@ class SimNetwork:
         return base * self.rng.uniform(0.95, 1.05)
 
     def lost(self) -> bool:
-        if self.loss and self.rng.random() < self.loss:
+        """Whether the next message is lost for good (with `retransmit`, never: see `resent_after`)."""
+        if not self.retransmit and self.loss and self.rng.random() < self.loss:
             self.traffic.lost += 1
             return True
         return False
+
+    def resent_after(self, one_way: float) -> float:
+        """With `retransmit`, the extra delay of the next message: a retransmission timeout per loss."""
+        delay = 0.0
+        while self.retransmit and self.loss and self.rng.random() < self.loss:
+            self.traffic.lost += 1
+            delay += max(0.2, 4 * one_way)
+        return delay
 
     def crash(self, peer_id: str) -> None:
         """The node stops answering anything, at once and without a word."""
@@ -304,7 +337,7 @@ class SimChannel:
             await self._wait_out(deadline, method)
         if self.net.lost() or 2 * one_way >= deadline - CLOCK.now:
             await self._wait_out(deadline, method)
-        await asyncio.sleep(one_way)
+        await asyncio.sleep(one_way + self.net.resent_after(one_way))
         entry = server.unary_handlers.get(method)
         if entry is None:
             raise RemoteError(f"{self.peer_id} serves no {method}", peer_id=self.peer_id)
@@ -335,7 +368,7 @@ class SimChannel:
         self.net.traffic.add(len(data), method)
         if self.net.lost():
             await self._wait_out(deadline, method)
-        await asyncio.sleep(min(one_way, max(0.0, deadline - CLOCK.now)))
+        await asyncio.sleep(min(one_way + self.net.resent_after(one_way), max(0.0, deadline - CLOCK.now)))
         if CLOCK.now >= deadline:
             raise DeadlineExceeded(f"{self.peer_id} answered too late ({method})", peer_id=self.peer_id)
         if response_type is None:
@@ -369,7 +402,16 @@ class SimChannel:
         outbound: asyncio.Queue[Any] = asyncio.Queue()  # at the caller
         end = object()
 
-        def deliver(queue: asyncio.Queue[Any], item: Any, receiver: str) -> None:
+        in_flight: dict[int, collections.deque[Any]] = {id(inbound): collections.deque(),
+                                                        id(outbound): collections.deque()}
+
+        def send(queue: asyncio.Queue[Any], item: Any, receiver: str) -> None:
+            # timers due at the same moment fire in any order: each one delivers the oldest message
+            in_flight[id(queue)].append(item)
+            loop.call_later(one_way, deliver, queue, receiver)
+
+        def deliver(queue: asyncio.Queue[Any], receiver: str) -> None:
+            item = in_flight[id(queue)].popleft()
             if receiver == caller or receiver in net.servers:  # a crashed host receives nothing
                 queue.put_nowait(item)
 
@@ -379,14 +421,14 @@ class SimChannel:
                     async for message in requests:
                         data = _encode(message)
                         net.traffic.add(len(data), method)
-                        loop.call_later(one_way, deliver, inbound, data, callee)
+                        send(inbound, data, callee)
                 else:
                     for message in requests:
                         data = _encode(message)
                         net.traffic.add(len(data), method)
-                        loop.call_later(one_way, deliver, inbound, data, callee)
+                        send(inbound, data, callee)
             finally:
-                loop.call_later(one_way, deliver, inbound, end, callee)
+                send(inbound, end, callee)
 
         async def received() -> AsyncIterator[bytes]:
             while True:
@@ -400,16 +442,16 @@ class SimChannel:
                 async for response in handler(received(), CallContext(caller, None, deadline)):
                     data = _encode(response)
                     net.traffic.add(len(data), method)
-                    loop.call_later(one_way, deliver, outbound, data, caller)
+                    send(outbound, data, caller)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - travels back as the stream's status
                 code = to_status(e)
                 error = (RemoteError(f"internal error in {method}: {e}", peer_id=callee) if code is None
                          else from_status(code, str(e), callee, method))
-                loop.call_later(one_way, deliver, outbound, error, caller)
+                send(outbound, error, caller)
                 return
-            loop.call_later(one_way, deliver, outbound, end, caller)
+            send(outbound, end, caller)
 
         pump_task = loop.create_task(pump())
         serve_task = server.spawn(serve())
@@ -502,6 +544,23 @@ class SimPeer:
         if self.dht is not None:
             await self.dht.ashutdown()
         self.net.left(self.peer_id)
+
+
+def run(coro: Any) -> Any:
+    """Runs `coro` on a fresh `VirtualTimeLoop`, then cancels whatever it left running, and closes the loop."""
+    loop = VirtualTimeLoop()
+    try:
+        result = loop.run_until_complete(coro)
+        for _ in range(3):  # cancelling a task may start others (cleanups): a few passes
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.wait(pending, timeout=60))
+        return result
+    finally:
+        loop.close()
 
 
 def rss_bytes() -> int:
