@@ -235,7 +235,8 @@ class Matchmaking:
         loop = asyncio.get_running_loop()
         cfg = self.config
         latest_start = start + cfg.matchmaking_share * (deadline - start)
-        min_met_at: float | None = None
+        min_met_at: float | None = None  # when the group last grew while at least min_group_size
+        last_size = 0
         next_poll = loop.time() + cfg.poll_interval
         while True:
             now = loop.time()
@@ -244,8 +245,11 @@ class Matchmaking:
             if size >= self._start_size:
                 break
             if size >= cfg.min_group_size:
-                if min_met_at is None:
+                if min_met_at is None or size > last_size:
+                    # the window restarts with every arrival: followers reach the leader spread
+                    # over a few round trips, so one window from the first is too short (issue #20)
                     min_met_at = now
+                last_size = size
                 if now >= min_met_at + cfg.join_window or now >= latest_start:
                     break
             if now >= deadline:
