@@ -1,143 +1,284 @@
 #!/usr/bin/env python
-"""DHT simulation (issue #3): up to 200 nodes in one process, over the real protocol code.
+"""DHT simulation (issues #3, #20): up to thousands of nodes under churn, over swarm's own DHT code.
 
-Every node is a real `swarm.Peer` with its own gRPC server on port 0; all of them share one
-event-loop thread. Links misbehave through the DHT's fault hook (`swarm.dht.FaultPlan`): every
-request is delayed by `--delay` + up to `--jitter` seconds and lost with probability `--loss`
-(the caller then waits out its timeout, as it would for a lost packet). Nodes keep no cache, so
-every get is a real lookup.
+Every node is a real `swarm.dht.DHT` (the node, its routing table, storage, lookups, refresh,
+republish, hand-off and goodbyes run unchanged); only the links and the clock are simulated
+(`simnet.py`): virtual time, so that 30 minutes of churn cost only the CPU the messages need; an
+access round trip per node from a log-normal distribution clipped to 10-300 ms (median 60 ms), a
+link's round trip being the mean of its ends'; every message lost with probability `--loss`.
+Nodes keep no cache, so every get is a real lookup.
 
-The network grows to each size in `--sizes` (joins run on clean links); at each size the script
-stores keys and looks them up from nodes that hold no copy, and reports, one line per size: the
-success rate, the lookup's sequential steps (hops: mean, p95, max), requests per lookup, and
-latency, next to log2(N), so that the O(log N) growth can be read off. Node lookups (§2.3
-FIND_NODE for random IDs) are reported the same way.
+For each size in `--sizes` the script builds a network of N nodes (joining in waves), stores
+`--keys` records from random writers, then runs `--minutes` of churn: `--churn` of the N nodes
+leave at random times (half say goodbye, half crash silently) and as many new nodes join, while
+`--lookups` gets from random live nodes, spread over the run, look up random stored keys. It
+prints one table line per size: lookup success; hops (sequential request steps until a node
+returned the value) against log2(N); requests per lookup; virtual latency p50/p95; upkeep traffic
+(everything but the measured gets and the joiners' own join: refreshes, pings, republishes,
+hand-offs, goodbyes) in messages and payload bytes per live node per minute; memory per node (the
+process's RSS growth while the network was built, divided by N); and the wall time it took.
 
-Usage: .venv/bin/python scripts/bench/sim_dht.py [--sizes 25,50,100,200] [--lookups 200]
-       [--loss 0.05] [--delay 0.002] [--jitter 0.003] [--bucket-size 20] [--seed 0]
+Usage: .venv/bin/python scripts/bench/sim_dht.py [--sizes 100,250,500,1000] [--minutes 30]
+       [--churn 0.3] [--lookups 1000] [--keys 200] [--loss 0.02] [--seed 0] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
+import json
 import math
 import os
 import random
-import resource
 import statistics
 import sys
 import time
-from collections import Counter
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import simnet
+
+simnet.install_virtual_time()  # before swarm is imported: some of it binds time.time as a default
+simnet.share_parsing()
 
 
-def raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+class Simulation:
+    def __init__(self, args: argparse.Namespace, size: int, seed: int) -> None:
+        from swarm.dht import DHTConfig
 
+        self.args = args
+        self.size = size
+        self.rng = random.Random(seed)
+        random.seed(seed)  # the DHT's own jitter (refresh and republish phases)
+        self.net = simnet.SimNetwork(random.Random(seed + 1), loss=args.loss)
+        self.config = DHTConfig(
+            bucket_size=args.bucket_size, request_timeout=args.request_timeout, lookup_timeout=args.lookup_timeout,
+            cache_size=0,
+        )
+        self.live: dict[str, simnet.SimPeer] = {}
+        self.lookups: list[dict[str, Any]] = []
+        self._record_hops: dict[str, list[tuple[int, int]]] = {}
+        self.failed_joins = 0
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+    async def add_node(self) -> simnet.SimPeer | None:
+        from swarm.core.identity import Identity
+
+        peer = simnet.SimPeer(self.net, Identity.from_seed(self.rng.randbytes(32)))
+        live = list(self.live.values())
+        # a bootstrap list of a few live nodes (any of them answering is enough)
+        initial = [n.addrs[0] for n in self.rng.sample(live, min(3, len(live)))]
+        try:
+            await peer.start_dht(self.config, initial)
+        except Exception as e:  # noqa: BLE001 - a join that failed is counted, not fatal
+            self.failed_joins += 1
+            print(f"  join failed: {e}", file=sys.stderr)
+            return None
+        self._watch(peer)
+        self.live[peer.peer_id] = peer
+        return peer
+
+    def _watch(self, node: simnet.SimPeer) -> None:
+        """Routes the hops of the node's measured lookups (TAG "get") to the simulation."""
+        stats = node.dht.node.stats
+        original = stats.record
+        hops = self._record_hops
+
+        def record(h: int, requests: int, found: bool = False, timed_out: bool = False) -> None:
+            original(h, requests, found=found, timed_out=timed_out)
+            if simnet.TAG.get() == "get":
+                hops.setdefault(node.peer_id, []).append((h, requests))
+
+        stats.record = record
+
+    async def remove_node(self, node: simnet.SimPeer, goodbye: bool) -> None:
+        del self.live[node.peer_id]
+        await (node.leave() if goodbye else node.crash())
+
+    async def build(self) -> tuple[float, float]:
+        """Returns the memory per node and the bytes sent per node while the network was built."""
+        gc.collect()
+        rss0 = simnet.rss_bytes()
+        sent0 = self.net.traffic.bytes["upkeep"]
+        await self.add_node()
+        wave = self.args.join_wave
+        while len(self.live) < self.size:
+            await asyncio.gather(*(self.add_node() for _ in range(min(wave, self.size - len(self.live)))))
+        await asyncio.sleep(60)  # the joiners' far-bucket refreshes finish
+        gc.collect()
+        return (simnet.rss_bytes() - rss0) / self.size, (self.net.traffic.bytes["upkeep"] - sent0) / self.size
+
+    async def store_keys(self) -> list[str]:
+        from swarm.core.timeutil import get_dht_time
+
+        keys = [f"sim-key-{i}" for i in range(self.args.keys)]
+        writers = self.rng.sample(list(self.live.values()), min(10, len(self.live)))
+        expiration = get_dht_time() + 3 * 3600
+        token = simnet.TAG.set("store")
+        try:
+            results = await asyncio.gather(*(
+                w.dht.astore_many(keys[i::len(writers)], [f"value-{k}" for k in keys[i::len(writers)]], expiration)
+                for i, w in enumerate(writers)
+            ))
+            for w in writers:
+                await w.dht.node.wait_for_stores(30)
+        finally:
+            simnet.TAG.reset(token)
+        stored = sum(sum(r) for r in results)
+        if stored < len(keys):
+            print(f"  only {stored}/{len(keys)} keys stored", file=sys.stderr)
+        return keys
+
+    async def one_lookup(self, keys: list[str]) -> None:
+        reader = self.rng.choice(list(self.live.values()))
+        key = self.rng.choice(keys)
+        token = simnet.TAG.set("get")
+        start = simnet.CLOCK.now
+        try:
+            found = await reader.dht.aget(key)
+        finally:
+            simnet.TAG.reset(token)
+        hops = self._record_hops.pop(reader.peer_id, [])
+        self.lookups.append({
+            "ok": found is not None and found.value == f"value-{key}",
+            "latency": simnet.CLOCK.now - start,
+            "hops": hops[-1][0] if hops else None,
+            "requests": sum(r for _, r in hops),
+        })
+
+    async def churn(self, keys: list[str]) -> dict[str, float]:
+        args = self.args
+        duration = args.minutes * 60
+        changes = round(args.churn * self.size)
+        events: list[tuple[float, str]] = []
+        events += [(self.rng.uniform(0, duration), "goodbye" if i % 2 == 0 else "crash") for i in range(changes)]
+        events += [(self.rng.uniform(0, duration), "join") for _ in range(changes)]
+        events += [(self.rng.uniform(0, duration), "get") for _ in range(args.lookups)]
+        events.sort()
+        start = simnet.CLOCK.now
+        before = dict(self.net.traffic.bytes), dict(self.net.traffic.messages)
+        live_area = 0.0  # integral of live nodes over time
+        last = start
+        tasks: set[asyncio.Task[Any]] = set()
+        for done, (at, kind) in enumerate(events):
+            if done % max(1, len(events) // 5) == 0:
+                print(f"  N={self.size}: churn {at / 60:.0f}/{args.minutes:g} virtual min, {len(self.live)} live, "
+                      f"{time.process_time():.0f} s CPU", file=sys.stderr, flush=True)
+            delay = start + at - simnet.CLOCK.now
+            if delay > 0:
+                await asyncio.sleep(delay)
+            live_area += len(self.live) * (simnet.CLOCK.now - last)
+            last = simnet.CLOCK.now
+            if kind == "get":
+                coro: Any = self.one_lookup(keys)
+            elif kind == "join":
+                coro = self.add_node()
+            else:
+                victim = self.rng.choice(list(self.live.values()))
+                coro = self.remove_node(victim, goodbye=kind == "goodbye")
+            task = asyncio.ensure_future(coro)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+        end = start + duration
+        if simnet.CLOCK.now < end:
+            await asyncio.sleep(end - simnet.CLOCK.now)
+        live_area += len(self.live) * (simnet.CLOCK.now - last)
+        minutes = (simnet.CLOCK.now - start) / 60
+        node_minutes = live_area / 60
+        traffic = self.net.traffic
+        upkeep_bytes = traffic.bytes["upkeep"] - before[0].get("upkeep", 0)
+        upkeep_messages = traffic.messages["upkeep"] - before[1].get("upkeep", 0)
+        return {
+            "minutes": minutes,
+            "upkeep_bytes_per_node_min": upkeep_bytes / node_minutes,
+            "upkeep_msgs_per_node_min": upkeep_messages / node_minutes,
+        }
+
+    async def shutdown(self) -> None:
+        for node in list(self.live.values()):
+            await node.crash()
+        self.live.clear()
+
+    async def run(self) -> dict[str, Any]:
+        wall0 = time.perf_counter()
+        memory, join_bytes = await self.build()
+        build_s = time.perf_counter() - wall0
+        print(f"  N={self.size}: built in {build_s:.0f} s", file=sys.stderr, flush=True)
+        keys = await self.store_keys()
+        upkeep = await self.churn(keys)
+        await self.shutdown()
+        ok = [lookup for lookup in self.lookups if lookup["ok"]]
+        hops = [lookup["hops"] for lookup in ok if lookup["hops"] is not None]
+        latencies = [lookup["latency"] for lookup in ok]
+        return {
+            "n": self.size,
+            "log2n": math.log2(self.size),
+            "lookups": len(self.lookups),
+            "success": len(ok) / max(1, len(self.lookups)),
+            "hops_mean": statistics.mean(hops) if hops else float("nan"),
+            "hops_p95": simnet.percentile(hops, 0.95),
+            "hops_max": max(hops, default=0),
+            "requests": statistics.mean(lookup["requests"] for lookup in self.lookups) if self.lookups else 0,
+            "latency_p50_ms": simnet.percentile(latencies, 0.5) * 1e3,
+            "latency_p95_ms": simnet.percentile(latencies, 0.95) * 1e3,
+            "memory_per_node_kib": memory / 1024,
+            "join_kib_per_node": join_bytes / 1024,
+            "failed_joins": self.failed_joins,
+            "lost_messages": self.net.traffic.lost,
+            "build_wall_s": build_s,
+            "wall_s": time.perf_counter() - wall0,
+            **upkeep,
+        }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="25,50,100,200")
-    parser.add_argument("--lookups", type=int, default=200, help="gets (and node lookups) measured per size")
-    parser.add_argument("--keys", type=int, default=50, help="keys stored per size")
-    parser.add_argument("--loss", type=float, default=0.05)
-    parser.add_argument("--delay", type=float, default=0.002)
-    parser.add_argument("--jitter", type=float, default=0.003)
+    parser.add_argument("--sizes", default="100,250,500,1000")
+    parser.add_argument("--minutes", type=float, default=30.0, help="virtual minutes of churn per size")
+    parser.add_argument("--churn", type=float, default=0.3, help="fraction of N that leaves (and joins) over the run")
+    parser.add_argument("--lookups", type=int, default=1000, help="gets measured per size, spread over the run")
+    parser.add_argument("--keys", type=int, default=200, help="records stored before the churn")
+    parser.add_argument("--loss", type=float, default=0.02, help="probability that a message is lost")
     parser.add_argument("--bucket-size", type=int, default=20)
-    parser.add_argument("--request-timeout", type=float, default=1.0)
+    parser.add_argument("--request-timeout", type=float, default=3.0)
+    parser.add_argument("--lookup-timeout", type=float, default=10.0)
+    parser.add_argument("--join-wave", type=int, default=25, help="nodes joining at once while the network is built")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
-    raise_fd_limit()
 
-    from swarm.core.identity import Identity
-    from swarm.core.timeutil import get_dht_time
-    from swarm.dht import DHTConfig, FaultPlan, LinkFault
-    from swarm.dht.ids import DHTID
-    from swarm.dht.keys import key_to_bytes, serialize_key
-    from swarm.peer import Peer
+    import logging
 
-    rng = random.Random(args.seed)
-    plan = FaultPlan(seed=args.seed)
-    lossy = LinkFault(delay=args.delay, jitter=args.jitter, loss=args.loss)
-    config = DHTConfig(
-        bucket_size=args.bucket_size, request_timeout=args.request_timeout, lookup_timeout=10.0,
-        cache_size=0, refresh_interval=3600, republish_interval=3600, fault_plan=plan,
-    )
-    peers: list[Peer] = []
-
-    def add_peer() -> None:
-        identity = Identity.from_seed(rng.randbytes(32))
-        initial = [rng.choice(peers).addrs[0]] if peers else []
-        loop = peers[0].loop if peers else None
-        peers.append(Peer(initial_peers=initial, identity=identity, dht_config=config, loop=loop))
-
-    print(f"links: delay {args.delay * 1e3:.1f} ms + up to {args.jitter * 1e3:.1f} ms, loss {args.loss:.0%}, "
-          f"request timeout {args.request_timeout} s; k = {args.bucket_size}, alpha = {config.alpha}, "
-          f"replicas = {config.num_replicas}; no caches", flush=True)
-    try:
-        for size in sizes:
-            t0 = time.perf_counter()
-            while len(peers) < size:
-                add_peer()
-            join_s = time.perf_counter() - t0
-            plan.default = lossy
-            lost_before = plan.stats.lost
-            now = get_dht_time()
-            keys = [f"sim-{size}-{i}" for i in range(args.keys)]
-            writer = rng.choice(peers)
-            stored = writer.dht.store_many(keys, list(range(len(keys))), now + 3600)
-
-            hops: list[int] = []
-            requests: list[int] = []
-            latencies: list[float] = []
-            successes = 0
-            for _ in range(args.lookups):
-                key = rng.choice(keys)
-                raw = serialize_key(key)
-                reader = rng.choice([p for p in peers if p.dht.node.storage.get(key_to_bytes(key)) is None])
-                node = reader.dht.node
-                before_hops, before_requests = Counter(node.stats.hops), node.stats.requests
-                t1 = time.perf_counter()
-                found = reader.run(node.get_many([raw]))
-                latencies.append(time.perf_counter() - t1)
-                successes += found.get(raw) is not None
-                delta = node.stats.hops - before_hops
-                hops.extend(delta.elements())
-                requests.append(node.stats.requests - before_requests)
-
-            node_hops: list[int] = []
-            node_requests: list[int] = []
-            for _ in range(args.lookups // 4):
-                reader = rng.choice(peers)
-                node = reader.dht.node
-                before_hops, before_requests = Counter(node.stats.hops), node.stats.requests
-                reader.run(node.find_nearest_nodes([DHTID.generate(rng=rng)]))
-                node_hops.extend((node.stats.hops - before_hops).elements())
-                node_requests.append(node.stats.requests - before_requests)
-            plan.default = LinkFault()
-
-            log_n = math.log2(size)
-            print(
-                f"N={size:4d} log2(N)={log_n:4.1f}: get success {successes}/{args.lookups} "
-                f"({successes / args.lookups:.1%}), hops mean {statistics.mean(hops):.2f} "
-                f"p95 {percentile(hops, .95):.0f} max {max(hops)}, requests/lookup {statistics.mean(requests):.1f}, "
-                f"latency p50 {percentile(latencies, .5) * 1e3:.1f} ms p95 {percentile(latencies, .95) * 1e3:.1f} ms; "
-                f"node lookup hops mean {statistics.mean(node_hops):.2f} max {max(node_hops)}, "
-                f"requests {statistics.mean(node_requests):.1f}; "
-                f"stored {sum(stored)}/{len(keys)}; requests lost {plan.stats.lost - lost_before}; "
-                f"joins {join_s:.1f} s",
-                flush=True,
-            )
-    finally:
-        for peer in reversed(peers):
-            peer.shutdown()
+    logging.basicConfig(level=logging.WARNING)
+    print(f"links: access RTT log-normal, median 60 ms, clipped to 10-300 ms; loss {args.loss:.0%} per message; "
+          f"request timeout {args.request_timeout} s; k = {args.bucket_size}; no caches; "
+          f"{args.minutes:g} virtual minutes of churn: {args.churn:.0%} of N leave (half goodbye, half crash) "
+          f"and as many join; {args.lookups} gets of {args.keys} keys", flush=True)
+    header = (f"{'N':>5} {'log2N':>5} {'success':>9} {'hops':>5} {'p95':>3} {'max':>3} {'req/get':>7} "
+              f"{'p50 ms':>7} {'p95 ms':>7} {'upkeep B/node/min':>17} {'msgs/node/min':>13} {'join KiB':>8} {'KiB/node':>8} {'wall s':>6}")
+    print(header, flush=True)
+    results = []
+    for i, size in enumerate(sizes):
+        r = simnet.run(Simulation(args, size, args.seed + 1000 * i).run())
+        results.append(r)
+        ok = round(r["success"] * r["lookups"])
+        print(f"{r['n']:5d} {r['log2n']:5.1f} {ok:>4}/{r['lookups']:<4} {r['hops_mean']:5.2f} {r['hops_p95']:3.0f} "
+              f"{r['hops_max']:3d} {r['requests']:7.1f} {r['latency_p50_ms']:7.0f} {r['latency_p95_ms']:7.0f} "
+              f"{r['upkeep_bytes_per_node_min']:17.0f} {r['upkeep_msgs_per_node_min']:13.1f} "
+              f"{r['join_kib_per_node']:8.1f} {r['memory_per_node_kib']:8.0f} {r['wall_s']:6.0f}", flush=True)
+    if len(results) > 1:
+        a, b = results[0], results[-1]
+        print(f"from N={a['n']} to N={b['n']} (x{b['n'] / a['n']:.0f}, log2N x{b['log2n'] / a['log2n']:.2f}): "
+              f"hops x{b['hops_mean'] / a['hops_mean']:.2f}, upkeep bytes/node/min "
+              f"x{b['upkeep_bytes_per_node_min'] / a['upkeep_bytes_per_node_min']:.2f}, "
+              f"latency p50 x{b['latency_p50_ms'] / a['latency_p50_ms']:.2f}, memory/node "
+              f"x{b['memory_per_node_kib'] / max(a['memory_per_node_kib'], 1e-9):.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -337,7 +337,8 @@ class Matchmaking:
         cfg = self.config
         latest_start = start + cfg.matchmaking_share * (deadline - start)
         led_at = loop.time()
-        min_met_at: float | None = None
+        min_met_at: float | None = None  # when the group last grew while at least min_group_size
+        last_size = 0
         next_poll = led_at + cfg.poll_interval
         refreshed_at = led_at  # `election.leader` just looked at the declarations
         expected_at: dict[str, float] = {}
@@ -353,8 +354,11 @@ class Matchmaking:
                 why = "target size" if self._start_size == cfg.target_group_size else "expected size"
                 break
             if size >= cfg.min_group_size:
-                if min_met_at is None:
+                if min_met_at is None or size > last_size:
+                    # the window restarts with every arrival: followers reach the leader spread
+                    # over a few round trips, so one window from the first is too short (issue #20)
                     min_met_at = now
+                last_size = size
                 if now >= latest_start:
                     why = "matchmaking share of the timeout spent"
                     break

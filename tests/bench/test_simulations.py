@@ -1,0 +1,136 @@
+"""The simulations of scripts/bench (issue #20), short: the simulated links themselves, then a small
+DHT under churn and a small Moshpit run, each in a subprocess (the scripts put `time.time` on a
+virtual clock for their whole process) with fixed seeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm.core.errors import DeadlineExceeded
+from swarm.core.identity import Identity
+from swarm.proto import dht_pb2
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+sys.path.insert(0, str(BENCH))
+import simnet  # scripts/bench is no package
+
+PING = "/swarm.DHT/Ping"
+
+
+def _network(loss: float = 0.0) -> tuple[simnet.SimNetwork, simnet.SimPeer, simnet.SimPeer]:
+    net = simnet.SimNetwork(random.Random(0), loss=loss)
+    a = simnet.SimPeer(net, Identity.from_seed(b"a" * 32))
+    b = simnet.SimPeer(net, Identity.from_seed(b"b" * 32))
+    b.server.start_serving()
+    return net, a, b
+
+
+def test_virtual_clock_jumps_to_the_next_timer() -> None:
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await asyncio.sleep(3600)
+        return loop.time() - start
+
+    assert simnet.run(main()) == pytest.approx(3600)
+
+
+def test_a_unary_call_takes_one_round_trip_and_reaches_the_handler() -> None:
+    net, a, b = _network()
+    seen = []
+
+    async def ping(request: dht_pb2.DHTPingRequest, ctx: object) -> dht_pb2.DHTPingResponse:
+        seen.append(ctx.peer_id)
+        return dht_pb2.DHTPingResponse(dht_time=1.5)
+
+    b.server.add_unary(PING, ping, dht_pb2.DHTPingRequest)
+
+    async def main() -> tuple[float, float]:
+        start = asyncio.get_running_loop().time()
+        response = await a.pool.get(b.addrs[0]).unary(PING, dht_pb2.DHTPingRequest(), dht_pb2.DHTPingResponse, 3.0)
+        return response.dht_time, asyncio.get_running_loop().time() - start
+
+    value, took = simnet.run(main())
+    assert value == 1.5 and seen == [a.peer_id]
+    rtt = (net.rtt[a.peer_id] + net.rtt[b.peer_id]) / 2
+    assert 0.9 * rtt <= took <= 1.1 * rtt
+    assert net.traffic.messages["upkeep"] == 2
+
+
+def test_lost_messages_and_crashed_callees_cost_the_whole_timeout() -> None:
+    net, a, b = _network(loss=1.0)
+
+    async def ping(request: dht_pb2.DHTPingRequest, ctx: object) -> dht_pb2.DHTPingResponse:
+        return dht_pb2.DHTPingResponse()
+
+    b.server.add_unary(PING, ping, dht_pb2.DHTPingRequest)
+
+    async def call() -> float:
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(DeadlineExceeded):
+            await a.pool.get(b.addrs[0]).unary(PING, dht_pb2.DHTPingRequest(), dht_pb2.DHTPingResponse, 2.0)
+        return asyncio.get_running_loop().time() - start
+
+    assert simnet.run(call()) == pytest.approx(2.0)
+    net.loss = 0.0
+    net.crash(b.peer_id)
+    assert simnet.run(call()) == pytest.approx(2.0)
+
+
+def test_a_stream_delivers_every_message_in_order_both_ways() -> None:
+    _, a, b = _network()
+
+    async def echo(requests, ctx):
+        async for message in requests:
+            yield message + b"!"
+
+    b.server.add_stream("/test/Echo", echo)
+
+    async def main() -> list[bytes]:
+        messages = [str(i).encode() for i in range(200)]
+        return [m async for m in a.pool.get(b.addrs[0]).stream("/test/Echo", messages, timeout=10.0)]
+
+    assert simnet.run(main()) == [str(i).encode() + b"!" for i in range(200)]
+
+
+def _run_script(name: str, *args: str, timeout: float) -> dict:
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}-{os.getpid()}.json"
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    try:
+        done = subprocess.run([sys.executable, str(BENCH / name), *args, "--json", str(out)], env=env,
+                              check=False, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def test_a_small_dht_under_churn_finds_every_key_in_few_hops() -> None:
+    """80 nodes, 3 virtual minutes in which 30% leave (half crash) and as many join, 2% loss."""
+    [result] = _run_script("sim_dht.py", "--sizes", "80", "--minutes", "3", "--lookups", "150", "--keys", "30",
+                           timeout=100)
+    assert result["lookups"] == 150
+    assert result["success"] == 1.0
+    assert result["hops_mean"] <= math.log2(80) / 2
+    assert result["upkeep_bytes_per_node_min"] > 0 and result["failed_joins"] == 0
+
+
+def test_a_small_moshpit_run_converges_despite_a_crash() -> None:
+    """16 peers on a 4 x 4 grid: two rounds give every peer the exact mean; a peer that crashes in
+    the third round leaves the survivors at their own mean."""
+    result = _run_script("sim_averaging.py", "--peers", "16", "--group", "4", "--rounds", "4", "--die", "0.0625",
+                         "--die-round", "2", "--numel", "256", timeout=100)
+    rounds = {row["round"]: row for row in result["moshpit"]}
+    assert rounds["start"]["err_max"] > 0.1
+    assert rounds[1]["err_max"] < 1e-5  # 2 rounds on a full 4 x 4 grid: exact
+    assert rounds[3]["live"] == 15 and rounds[3]["err_max"] < 1e-5
