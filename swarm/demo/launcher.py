@@ -26,7 +26,7 @@ from typing import IO
 from swarm.demo.display import Board
 from swarm.demo.events import Evaluation, Notice, Progress, TextSample, from_json, megabytes, printable
 from swarm.demo.model import ModelConfig
-from swarm.demo.plot import BLACK, PALETTE, Series, plot
+from swarm.demo.plot import BLACK, PALETTE, PlotUnavailable, Series, plot
 
 
 @dataclass(frozen=True)
@@ -277,8 +277,13 @@ class Launcher:
             series.append(Series("held-out", self.evals, BLACK, dots=True))
         if not series:
             return None
+        try:
+            png = plot(series, "time (s)", "loss (nats per byte)")
+        except PlotUnavailable as e:
+            self.board.notice(f"no loss plot: {e}")
+            return None
         path = self.out_dir / "loss.png"
-        path.write_bytes(plot(series, "time (s)", "loss (nats per byte)"))
+        path.write_bytes(png)
         return path
 
 
