@@ -2,7 +2,8 @@
 
 `swarm.net.server.RPCServer` owns one `RPCMetrics("server")` and `swarm.net.channels.ChannelPool`
 one `RPCMetrics("client")`, so several peers in one process keep separate counts. Both bind a
-`MethodMetrics` per method once and then only increment attributes on the hot path.
+`MethodMetrics` per method once; on the hot path a call costs prometheus_client's `inc`/`observe`
+on children bound in advance (BENCHMARKS.md, "Metrics on the RPC hot path").
 
 Bytes are gRPC message payloads (what swarm serializes), not TCP bytes: HTTP/2 framing, headers
 and TLS are not counted.
@@ -12,13 +13,43 @@ from __future__ import annotations
 
 import time
 
+from prometheus_client import Counter
+
 from swarm.metrics.registry import Registry
 
-__all__ = ["MethodMetrics", "RPCMetrics"]
+__all__ = ["ByteCount", "MethodMetrics", "RPCMetrics"]
+
+CounterChild = Counter  # `Counter.labels(...)` returns a Counter (prometheus_client's children are its class)
+
+
+class ByteCount:
+    """A byte counter bound to one method: ``count.inc(n)``, or ``count.value += n`` as swarm.net does.
+
+    `value` is what this object has counted; assigning a larger value adds the difference to the
+    prometheus_client counter behind it (a counter never goes down: a smaller value is refused).
+    """
+
+    __slots__ = ("_child", "_value")
+
+    def __init__(self, child: CounterChild) -> None:
+        self._child = child
+        self._value = 0.0
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+    @value.setter
+    def value(self, total: float) -> None:
+        self.inc(total - self._value)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._child.inc(amount)  # refuses a negative amount with a ValueError
+        self._value += amount
 
 
 class MethodMetrics:
-    """Bound counters of one method: `calls` and `failures` (by outcome), `latency`, bytes each way."""
+    """Bound metrics of one method: `ok` and `failed` calls, `latency`, bytes `received` and `sent`."""
 
     __slots__ = ("_in_flight", "failed", "latency", "ok", "received", "sent")
 
@@ -26,20 +57,20 @@ class MethodMetrics:
         self.ok = owner.calls.labels(method, "ok")
         self.failed = owner.calls.labels(method, "error")
         self.latency = owner.latency.labels(method)
-        self.received = owner.received_bytes.labels(method)
-        self.sent = owner.sent_bytes.labels(method)
-        self._in_flight = owner.in_flight.labels()
+        self.received = ByteCount(owner.received_bytes.labels(method))
+        self.sent = ByteCount(owner.sent_bytes.labels(method))
+        self._in_flight = owner.in_flight
 
     def start(self) -> float:
         """Marks a call as begun; returns its start time for `finish`."""
-        self._in_flight.value += 1
+        self._in_flight.inc()
         return time.perf_counter()
 
     def finish(self, started: float, ok: bool) -> None:
         """Records a call's outcome and latency (seconds since `started`)."""
-        self._in_flight.value -= 1
+        self._in_flight.dec()
         self.latency.observe(time.perf_counter() - started)
-        (self.ok if ok else self.failed).value += 1
+        (self.ok if ok else self.failed).inc()
 
 
 class RPCMetrics:
