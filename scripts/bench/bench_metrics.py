@@ -4,7 +4,9 @@
 Both run in the same invocation, alternating, so machine load hits them alike:
 
   * per call: the metrics work of one RPC (bound `MethodMetrics`: `start`, payload bytes in and
-    out, `finish`), timed in a loop, in a fresh process per implementation;
+    out, `finish`), timed in a loop, in a fresh process per implementation; and the same work done
+    with prometheus_client's own `Counter`/`Gauge`/`Histogram` children (what swarm would cost if
+    the hot path used them directly instead of plain numbers read by a collector at scrape time);
   * end to end: scripts/bench/bench_rpc.py (small unary round trip p50, calls per second with 200
     in flight) with the baseline's `swarm` package first on PYTHONPATH, then this tree's.
 
@@ -39,6 +41,27 @@ def call():
     m.finish(started, True)
 """
 
+PROMETHEUS_CALL = """
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from swarm.metrics.registry import DEFAULT_BUCKETS
+r = CollectorRegistry()
+calls = Counter("c_total", "c", ("method", "outcome"), registry=r)
+ok = calls.labels("/swarm.Peer/Info", "ok")
+latency = Histogram("l_seconds", "l", ("method",), buckets=DEFAULT_BUCKETS, registry=r).labels("/swarm.Peer/Info")
+received = Counter("r_total", "r", ("method",), registry=r).labels("/swarm.Peer/Info")
+sent = Counter("s_total", "s", ("method",), registry=r).labels("/swarm.Peer/Info")
+in_flight = Gauge("f", "f", registry=r)
+import time
+def call():
+    in_flight.inc()
+    started = time.perf_counter()
+    received.inc(120)
+    sent.inc(80)
+    in_flight.dec()
+    latency.observe(time.perf_counter() - started)
+    ok.inc()
+"""
+
 
 def export_baseline(rev: str, into: Path) -> Path:
     """The `swarm` package as it was at `rev` (git archive), unpacked under `into`."""
@@ -48,8 +71,8 @@ def export_baseline(rev: str, into: Path) -> Path:
     return into
 
 
-def per_call_ns(pythonpath: Path, number: int) -> float:
-    code = (f"import timeit\nsetup = {PER_CALL!r}\n"
+def per_call_ns(pythonpath: Path, number: int, setup: str = PER_CALL) -> float:
+    code = (f"import timeit\nsetup = {setup!r}\n"
             f"t = min(timeit.repeat('call()', setup=setup, number={number}, repeat=5))\n"
             f"print(t / {number} * 1e9)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -78,6 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"baseline": export_baseline(args.baseline, Path(tmp)), "current": ROOT}
         cost = {name: [per_call_ns(path, args.number) for _ in range(3)] for name, path in trees.items()}
+        cost["prometheus_client types"] = [per_call_ns(ROOT, args.number, PROMETHEUS_CALL) for _ in range(3)]
         runs: dict[str, list[tuple[float, float]]] = {"baseline": [], "current": []}
         for _ in range(args.pairs):
             for name, path in trees.items():
@@ -89,11 +113,15 @@ def main() -> None:
         print(f"{name:8}  metrics per call {ns:7.0f} ns   round trip p50 {p50:.3f} ms "
               f"(runs: {', '.join(f'{r[0]:.3f}' for r in runs[name])})   200 in flight {rate:,.0f} /s "
               f"(runs: {', '.join(f'{r[1]:,.0f}' for r in runs[name])})")
+    print(f"prometheus_client types  metrics per call {min(cost['prometheus_client types']):7.0f} ns")
     extra_ns = min(cost["current"]) - min(cost["baseline"])
     p50_ns = statistics.median(r[0] for r in runs["current"]) * 1e6
     per_call_s = 1e9 / statistics.median(r[1] for r in runs["current"])
     print(f"metrics cost added per call: {extra_ns:.0f} ns = {extra_ns / p50_ns:.2%} of the round trip p50, "
           f"{extra_ns / per_call_s:.2%} of a call's share at 200 in flight (bar: 2%)")
+    prom_ns = min(cost["prometheus_client types"]) - min(cost["baseline"])
+    print(f"with prometheus_client types on the hot path instead: {prom_ns:.0f} ns = {prom_ns / p50_ns:.2%} of the "
+          f"round trip p50, {prom_ns / per_call_s:.2%} at 200 in flight")
 
 
 if __name__ == "__main__":
