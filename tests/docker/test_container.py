@@ -328,6 +328,10 @@ def test_compose_swarm_trains_and_the_status_container_reads_it(image: str) -> N
         assert len(set(re.findall(r"12D3KooW\w+", progress))) >= 2, progress  # one record per trainer (subkey: PeerID)
         print(f"\ncompose swarm: {seen}\nstatus: {json.dumps(view, indent=1)[:2000]}", file=sys.stderr)
     finally:
+        # the containers with their anonymous /data volumes (`down` keeps those), then what `down` removes
+        names = podman("ps", "-a", "-q", "--filter", f"label=io.podman.compose.project={project}", check=False)
+        for container in names.stdout.split():
+            podman("rm", "-f", "-v", "-t", "10", container, check=False, timeout=60)
         compose("down", "-v", "-t", "10", timeout=180)
         podman("network", "rm", "-f", f"{project}_default", check=False)
         for volume in podman("volume", "ls", "-q", "--filter", f"label=io.podman.compose.project={project}",
