@@ -11,7 +11,9 @@ What a scrape shows (`swarm.metrics.exporter`):
   else its open channels), ``swarm_open_channels``;
 - ``swarm_rpc_server_*`` and ``swarm_rpc_client_*``: ``calls_total{method,outcome}``,
   ``latency_seconds{method}`` (histogram), ``received_bytes_total{method}``,
-  ``sent_bytes_total{method}``, ``in_flight`` — counted by `swarm.net.server` / `swarm.net.channels`;
+  ``sent_bytes_total{method}``, ``in_flight`` — counted by `swarm.net.server` / `swarm.net.channels`
+  in plain numbers that a prometheus_client collector reads at scrape time (`swarm.metrics.rpc`:
+  prometheus_client's own types cost the hot path over 2%, BENCHMARKS.md);
 - ``swarm_averaging_rounds_total{outcome="succeeded"|"failed"}``,
   ``swarm_expert_batches_total{expert}``, ``swarm_expert_queue_depth{expert}``: declared here,
   updated by `swarm.averaging` and `swarm.moe` (see below);
@@ -33,7 +35,8 @@ API for subsystems (averaging, MoE, optim)::
 
 - ``REGISTRY.counter(name, help, labels=())``, ``.gauge(...)``, ``.histogram(..., buckets=...)``
   get or create a family (the same name, kind and labels return the same family).
-- Families are prometheus_client's `Counter`, `Gauge`, `Histogram`: ``family.labels(*values)`` /
+- Families are prometheus_client's `Counter`, `Histogram` and `Gauge` (swarm's subclass: a
+  ``set_function`` probe that raises reads as NaN instead of failing the scrape): ``family.labels(*values)`` /
   ``family.labels(name=value)`` returns a child to bind once and update on the hot path: ``inc()``;
   gauges also ``set()``, ``dec()``, ``set_function(fn)`` (read at scrape time); histograms
   ``observe(seconds)`` and ``time()``. A family without labels takes these calls directly.
@@ -41,7 +44,8 @@ API for subsystems (averaging, MoE, optim)::
   one process runs several peers, as simulations do); both are rendered in that peer's scrape.
   A name must live in only one of them.
 
-prometheus_client takes a lock per update, so updates from several threads at once are exact.
+prometheus_client takes a lock per update, so these updates are exact from any thread; the RPC
+numbers are updated and read on the peer's event loop only.
 """
 
 from __future__ import annotations

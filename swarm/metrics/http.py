@@ -2,8 +2,8 @@
 
 It answers `GET /metrics` (and `HEAD`) with the text exposition, `GET /` with a pointer to it, and
 anything else with a short error; one request per connection. It exists so that metrics need no
-extra thread (prometheus_client's own server runs one per
-port): a scrape costs one render on the loop, a few milliseconds at most.
+extra thread (prometheus_client's own HTTP server runs one per port) and the RPC numbers are read
+on the loop that writes them: a scrape costs one render on the loop, a few milliseconds at most.
 Request heads are capped in size and time, and connections in number, so a stray client cannot
 hold the peer's loop.
 """
