@@ -1,4 +1,5 @@
-# Sourced by the set-up scripts: creates or reuses the project-local .venv and installs swarm into it.
+# Sourced by the set-up scripts: creates or reuses the project-local .venv and installs swarm into it
+# (editable, with the dev extra for the tests and the demo extra, matplotlib, for the demo's loss plot).
 # Re-installs only when pyproject.toml or the constraints changed since the last install.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,7 +15,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "swarm: installing dependencies into $VENV (first run takes a minute or two)" >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-      -c "$ROOT/scripts/constraints.txt" -e "$ROOT[dev]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+      -c "$ROOT/scripts/constraints.txt" -e "$ROOT[dev,demo]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
   "$VENV/bin/python" -c "import swarm, torch, grpc" || { echo "swarm: install failed" >&2; exit 1; }
   echo "$WANT" > "$STAMP"
 fi

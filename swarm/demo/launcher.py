@@ -27,7 +27,7 @@ from swarm.core.errors import ConfigError
 from swarm.demo.display import Board
 from swarm.demo.events import Evaluation, Notice, Progress, TextSample, from_json, megabytes, printable
 from swarm.demo.model import ModelConfig
-from swarm.demo.plot import BLACK, PALETTE, Series, plot
+from swarm.demo.plot import BLACK, PALETTE, PlotUnavailable, Series, plot
 
 
 @dataclass(frozen=True)
@@ -278,8 +278,13 @@ class Launcher:
             series.append(Series("held-out", self.evals, BLACK, dots=True))
         if not series:
             return None
+        try:
+            png = plot(series, "time (s)", "loss (nats per byte)")
+        except PlotUnavailable as e:
+            self.board.notice(f"no loss plot: {e}")
+            return None
         path = self.out_dir / "loss.png"
-        path.write_bytes(plot(series, "time (s)", "loss (nats per byte)"))
+        path.write_bytes(png)
         return path
 
 

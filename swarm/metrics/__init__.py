@@ -1,8 +1,8 @@
 """Prometheus metrics of a peer, served by `swarm-peer --metrics-port N` at ``http://host:N/metrics``.
 
-No dependency: metric families live in small registries (`swarm.metrics.registry`) rendered in
-the Prometheus text format (0.0.4) by a tiny HTTP responder on the peer's own event loop
-(`swarm.metrics.http`). Updating a metric is a few attribute increments and takes no lock.
+Metrics are prometheus_client's (the library Python exporters use): families live in small
+registries (`swarm.metrics.registry`), rendered in the Prometheus text format (0.0.4) by a tiny
+HTTP responder on the peer's own event loop (`swarm.metrics.http`).
 
 What a scrape shows (`swarm.metrics.exporter`):
 
@@ -11,11 +11,14 @@ What a scrape shows (`swarm.metrics.exporter`):
   else its open channels), ``swarm_open_channels``;
 - ``swarm_rpc_server_*`` and ``swarm_rpc_client_*``: ``calls_total{method,outcome}``,
   ``latency_seconds{method}`` (histogram), ``received_bytes_total{method}``,
-  ``sent_bytes_total{method}``, ``in_flight`` — counted by `swarm.net.server` / `swarm.net.channels`;
+  ``sent_bytes_total{method}``, ``in_flight`` — counted by `swarm.net.server` / `swarm.net.channels`
+  in plain numbers that a prometheus_client collector reads at scrape time (`swarm.metrics.rpc`:
+  prometheus_client's own types cost the hot path over 2%, BENCHMARKS.md);
 - ``swarm_averaging_rounds_total{outcome="succeeded"|"failed"}``,
   ``swarm_expert_batches_total{expert}``, ``swarm_expert_queue_depth{expert}``: declared here,
   updated by `swarm.averaging` and `swarm.moe` (see below);
-- ``process_resident_memory_bytes``, ``process_cpu_seconds_total``.
+- ``process_*`` (CPU seconds, resident memory, open files, start time): prometheus_client's
+  `ProcessCollector`, in the process-wide registry.
 
 API for subsystems (averaging, MoE, optim)::
 
@@ -32,22 +35,25 @@ API for subsystems (averaging, MoE, optim)::
 
 - ``REGISTRY.counter(name, help, labels=())``, ``.gauge(...)``, ``.histogram(..., buckets=...)``
   get or create a family (the same name, kind and labels return the same family).
-- ``family.labels(*values)`` / ``family.labels(name=value)`` returns a child to bind once and
-  update on the hot path: ``inc()``; gauges also ``set()``, ``dec()``, ``set_function(fn)`` (read
-  at scrape time); histograms ``observe(seconds)`` and ``time()``. A family without labels takes
-  these calls directly.
+- Families are prometheus_client's `Counter`, `Histogram` and `Gauge` (swarm's subclass: a
+  ``set_function`` probe that raises reads as NaN instead of failing the scrape): ``family.labels(*values)`` /
+  ``family.labels(name=value)`` returns a child to bind once and update on the hot path: ``inc()``;
+  gauges also ``set()``, ``dec()``, ``set_function(fn)`` (read at scrape time); histograms
+  ``observe(seconds)`` and ``time()``. A family without labels takes these calls directly.
 - `REGISTRY` is process-wide. `registry_for(peer)` is a registry for one peer only (use it where
   one process runs several peers, as simulations do); both are rendered in that peer's scrape.
   A name must live in only one of them.
 
-Updates from the event loop are exact; from several threads at once an increment can very
-rarely be lost (no locks on the hot path).
+prometheus_client takes a lock per update, so these updates are exact from any thread; the RPC
+numbers are updated and read on the peer's event loop only.
 """
 
 from __future__ import annotations
 
 import weakref
 from typing import TYPE_CHECKING, Any
+
+from prometheus_client import ProcessCollector
 
 from swarm.metrics.registry import DEFAULT_BUCKETS, Counter, Gauge, Histogram, Registry
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics
@@ -62,6 +68,7 @@ __all__ = [
 
 REGISTRY = Registry()
 """Process-wide metrics, rendered in the scrape of every peer of the process."""
+REGISTRY.register(ProcessCollector(registry=None))
 
 AVERAGING_ROUNDS = REGISTRY.counter(
     "swarm_averaging_rounds_total", "Averaging rounds this process took part in, by outcome", ("outcome",))

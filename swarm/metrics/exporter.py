@@ -1,7 +1,6 @@
 """What one peer exposes at `--metrics-port`: its own gauges, its RPC metrics, and the registries.
 
-A scrape renders, in order: the peer's built-in gauges (identity, uptime, known peers, process
-CPU and memory), the metrics of its gRPC server and client pool, `registry_for(peer)`, and the
+A scrape renders, in order: the peer's built-in gauges (identity, uptime, known peers), the metrics of its gRPC server and client pool, `registry_for(peer)`, and the
 process-wide `REGISTRY`. The peer is duck-typed (`peer_id`, `pool`, `server`, `dht`, `run`,
 `attach`) so this module imports nothing above `swarm.metrics`.
 """
@@ -9,20 +8,15 @@ process-wide `REGISTRY`. The peer is duck-typed (`peer_id`, `pool`, `server`, `d
 from __future__ import annotations
 
 import logging
-import os
-import resource
 import time
 from typing import Any
 
 from swarm.metrics.http import MetricsServer
-from swarm.metrics.registry import Registry
+from swarm.metrics.registry import Registry, render
 
 __all__ = ["PeerMetrics", "known_peers", "serve_metrics"]
 
 logger = logging.getLogger(__name__)
-
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
 
 def known_peers(peer: Any) -> tuple[str, int]:
     """How many peers this peer knows, and from where: the DHT's routing table, else open channels.
@@ -49,19 +43,6 @@ def known_peers(peer: Any) -> tuple[str, int]:
     return "channels", (len(pool) if pool is not None else 0)
 
 
-def _resident_bytes() -> float:
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return float(int(f.read().split()[1]) * _PAGE_SIZE)
-    except (OSError, ValueError, IndexError):
-        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 class PeerMetrics:
     """The built-in gauges of one peer, and the rendering of everything it exposes."""
 
@@ -85,19 +66,15 @@ class PeerMetrics:
         known.labels(source).set_function(lambda: known_peers(peer)[1])
         self.registry.gauge("swarm_open_channels", "gRPC channels open to other peers").set_function(
             lambda: len(peer.pool) if getattr(peer, "pool", None) is not None else 0)
-        self.registry.gauge("process_resident_memory_bytes", "Resident memory of the process").set_function(
-            _resident_bytes)
-        self.registry.counter("process_cpu_seconds_total", "User and system CPU time of the process").set_function(
-            _cpu_seconds)
 
     def render(self) -> str:
-        parts = [self.registry.render()]
+        parts = [self.registry]
         for owner in (getattr(self.peer, "server", None), getattr(self.peer, "pool", None)):
             metrics = getattr(owner, "metrics", None)
             if metrics is not None:
-                parts.append(metrics.registry.render())
-        parts.extend(registry.render() for registry in self._shared)
-        return "".join(parts)
+                parts.append(metrics.registry)
+        parts.extend(self._shared)
+        return render(parts)
 
 
 def _bind_host(peer: Any) -> str:

@@ -2,7 +2,8 @@
 
 It answers `GET /metrics` (and `HEAD`) with the text exposition, `GET /` with a pointer to it, and
 anything else with a short error; one request per connection. It exists so that metrics need no
-extra thread and no dependency: a scrape costs one render on the loop, a few milliseconds at most.
+extra thread (prometheus_client's own HTTP server runs one per port) and the RPC numbers are read
+on the loop that writes them: a scrape costs one render on the loop, a few milliseconds at most.
 Request heads are capped in size and time, and connections in number, so a stray client cannot
 hold the peer's loop.
 """
@@ -13,13 +14,15 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
 from swarm.core.errors import ConfigError
 
 __all__ = ["CONTENT_TYPE", "MetricsServer"]
 
 logger = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what `generate_latest` writes
 _MAX_HEAD_BYTES = 8192
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}

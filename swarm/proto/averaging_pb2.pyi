@@ -1,8 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -20,7 +19,7 @@ class AvgMember(_message.Message):
     bandwidth: float
     client_mode: bool
     auxiliary: bool
-    def __init__(self, peer_id: _Optional[str] = ..., addr: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth: _Optional[float] = ..., client_mode: _Optional[bool] = ..., auxiliary: _Optional[bool] = ...) -> None: ...
+    def __init__(self, peer_id: _Optional[str] = ..., addr: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth: _Optional[float] = ..., client_mode: bool = ..., auxiliary: bool = ...) -> None: ...
 
 class AvgGroup(_message.Message):
     __slots__ = ("round_id", "prefix", "members", "timeout", "numel", "compression", "chunk_bytes", "schema")
@@ -66,7 +65,7 @@ class JoinResponse(_message.Message):
     accepted: bool
     reason: str
     group: AvgGroup
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., group: _Optional[_Union[AvgGroup, _Mapping]] = ...) -> None: ...
+    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., group: _Optional[_Union[AvgGroup, _Mapping]] = ...) -> None: ...
 
 class ReduceHeader(_message.Message):
     __slots__ = ("prefix", "round_id", "part", "sender", "numel", "has_data")
@@ -82,7 +81,7 @@ class ReduceHeader(_message.Message):
     sender: int
     numel: int
     has_data: bool
-    def __init__(self, prefix: _Optional[str] = ..., round_id: _Optional[bytes] = ..., part: _Optional[int] = ..., sender: _Optional[int] = ..., numel: _Optional[int] = ..., has_data: _Optional[bool] = ...) -> None: ...
+    def __init__(self, prefix: _Optional[str] = ..., round_id: _Optional[bytes] = ..., part: _Optional[int] = ..., sender: _Optional[int] = ..., numel: _Optional[int] = ..., has_data: bool = ...) -> None: ...
 
 class SenderAck(_message.Message):
     __slots__ = ("part", "reason")
@@ -124,7 +123,7 @@ class Decision(_message.Message):
     weights: _containers.RepeatedScalarFieldContainer[float]
     excluded: _containers.RepeatedScalarFieldContainer[int]
     excluded_reasons: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round_id: _Optional[bytes] = ..., abort: _Optional[bool] = ..., reason: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[int]] = ..., excluded_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, round_id: _Optional[bytes] = ..., abort: bool = ..., reason: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[int]] = ..., excluded_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
     __slots__ = ("abort", "reason", "decision", "part", "compression")
@@ -138,7 +137,7 @@ class ResultHeader(_message.Message):
     decision: bytes
     part: int
     compression: int
-    def __init__(self, abort: _Optional[bool] = ..., reason: _Optional[str] = ..., decision: _Optional[bytes] = ..., part: _Optional[int] = ..., compression: _Optional[int] = ...) -> None: ...
+    def __init__(self, abort: bool = ..., reason: _Optional[str] = ..., decision: _Optional[bytes] = ..., part: _Optional[int] = ..., compression: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("prefix", "round_id", "part")

@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -59,7 +58,7 @@ class DHTStoreItem(_message.Message):
     value: bytes
     expiration_time: float
     in_cache: bool
-    def __init__(self, raw_key: _Optional[bytes] = ..., subkey: _Optional[bytes] = ..., value: _Optional[bytes] = ..., expiration_time: _Optional[float] = ..., in_cache: _Optional[bool] = ...) -> None: ...
+    def __init__(self, raw_key: _Optional[bytes] = ..., subkey: _Optional[bytes] = ..., value: _Optional[bytes] = ..., expiration_time: _Optional[float] = ..., in_cache: bool = ...) -> None: ...
 
 class DHTStoreRequest(_message.Message):
     __slots__ = ("caller", "items", "count")
@@ -101,7 +100,7 @@ class DHTFindRequest(_message.Message):
     nodes_only: bool
     values_suffice: bool
     count: int
-    def __init__(self, caller: _Optional[_Union[DHTCaller, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., nodes_only: _Optional[bool] = ..., values_suffice: _Optional[bool] = ..., count: _Optional[int] = ...) -> None: ...
+    def __init__(self, caller: _Optional[_Union[DHTCaller, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., nodes_only: bool = ..., values_suffice: bool = ..., count: _Optional[int] = ...) -> None: ...
 
 class DHTPeer(_message.Message):
     __slots__ = ("peer_id", "addr")

@@ -1,8 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -26,7 +25,7 @@ class PeerInfo(_message.Message):
     client_mode: bool
     time: float
     experts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., client_mode: _Optional[bool] = ..., time: _Optional[float] = ..., experts: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., client_mode: bool = ..., time: _Optional[float] = ..., experts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("challenge", "caller_peer_id")

@@ -1,0 +1,52 @@
+"""Installing swarm into a stock Colab runtime changes none of its packages, and the Colab notebook
+runs there.
+
+A venv gets Colab's packages at Colab's versions (tests/install/colab-2026-08-19.txt, from Colab's
+published `pip freeze`; torch 2.13.0+cpu stands in for Colab's 2.11.0+cpu, the only torch this
+project's machines may install). Then examples/colab_join.ipynb runs in a kernel of that venv,
+against a local swarm, and its own install cell installs swarm's wheel the way a volunteer's
+`pip install swarm-peer` would. Afterwards every package that was there before has the same
+version, and `pip check` is clean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from examples.notebook_run import check_outputs, run_notebook
+from install.venvs import TORCH, Venv, normalize
+
+PINS = Path(__file__).with_name("colab-2026-08-19.txt")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def colab_pins() -> dict[str, str]:
+    lines = [line.strip() for line in PINS.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return {normalize(name): version for name, _, version in (line.partition("==") for line in lines)}
+
+
+def test_swarm_installs_into_colab_pins_without_changing_them_and_the_notebook_runs(
+        dists: tuple[Path, Path], tmp_path: Path) -> None:
+    pytest.importorskip("nbclient", reason="nbclient runs the notebook (dev extra)")
+    _, wheel = dists
+    venv = Venv(tmp_path / "colab")
+    venv.pip("install", "-q", TORCH, "-r", PINS)
+    before = venv.versions()
+    pins = colab_pins()
+    assert {name: before.get(name) for name in pins} == pins, "the venv holds Colab's versions"
+    assert "swarm-peer" not in before
+
+    nb, events, log = run_notebook(tmp_path / "nb", str(venv.bin("python")), venv.env,
+                                   install=f"pip install -q {wheel}")
+    check_outputs(nb, events, log)
+
+    after = venv.versions()
+    assert after.get("swarm-peer"), "the notebook's install cell installed swarm"
+    changed = {name: (version, after.get(name)) for name, version in before.items() if after.get(name) != version}
+    assert not changed, f"installing swarm changed Colab's packages (before, after): {changed}"
+    checked = venv.pip("check", timeout=120)
+    assert "No broken requirements found" in checked.stdout, checked.stdout
+    added = sorted(set(after) - set(before))
+    print(f"installed next to Colab's packages: {added}")

@@ -1,0 +1,72 @@
+"""Fresh virtual environments and swarm's own wheel, for the install tests.
+
+`build_dists` runs `python -m build` on a copy of the checkout (the build's own isolated
+environment fetches setuptools from the package index). `Venv` is a venv made with this
+interpreter's `venv` module; pip in it sees the same indexes and find-links as the caller (this
+machine's CPU torch wheel lies in PIP_FIND_LINKS).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONSTRAINTS = ROOT / "scripts" / "constraints.txt"
+TORCH = next(line for line in CONSTRAINTS.read_text().splitlines() if line.startswith("torch=="))
+_IGNORE = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache",
+                                 "build", "dist", "demo-out", "*.whl")
+
+
+def run(argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """Runs `argv`, raising with its output's tail when it fails."""
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, argv))} failed ({result.returncode}):\n"
+                             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def build_dists(tmp: Path) -> tuple[Path, Path]:
+    """The sdist and the wheel `python -m build` makes from a copy of the checkout."""
+    source = tmp / "source"
+    shutil.copytree(ROOT, source, ignore=_IGNORE)
+    out = tmp / "dist"
+    run([sys.executable, "-m", "build", "--outdir", str(out), str(source)], timeout=600)
+    (sdist,) = out.glob("*.tar.gz")
+    (wheel,) = out.glob("*.whl")
+    return sdist, wheel
+
+
+class Venv:
+    """A new venv at `path`; `pip(...)`, `python(...)` and `bin(name)` run inside it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        run([sys.executable, "-m", "venv", str(path)], timeout=120)
+        self.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        self.env["PATH"] = f"{path / 'bin'}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
+
+    def bin(self, name: str) -> Path:
+        return self.path / "bin" / name
+
+    def run(self, argv: list[str | Path], timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        return run([str(a) for a in argv], timeout=timeout, env=self.env, cwd=cwd or self.path)
+
+    def pip(self, *args: str | Path, timeout: float = 900) -> subprocess.CompletedProcess:
+        return self.run([self.bin("python"), "-m", "pip", "--disable-pip-version-check", *args], timeout=timeout)
+
+    def python(self, *args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
+        return self.run([self.bin("python"), *args], timeout=timeout)
+
+    def versions(self) -> dict[str, str]:
+        """Installed distributions and their versions (names normalized as pip compares them)."""
+        lines = self.pip("list", "--format=freeze", timeout=120).stdout.splitlines()
+        return {normalize(n): v for n, _, v in (line.partition("==") for line in lines if "==" in line)}
+
+
+def normalize(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
