@@ -38,6 +38,16 @@ from swarm.testing.netns import LabError
 WAN_NET = "10.10.0.0/16"
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 _CHAIN = "LABPART"
+# a home router: out through eth0 under its address; in only what answers a connection from inside
+_HOME_ROUTER_RULES = """*nat
+-A POSTROUTING -o eth0 -j MASQUERADE
+COMMIT
+*filter
+:FORWARD DROP [0:0]
+-A FORWARD -i lan0 -o eth0 -j ACCEPT
+-A FORWARD -i eth0 -o lan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
+COMMIT
+"""
 
 
 @dataclass(frozen=True)
@@ -199,12 +209,7 @@ class Lab:
         netns.ip_batch(home, ["link set lo up", f"addr add {lan}.2/24 dev eth0", "link set eth0 up",
                               f"route add default via {lan}.1"])
         netns.sysctl(router.namespace, "net.ipv4.ip_forward", "1")
-        # a home router: out through eth0 under its address; in only what answers a connection from inside
-        netns.iptables_restore(router.namespace, "\n".join([
-            "*nat", "-A POSTROUTING -o eth0 -j MASQUERADE", "COMMIT",
-            "*filter", ":FORWARD DROP [0:0]",
-            "-A FORWARD -i lan0 -o eth0 -j ACCEPT",
-            "-A FORWARD -i eth0 -o lan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT", "COMMIT", ""]))
+        netns.iptables_restore(router.namespace, _HOME_ROUTER_RULES)
 
     def _shape_bandwidth(self, node: _Node, link: LinkProfile) -> None:
         for namespace, dev, rate in ((node.namespace, "eth0", link.up_mbit), (self.bridge_ns, node.port, link.down_mbit)):
@@ -284,7 +289,7 @@ class Lab:
     def exec(self, host: str, argv: Sequence[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
         """Runs a command on `host` to completion."""
         return subprocess.run(["ip", "netns", "exec", self.namespace(host), *argv], capture_output=True,
-                              text=True, timeout=timeout)
+                              text=True, timeout=timeout, check=False)
 
     def spawn(self, host: str, argv: Sequence[str], *, stdout: int | IO[bytes] | None = subprocess.PIPE,
               stderr: int | IO[bytes] | None = None, env: dict[str, str] | None = None,

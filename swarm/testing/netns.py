@@ -43,7 +43,7 @@ def new_prefix() -> str:
 def run(argv: Sequence[str], stdin: str | None = None, check: bool = True) -> str:
     """Runs a command; on failure raises LabError with what it printed."""
     try:
-        done = subprocess.run(list(argv), input=stdin, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(list(argv), input=stdin, capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise LabError(f"{' '.join(argv)}: {e}") from e
     if check and done.returncode != 0:

@@ -6,8 +6,14 @@ import struct
 import pytest
 
 from swarm.testing.lab import HostSpec, LinkProfile
-from swarm.testing.nfqueue import (NF_ACCEPT, NFQNL_MSG_VERDICT_BATCH, PACKET_TYPE, parse_error, parse_packet,
-                                   verdict_message)
+from swarm.testing.nfqueue import (
+    NF_ACCEPT,
+    NFQNL_MSG_VERDICT_BATCH,
+    PACKET_TYPE,
+    parse_error,
+    parse_packet,
+    verdict_message,
+)
 from swarm.testing.relay import Channel
 
 
