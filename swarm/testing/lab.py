@@ -292,14 +292,14 @@ class Lab:
                               text=True, timeout=timeout, check=False)
 
     def spawn(self, host: str, argv: Sequence[str], *, stdout: int | IO[bytes] | None = subprocess.PIPE,
-              stderr: int | IO[bytes] | None = None, env: dict[str, str] | None = None,
+              stderr: int | IO[bytes] | None = None, stdin: int | IO[bytes] | None = None, env: dict[str, str] | None = None,
               cwd: str | None = None) -> subprocess.Popen[bytes]:
         """Starts a process on `host` in a session of its own (so `signal_group` reaches its
         children); it is killed when the lab closes, or when the process that owns the lab dies."""
         if self._closed:
             raise LabError("this lab is closed")
         proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *argv], stdout=stdout,
-                                stderr=stderr, env=env, cwd=cwd, start_new_session=True,
+                                stderr=stderr, stdin=stdin, env=env, cwd=cwd, start_new_session=True,
                                 preexec_fn=_die_with_parent)  # noqa: PLW1509
         self.processes.append(proc)
         return proc
