@@ -4,6 +4,7 @@ host with a `--mbit` link each way and `--delay-ms` one way (50 ms round trip be
 by default), average `--mbytes` MB with swarm's butterfly all-reduce, in fp32 and fp16 on the
 wire. The link bound of a round is the bytes each peer must send (2 (n-1)/n of the tensor: its
 share of reduce-scatter, then of all-gather) over the link rate; the figure is bound / round time.
+In the same lab and run, a plain-TCP butterfly moving the same bytes shows what the links give.
 
     .venv/bin/python scripts/bench/lab_averaging.py [--peers 4 8] [--mbytes 100] [--rounds 3]
 
@@ -16,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,7 +56,55 @@ def worker(args: argparse.Namespace) -> None:
     peer.shutdown()
 
 
-def run_group(lab, n: int, args: argparse.Namespace, compression: int) -> list[dict]:
+def raw_worker(args: argparse.Namespace) -> None:
+    """The same butterfly over plain TCP (one connection per pair, a thread per direction): what
+    the lab's links give when nothing but the transfer runs."""
+    index = args.index
+    listener = socket.create_server((args.address, 0))
+    print(json.dumps({"addr": f"{args.address}:{listener.getsockname()[1]}"}), flush=True)
+    addrs = json.loads(sys.stdin.readline())["addrs"]
+    n = len(addrs)
+    part = args.mbytes * 1_000_000 // n // (2 if args.compression else 1)
+    socks: dict[int, socket.socket] = {}
+    for j in range(index + 1, n):  # lower index dials higher index
+        host, port = addrs[j].rsplit(":", 1)
+        s = socket.create_connection((host, int(port)))
+        s.sendall(index.to_bytes(4, "little"))
+        socks[j] = s
+    for _ in range(index):
+        s, _ = listener.accept()
+        socks[int.from_bytes(s.recv(4, socket.MSG_WAITALL), "little")] = s
+    payload = memoryview(bytearray(part))
+
+    def send(s: socket.socket) -> None:
+        for off in range(0, part, 1 << 20):
+            s.sendall(payload[off:off + (1 << 20)])
+
+    def recv(s: socket.socket) -> None:
+        buf = memoryview(bytearray(1 << 20))
+        got = 0
+        while got < part:
+            got += s.recv_into(buf, min(1 << 20, part - got))
+
+    times = []
+    for _ in range(args.rounds + 1):
+        for s in socks.values():  # a barrier: every peer is ready
+            s.sendall(b"R")
+        for s in socks.values():
+            s.recv(1, socket.MSG_WAITALL)
+        start = time.time()
+        for _phase in ("reduce-scatter", "all-gather"):
+            threads = [threading.Thread(target=f, args=(s,)) for s in socks.values() for f in (send, recv)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        times.append((start, time.time()))
+    print(json.dumps({"times": times[1:], "failures": []}), flush=True)
+    sys.stdin.readline()
+
+
+def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool = False) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
     procs = []
@@ -61,7 +112,7 @@ def run_group(lab, n: int, args: argparse.Namespace, compression: int) -> list[d
         host = f"h{i}"
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--address",
                 lab.address(host), "--mbytes", str(args.mbytes), "--rounds", str(args.rounds),
-                "--compression", str(compression)]
+                "--compression", str(compression), *(["--raw"] if raw else [])]
         procs.append(lab.spawn(host, argv, stdin=subprocess.PIPE, env=env))
     try:
         addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
@@ -100,9 +151,10 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
     parser.add_argument("--compression", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        return raw_worker(args) if args.raw else worker(args)
 
     from swarm.testing import HostSpec, Lab, LinkProfile
 
@@ -111,15 +163,16 @@ def main() -> None:
           f"{4 * args.delay_ms:g} ms round trip between hosts; {args.rounds} rounds after one warm-up", flush=True)
     for n in args.peers:
         with Lab([HostSpec(f"h{i}", link) for i in range(n)], seed=1) as lab:
-            for compression, wire in ((0, "fp32"), (1, "fp16")):
+            for compression, wire, raw in ((0, "fp32", True), (0, "fp32", False), (1, "fp16", True), (1, "fp16", False)):
                 t0 = lab.relay_stats()["cpu_seconds"]
                 w0 = time.monotonic()
-                times = round_seconds(run_group(lab, n, args, compression))
+                times = round_seconds(run_group(lab, n, args, compression, raw))
                 relay_cpu = (lab.relay_stats()["cpu_seconds"] - t0) / (time.monotonic() - w0)
                 sent = 2 * (n - 1) / n * args.mbytes * 1e6 / (2 if compression else 1)
                 bound = sent * 8 / (args.mbit * 1e6)
                 median = statistics.median(times) if times else float("nan")
-                print(f"  {n} peers {wire}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
+                who = "raw TCP butterfly" if raw else "swarm averager   "
+                print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "
                       f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core", flush=True)
 

@@ -26,6 +26,9 @@ NFQA_VERDICT_HDR = 2
 NFQA_CFG_CMD = 1
 NFQA_CFG_PARAMS = 2
 NFQA_CFG_QUEUE_MAXLEN = 3
+NFQA_CFG_MASK = 4
+NFQA_CFG_FLAGS = 5
+NFQA_CFG_F_GSO = 1 << 2
 NFQNL_CFG_CMD_BIND = 1
 NFQNL_CFG_CMD_UNBIND = 2
 NFQNL_COPY_META = 1
@@ -63,6 +66,13 @@ def params_message(queue: int, seq: int, max_len: int) -> bytes:
     attrs = _attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0, NFQNL_COPY_META))
     attrs += _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", max_len))
     return _message(NFQNL_MSG_CONFIG, queue, attrs, seq, NLM_F_REQUEST | NLM_F_ACK)
+
+
+def gso_message(queue: int, whole: bool) -> bytes:
+    """Whether GSO packets (up to 64 KiB of TCP segments sent as one) are queued whole (one id,
+    one verdict) or cut into segments first (each lost or kept on its own). Not acknowledged."""
+    flags = struct.pack("!I", NFQA_CFG_F_GSO if whole else 0)
+    return _message(NFQNL_MSG_CONFIG, queue, _attr(NFQA_CFG_FLAGS, flags) + _attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_GSO)))
 
 
 def verdict_message(queue: int, packet_id: int, verdict: int, batch: bool = False) -> bytes:
@@ -156,6 +166,9 @@ class QueueSocket:
         """Takes the packets of `queue` (they wait in the kernel until a verdict)."""
         self._request(lambda seq: bind_message(queue, seq))
         self._request(lambda seq: params_message(queue, seq, max_len))
+
+    def set_gso(self, queue: int, whole: bool) -> None:
+        self.sock.send(gso_message(queue, whole))
 
     def verdict(self, queue: int, packet_id: int, verdict: int, batch: bool = False) -> None:
         self.sock.send(verdict_message(queue, packet_id, verdict, batch))

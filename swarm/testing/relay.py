@@ -5,7 +5,10 @@ in userspace: every lab namespace sends the packets it receives from the bridge 
 one queue per sending host (`iptables ... -s HOST -j NFQUEUE --queue-num N`). This process holds
 their ids, drops some (loss) and lets the rest go when their time comes, one batch verdict for
 all the packets of a queue that are due. Packets never leave the kernel and are never copied;
-per packet the relay does one `recv` of a ~100-byte message and a deque append.
+per packet the relay does one `recv` of a ~100-byte message and a deque append. Where a channel
+has no loss, a GSO packet (up to 64 KiB of TCP segments the sender's stack sends as one) is
+queued whole, one id for all its segments; where it has loss the kernel cuts it into segments
+first, so each segment is lost or kept on its own, as on a real link.
 
     python -m swarm.testing.relay
 
@@ -50,6 +53,9 @@ class Channel:
     last_release: float = 0.0
     seen: int = 0
     dropped: int = 0
+    late_total: float = 0.0  # how late batches left, summed (the relay's own lag: faithfulness)
+    late_max: float = 0.0
+    batches: int = 0
 
     def __post_init__(self) -> None:
         self.configure(self.delay, self.jitter, self.loss)
@@ -73,6 +79,12 @@ class Channel:
 
     def due(self, now: float) -> int | None:
         """Forgets the packets whose time has come and returns the last one's id (None if none)."""
+        if not self.held or self.held[0][0] > now:
+            return None
+        late = now - self.held[0][0]
+        self.late_total += late
+        self.late_max = max(self.late_max, late)
+        self.batches += 1
         last = None
         while self.held and self.held[0][0] <= now:
             last = self.held.popleft()[1]
@@ -111,6 +123,7 @@ class Relay:
                 qs.bind(queue)
             finally:
                 qs.sock.setblocking(False)
+            qs.set_gso(queue, whole=not channel.loss)
             self.channels[namespace][queue] = channel
 
     def command(self, line: str) -> dict[str, object]:
@@ -120,8 +133,10 @@ class Relay:
             if op == "attach":
                 self.attach(cmd["ns"], cmd["queues"])
             elif op == "set":
-                self.channels[cmd["ns"]][int(cmd["queue"])].configure(
-                    float(cmd["delay"]), float(cmd["jitter"]), float(cmd["loss"]))
+                queue = int(cmd["queue"])
+                channel = self.channels[cmd["ns"]][queue]
+                channel.configure(float(cmd["delay"]), float(cmd["jitter"]), float(cmd["loss"]))
+                self.sockets[cmd["ns"]].set_gso(queue, whole=not channel.loss)
             elif op == "stats":
                 return {"ok": True, "stats": self.stats()}
             else:
@@ -135,6 +150,10 @@ class Relay:
         return {
             "cpu_seconds": time.process_time() - self.cpu_started, "wall_seconds": wall,
             "overruns": self.overruns,
+            "late_ms_mean": 1000 * sum(c.late_total for chans in self.channels.values() for c in chans.values())
+            / max(1, sum(c.batches for chans in self.channels.values() for c in chans.values())),
+            "late_ms_max": 1000 * max((c.late_max for chans in self.channels.values() for c in chans.values()),
+                                      default=0.0),
             "queues": {ns: {str(q): {"seen": c.seen, "dropped": c.dropped, "held": len(c.held)}
                             for q, c in chans.items()} for ns, chans in self.channels.items()},
         }

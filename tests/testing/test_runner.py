@@ -1,6 +1,7 @@
 """The scenario runner for real (needs root): processes on lab hosts, the fault timeline applied
 to them with real signals, a restart that finds its own directory again, and the report."""
 
+import itertools
 import json
 import textwrap
 from pathlib import Path
@@ -66,7 +67,7 @@ def test_a_scenario_runs_its_faults_and_reports_them(tmp_path: Path) -> None:
     assert exits["q"]["code"] == 0  # stopped and continued, then stopped cleanly at the end
     q_progress = [e["t"] for e in events if e["kind"] == "progress" and e["proc"] == "q"]
     stopped_at = next(e["t"] for e in events if e["kind"] == "fault" and e["fault_kind"] == "stop")
-    gaps = [b - a for a, b in zip(q_progress, q_progress[1:], strict=False) if a >= stopped_at - 0.5]
+    gaps = [b - a for a, b in itertools.pairwise(q_progress) if a >= stopped_at - 0.5]
     assert max(gaps) >= 0.8  # SIGSTOP froze it
     json_path, png = report.write(events, tmp_path / "out", "short", run.relay)
     figures = json.loads(json_path.read_text())["figures"]
