@@ -2,7 +2,7 @@
 throughput. Each prints one JSON line (servers first print `ready`).
 
     python -m swarm.testing.probe echo IP PORT              # UDP echo server
-    python -m swarm.testing.probe rtt IP PORT COUNT GAP_S   # round trips to an echo server
+    python -m swarm.testing.probe rtt IP PORT COUNT GAP_S [TIMEOUT_S]  # round trips to an echo server
     python -m swarm.testing.probe sink IP PORT              # TCP server: counts what one client sends
     python -m swarm.testing.probe source IP PORT SECONDS    # TCP client: sends as fast as it can
 """
@@ -32,11 +32,11 @@ def echo(ip: str, port: int) -> None:
             s.sendto(data, addr)
 
 
-def rtt(ip: str, port: int, count: int, gap: float) -> dict[str, object]:
+def rtt(ip: str, port: int, count: int, gap: float, timeout: float = 2.0) -> dict[str, object]:
     samples: list[float] = []
     lost = 0
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.settimeout(2.0)
+        s.settimeout(timeout)
         for i in range(count):
             tag = i.to_bytes(4, "big")
             sent = time.perf_counter()
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
         echo(args[0], int(args[1]))
         return 0
     if cmd == "rtt":
-        result = rtt(args[0], int(args[1]), int(args[2]), float(args[3]))
+        result = rtt(args[0], int(args[1]), int(args[2]), float(args[3]), *(float(a) for a in args[4:5]))
     elif cmd == "sink":
         result = sink(args[0], int(args[1]))
     elif cmd == "source":

@@ -17,11 +17,13 @@ pytestmark = pytest.mark.usefixtures("needs_lab")
 PY = sys.executable
 
 
-def probe_rtt(lab: Lab, src: str, dst: str, count: int = 20, address: str | None = None) -> dict:
+def probe_rtt(lab: Lab, src: str, dst: str, count: int = 20, address: str | None = None,
+              timeout: float = 0.5) -> dict:
+    """UDP round trips from `src` to an echo server on `dst`; a probe unanswered in `timeout` s is lost."""
     echo = lab.spawn(dst, [PY, "-m", "swarm.testing.probe", "echo", lab.address(dst), "9000"])
     assert echo.stdout.readline() == b"ready\n"
     done = lab.exec(src, [PY, "-m", "swarm.testing.probe", "rtt", address or lab.address(dst), "9000",
-                          str(count), "0.005"], timeout=60)
+                          str(count), "0.005", str(timeout)], timeout=60)
     echo.kill()
     echo.wait()
     if done.returncode != 0:
@@ -63,7 +65,7 @@ def test_loss_drops_packets_and_the_relay_counts_them() -> None:
         queues = lab.relay_stats()["queues"]
     dropped = sum(q["dropped"] for per_ns in queues.values() for q in per_ns.values())
     assert 0 < result["lost"] < 60
-    assert dropped >= result["lost"]
+    assert 10 <= dropped <= 90  # of ~120 packets through a's lossy link (a late answer counts as lost above)
 
 
 def test_bandwidth_is_capped_by_tbf() -> None:
