@@ -215,8 +215,10 @@ class Lab:
         for namespace, dev, rate in ((node.namespace, "eth0", link.up_mbit), (self.bridge_ns, node.port, link.down_mbit)):
             netns.run(["tc", "-n", namespace, "qdisc", "del", "dev", dev, "root"], check=False)
             if rate is not None:
-                # burst: at least 4 ms of traffic (and 64 KiB, so whole GSO packets pass)
-                burst = max(65536, int(rate * 1e6 / 8 * 0.004))
+                # burst: at least 4 ms of traffic, and room for a whole GSO packet (64 KiB and its
+                # headers): tbf cuts a packet larger than its burst into segments, which costs the
+                # relay one message per segment instead of one per GSO packet
+                burst = max(2 * 65536, int(rate * 1e6 / 8 * 0.004))
                 netns.tc(namespace, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}mbit",
                          "burst", str(burst), "latency", f"{link.queue_ms}ms")
 
