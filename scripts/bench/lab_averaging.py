@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""Scenario 3 of the network lab: bandwidth-bound averaging. `--peers` peers, each on its own lab
+host with a `--mbit` link each way and `--delay-ms` one way (50 ms round trip between two hosts
+by default), average `--mbytes` MB with swarm's butterfly all-reduce, in fp32 and fp16 on the
+wire. The link bound of a round is the bytes each peer must send (2 (n-1)/n of the tensor: its
+share of reduce-scatter, then of all-gather) over the link rate; the figure is bound / round time.
+In the same lab and run, a plain-TCP butterfly moving the same bytes shows what the links give.
+
+    .venv/bin/python scripts/bench/lab_averaging.py [--peers 4 8] [--mbytes 100] [--rounds 3]
+
+A round's time is from the moment the last peer called `step` to the moment the last peer
+returned (as in scripts/bench/bench_averaging.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from swarm.averaging import Averager, AveragerConfig
+    from swarm.peer import Peer
+
+    torch.set_num_threads(1)
+    peer = Peer(listen=f"/ip4/{args.address}/tcp/0")
+    print(json.dumps({"addr": peer.addrs[0]}), flush=True)
+    addrs = json.loads(sys.stdin.readline())["addrs"]
+    numel = args.mbytes * 1_000_000 // 4
+    tensors = [torch.full((numel,), float(args.index))]
+    avg = Averager(peer, tensors, initial_group=addrs, target_group_size=len(addrs), min_group_size=len(addrs),
+                   config=AveragerConfig(compression=args.compression))
+    times, failures = [], []
+    for _ in range(args.rounds + 1):
+        start = time.time()
+        try:
+            avg.step(timeout=300)
+        except Exception as e:  # noqa: BLE001 - reported, the benchmark goes on
+            failures.append(f"{type(e).__name__}: {e}")
+            continue
+        times.append((start, time.time()))
+    print(json.dumps({"times": times[1:], "failures": failures}), flush=True)
+    sys.stdin.readline()
+    peer.shutdown()
+
+
+def raw_worker(args: argparse.Namespace) -> None:
+    """The same butterfly over plain TCP (one connection per pair, a thread per direction): what
+    the lab's links give when nothing but the transfer runs."""
+    index = args.index
+    listener = socket.create_server((args.address, 0))
+    print(json.dumps({"addr": f"{args.address}:{listener.getsockname()[1]}"}), flush=True)
+    addrs = json.loads(sys.stdin.readline())["addrs"]
+    n = len(addrs)
+    part = args.mbytes * 1_000_000 // n // (2 if args.compression else 1)
+    socks: dict[int, socket.socket] = {}
+    for j in range(index + 1, n):  # lower index dials higher index
+        host, port = addrs[j].rsplit(":", 1)
+        s = socket.create_connection((host, int(port)))
+        s.sendall(index.to_bytes(4, "little"))
+        socks[j] = s
+    for _ in range(index):
+        s, _ = listener.accept()
+        socks[int.from_bytes(s.recv(4, socket.MSG_WAITALL), "little")] = s
+    payload = memoryview(bytearray(part))
+
+    def send(s: socket.socket) -> None:
+        for off in range(0, part, 1 << 20):
+            s.sendall(payload[off:off + (1 << 20)])
+
+    def recv(s: socket.socket) -> None:
+        buf = memoryview(bytearray(1 << 20))
+        got = 0
+        while got < part:
+            got += s.recv_into(buf, min(1 << 20, part - got))
+
+    times = []
+    for _ in range(args.rounds + 1):
+        for s in socks.values():  # a barrier: every peer is ready
+            s.sendall(b"R")
+        for s in socks.values():
+            s.recv(1, socket.MSG_WAITALL)
+        start = time.time()
+        for _phase in ("reduce-scatter", "all-gather"):
+            threads = [threading.Thread(target=f, args=(s,)) for s in socks.values() for f in (send, recv)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        times.append((start, time.time()))
+    print(json.dumps({"times": times[1:], "failures": []}), flush=True)
+    sys.stdin.readline()
+
+
+def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool = False) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+    procs = []
+    for i in range(n):
+        host = f"h{i}"
+        argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--address",
+                lab.address(host), "--mbytes", str(args.mbytes), "--rounds", str(args.rounds),
+                "--compression", str(compression), *(["--raw"] if raw else [])]
+        procs.append(lab.spawn(host, argv, stdin=subprocess.PIPE, env=env))
+    try:
+        addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
+        for p in procs:
+            p.stdin.write((json.dumps({"addrs": addrs}) + "\n").encode())
+            p.stdin.flush()
+        reports = [json.loads(p.stdout.readline()) for p in procs]
+        for p in procs:
+            p.stdin.write(b"\n")
+            p.stdin.flush()
+        for p in procs:
+            p.wait(60)
+        return reports
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def round_seconds(reports: list[dict]) -> list[float]:
+    for r in reports:
+        for failure in r.get("failures", []):
+            print(f"  (a round failed: {failure})", flush=True)
+    rounds = min(len(r["times"]) for r in reports)
+    return [max(r["times"][k][1] for r in reports) - max(r["times"][k][0] for r in reports) for k in range(rounds)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--peers", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--mbytes", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mbit", type=float, default=100.0)
+    parser.add_argument("--delay-ms", type=float, default=12.5)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--address", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--compression", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return raw_worker(args) if args.raw else worker(args)
+
+    from swarm.testing import HostSpec, Lab, LinkProfile
+
+    link = LinkProfile(up_mbit=args.mbit, down_mbit=args.mbit, delay_ms=args.delay_ms)
+    print(f"lab averaging: {args.mbytes} MB per peer, every host {args.mbit:g} Mbit/s each way, "
+          f"{4 * args.delay_ms:g} ms round trip between hosts; {args.rounds} rounds after one warm-up", flush=True)
+    for n in args.peers:
+        with Lab([HostSpec(f"h{i}", link) for i in range(n)], seed=1) as lab:
+            for compression, wire, raw in ((0, "fp32", True), (0, "fp32", False), (1, "fp16", True), (1, "fp16", False)):
+                t0 = lab.relay_stats()["cpu_seconds"]
+                w0 = time.monotonic()
+                times = round_seconds(run_group(lab, n, args, compression, raw))
+                relay_cpu = (lab.relay_stats()["cpu_seconds"] - t0) / (time.monotonic() - w0)
+                sent = 2 * (n - 1) / n * args.mbytes * 1e6 / (2 if compression else 1)
+                bound = sent * 8 / (args.mbit * 1e6)
+                median = statistics.median(times) if times else float("nan")
+                who = "raw TCP butterfly" if raw else "swarm averager   "
+                print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
+                      f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "
+                      f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core", flush=True)
+
+
+if __name__ == "__main__":
+    main()
