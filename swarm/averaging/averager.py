@@ -36,8 +36,8 @@ from swarm.averaging.timing import clamp
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
 from swarm.core.loop import spawn
-from swarm.dht.handle import PeerHandle
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.handle import PeerHandle
 from swarm.metrics import AVERAGING_ROUNDS
 
 logger = logging.getLogger(__name__)

@@ -23,10 +23,10 @@ import logging
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from swarm.averaging.election import Candidate, DHTElection, Election, StaticElection
 from swarm.averaging.group import GroupInfo, MemberInfo
-from swarm.averaging.moshpit import moshpit_group_key, moshpit_next_coords, random_coords
 from swarm.averaging.service import JOIN, REPORT, AveragingService
 from swarm.averaging.timing import ArrivalSpread, RoundTiming
 from swarm.core.errors import AveragingError, ConfigError, DeadlineExceeded, PeerUnreachable, RPCError
@@ -36,7 +36,7 @@ from swarm.metrics import REGISTRY
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
 
-# The elections and Moshpit group keys live in `election` and `moshpit`; others import them from here.
+# The elections and Moshpit group keys live in `election` and `moshpit`.
 __all__ = ["Matchmaking", "MatchmakingConfig"]
 
 logger = logging.getLogger(__name__)
