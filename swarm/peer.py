@@ -22,6 +22,7 @@ from swarm.core.services import Component, Services
 from swarm.core.version import __version__
 from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
+from swarm.metrics.registry import Registry
 from swarm.net.channels import ChannelConfig, ChannelPool
 from swarm.net.peer_service import PeerService
 from swarm.net.server import RPCServer, ServerConfig, reachable_addrs
@@ -92,6 +93,8 @@ class Peer:
         self.pool = ChannelPool(self.identity, channel_config)
         self.server: RPCServer | None = None
         self.dht: DHT | None = None
+        self.metrics_registry = Registry()
+        """This peer's own metrics (rendered in its scrape beside the process-wide `swarm.metrics.REGISTRY`)."""
         self.services = Services()
         """The per-peer state of the layers above (averaging RPCs, expert server, served states)."""
         self._dht_config = dht_config

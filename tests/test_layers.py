@@ -25,17 +25,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("swarm.optim",),
     ("swarm.peer",),
     ("swarm.cli", "swarm.demo"),
+    ("swarm.testing",),  # the network lab starts daemons and demo trainers as processes
     ("swarm", "swarm.__main__"),
 ]
 """Bottom to top; packages in one tuple are side by side."""
 
-KNOWN_EXCEPTIONS = {
-    # swarm/metrics is being rewritten on prometheus_client on another branch; its exporter reads the
-    # version through the root package (and the package its exporter) until then.
-    ("swarm.metrics.exporter", "swarm"),
-    ("swarm.metrics.exporter", "swarm.metrics"),
-    ("swarm.metrics", "swarm.metrics.exporter"),
-}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -101,14 +101,14 @@ def _with_group_sizes(config: AveragerConfig | None, target: int | None, minimum
     """`config` with the group sizes given as `Averager` arguments (their home is `MatchmakingConfig`;
     the arguments are a shorthand that replaces what the config says)."""
     config = config or AveragerConfig()
-    sizes = {}
-    if target is not None:
-        sizes["target_group_size"] = target
-    if minimum is not None:
-        sizes["min_group_size"] = minimum
-    if not sizes:
+    if target is None and minimum is None:
         return config
-    return dataclasses.replace(config, matchmaking=dataclasses.replace(config.matchmaking, **sizes))
+    matchmaking = config.matchmaking
+    return dataclasses.replace(config, matchmaking=dataclasses.replace(
+        matchmaking,
+        target_group_size=matchmaking.target_group_size if target is None else target,
+        min_group_size=matchmaking.min_group_size if minimum is None else minimum,
+    ))
 
 
 class Averager:

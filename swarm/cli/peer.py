@@ -19,7 +19,7 @@ from swarm.cli.config import PeerOptions, build_parser, resolve
 from swarm.core.errors import SwarmError
 
 if TYPE_CHECKING:
-    from swarm.dht.handle import PeerHandle
+    from swarm.peer import Peer
 
 logger = logging.getLogger("swarm.cli")
 
@@ -32,7 +32,7 @@ def _setup_logging(level: str) -> None:
         logging.getLogger("asyncio").setLevel(logging.ERROR)
 
 
-def _attach_services(peer: PeerHandle, options: PeerOptions) -> Any:
+def _attach_services(peer: Peer, options: PeerOptions) -> Any:
     """Starts what the options ask for beyond the bare peer (experts, metrics); the expert server, if any."""
     server = None
     if options.experts:
@@ -40,7 +40,7 @@ def _attach_services(peer: PeerHandle, options: PeerOptions) -> Any:
 
         server = serve_experts(peer, options)
     if options.metrics_port is not None:
-        from swarm.metrics import serve_metrics
+        from swarm.cli.metrics import serve_metrics
 
         serve_metrics(peer, options.metrics_port)
     return server

@@ -4,7 +4,7 @@ Metrics are prometheus_client's (the library Python exporters use): families liv
 registries (`swarm.metrics.registry`), rendered in the Prometheus text format (0.0.4) by a tiny
 HTTP responder on the peer's own event loop (`swarm.metrics.http`).
 
-What a scrape shows (`swarm.metrics.exporter`):
+What a peer's scrape shows (`swarm.cli.metrics`, served by `swarm-peer --metrics-port`):
 
 - ``swarm_peer_info{peer_id,version,role,client_mode}``, ``swarm_peer_start_time_seconds``;
 - ``swarm_known_peers{source="dht"|"channels"}`` (the DHT's routing table when the peer has a DHT,
@@ -40,9 +40,9 @@ API for subsystems (averaging, MoE, optim)::
   ``family.labels(name=value)`` returns a child to bind once and update on the hot path: ``inc()``;
   gauges also ``set()``, ``dec()``, ``set_function(fn)`` (read at scrape time); histograms
   ``observe(seconds)`` and ``time()``. A family without labels takes these calls directly.
-- `REGISTRY` is process-wide. `registry_for(peer)` is a registry for one peer only (use it where
-  one process runs several peers, as simulations do); both are rendered in that peer's scrape.
-  A name must live in only one of them.
+- `REGISTRY` is process-wide. `Peer.metrics_registry` is a registry for one peer only (use it
+  where one process runs several peers, as simulations do); both are rendered in that peer's
+  scrape. A name must live in only one of them.
 
 prometheus_client takes a lock per update, so these updates are exact from any thread; the RPC
 numbers are updated and read on the peer's event loop only.
@@ -50,20 +50,14 @@ numbers are updated and read on the peer's event loop only.
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING, Any
-
 from prometheus_client import ProcessCollector
 
 from swarm.metrics.registry import DEFAULT_BUCKETS, Counter, Gauge, Histogram, Registry
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics
 
-if TYPE_CHECKING:
-    from swarm.metrics.http import MetricsServer
-
 __all__ = [
     "AVERAGING_ROUNDS", "DEFAULT_BUCKETS", "EXPERT_BATCHES", "EXPERT_QUEUE_DEPTH", "REGISTRY", "Counter",
-    "Gauge", "Histogram", "MethodMetrics", "RPCMetrics", "Registry", "registry_for", "serve_metrics",
+    "Gauge", "Histogram", "MethodMetrics", "RPCMetrics", "Registry",
 ]
 
 REGISTRY = Registry()
@@ -79,24 +73,3 @@ EXPERT_BATCHES = REGISTRY.counter(
     "swarm_expert_batches_total", "Batches an expert processed (forward or backward)", ("expert",))
 EXPERT_QUEUE_DEPTH = REGISTRY.gauge(
     "swarm_expert_queue_depth", "Tasks waiting in an expert's queue", ("expert",))
-
-_PER_PEER: weakref.WeakKeyDictionary[Any, Registry] = weakref.WeakKeyDictionary()
-
-
-def registry_for(peer: Any) -> Registry:
-    """The registry of one peer (created on first use, dropped with the peer)."""
-    registry = _PER_PEER.get(peer)
-    if registry is None:
-        registry = _PER_PEER.setdefault(peer, Registry())
-    return registry
-
-
-def serve_metrics(peer: Any, port: int, host: str | None = None) -> MetricsServer:
-    """Serves `peer`'s metrics at ``http://host:port/metrics`` until it shuts down (port 0 picks one).
-
-    See `swarm.metrics.exporter.serve_metrics`; imported lazily so that `swarm.net` can use this
-    package without importing the HTTP side.
-    """
-    from swarm.metrics.exporter import serve_metrics as _serve
-
-    return _serve(peer, port, host)

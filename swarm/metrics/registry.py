@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -58,7 +58,7 @@ class Registry:
         self._metrics: dict[str, Counter | Gauge | Histogram] = {}
 
     def _get_or_create(self, cls: type[MetricT], name: str, help: str, labels: Sequence[str],
-                       **kwargs: object) -> MetricT:
+                       **kwargs: Any) -> MetricT:
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ValueError(f"invalid metric name {name!r}: use [a-zA-Z_:][a-zA-Z0-9_:]*")
         if isinstance(labels, str):

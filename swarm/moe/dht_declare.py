@@ -146,7 +146,7 @@ async def get_experts(dht: KeyValueStore, uids: Sequence[str]) -> dict[str, str]
             for subkey, entry in record.value.items():
                 addr = getattr(entry, "value", None)
                 owned = _owned_entry(subkey, addr)
-                if owned is None or owned[0] is not None or not _alive(entry, now):
+                if owned is None or owned[0] is not None or not isinstance(addr, str) or not _alive(entry, now):
                     continue
                 expiration = float(getattr(entry, "expiration_time", now))
                 if expiration > newest:

@@ -103,7 +103,7 @@ class PeerChannel:
         """The grpc channel, created on first use so it binds to the peer's event loop."""
         if self._channel is None:
             cfg = self.pool.config
-            options = [
+            options: list[tuple[str, int | str]] = [
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.enable_retries", 0),

@@ -32,8 +32,21 @@ from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import IO, Self
 
-from swarm.testing import netns
-from swarm.testing.netns import LabError
+from swarm.testing.netns import (
+    LabError,
+    add_namespace,
+    clean_stale,
+    delete_namespace,
+    ip_batch,
+    iptables,
+    iptables_restore,
+    lab_namespaces,
+    missing_requirements,
+    new_prefix,
+    run,
+    sysctl,
+    tc,
+)
 
 WAN_NET = "10.10.0.0/16"
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,15}$")
@@ -137,7 +150,7 @@ class Lab:
             raise ValueError("at most 250 hosts")
         self.specs = {h.name: h for h in hosts}
         self.seed = seed
-        self.prefix = netns.new_prefix()
+        self.prefix = new_prefix()
         self.bridge_ns = f"{self.prefix}-br"
         self.nodes: dict[str, _Node] = {}
         self.homes: dict[str, str] = {}  # NAT host name -> its own namespace (behind the router)
@@ -154,11 +167,11 @@ class Lab:
     # -- building -----------------------------------------------------------------------------
 
     def __enter__(self) -> Self:
-        reason = netns.missing_requirements()
+        reason = missing_requirements()
         if reason:
             raise LabError(reason)
         if self._clean_stale:
-            netns.clean_stale()
+            clean_stale()
         atexit.register(self.close)
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -176,27 +189,27 @@ class Lab:
         raise KeyboardInterrupt(f"signal {signum}")
 
     def _namespace(self, name: str) -> str:
-        netns.add_namespace(name)
+        add_namespace(name)
         self._created.append(name)
         return name
 
     def _build(self) -> None:
         self._namespace(self.bridge_ns)
-        netns.ip_batch(self.bridge_ns, ["link set lo up", "link add br0 type bridge", "link set br0 up"])
+        ip_batch(self.bridge_ns, ["link set lo up", "link add br0 type bridge", "link set br0 up"])
         for index, spec in enumerate(self.specs.values()):
             suffix = f"{spec.name}-gw" if spec.nat else spec.name
             node = _Node(index, self._namespace(f"{self.prefix}-{suffix}"), spec)
             self.nodes[spec.name] = node
-            netns.ip_batch(self.bridge_ns, [
+            ip_batch(self.bridge_ns, [
                 f"link add {node.port} type veth peer name eth0 netns {node.namespace}",
                 f"link set {node.port} master br0", f"link set {node.port} up"])
-            netns.ip_batch(node.namespace, ["link set lo up", f"addr add {node.address}/16 dev eth0",
+            ip_batch(node.namespace, ["link set lo up", f"addr add {node.address}/16 dev eth0",
                                             "link set eth0 up"])
             if spec.nat:
                 self._build_home(node)
             self._shape_bandwidth(node, spec.link)
         for node in self.nodes.values():
-            netns.iptables_restore(node.namespace, self._node_rules(node))
+            iptables_restore(node.namespace, self._node_rules(node))
         if any(p.shaped for p in self.profiles.values()):
             self._start_relay()
 
@@ -204,22 +217,22 @@ class Lab:
         home = self._namespace(f"{self.prefix}-{router.spec.name}")
         self.homes[router.spec.name] = home
         lan = f"192.168.{router.index % 250 + 1}"
-        netns.ip_batch(router.namespace, [f"link add lan0 type veth peer name eth0 netns {home}",
+        ip_batch(router.namespace, [f"link add lan0 type veth peer name eth0 netns {home}",
                                           f"addr add {lan}.1/24 dev lan0", "link set lan0 up"])
-        netns.ip_batch(home, ["link set lo up", f"addr add {lan}.2/24 dev eth0", "link set eth0 up",
+        ip_batch(home, ["link set lo up", f"addr add {lan}.2/24 dev eth0", "link set eth0 up",
                               f"route add default via {lan}.1"])
-        netns.sysctl(router.namespace, "net.ipv4.ip_forward", "1")
-        netns.iptables_restore(router.namespace, _HOME_ROUTER_RULES)
+        sysctl(router.namespace, "net.ipv4.ip_forward", "1")
+        iptables_restore(router.namespace, _HOME_ROUTER_RULES)
 
     def _shape_bandwidth(self, node: _Node, link: LinkProfile) -> None:
         for namespace, dev, rate in ((node.namespace, "eth0", link.up_mbit), (self.bridge_ns, node.port, link.down_mbit)):
-            netns.run(["tc", "-n", namespace, "qdisc", "del", "dev", dev, "root"], check=False)
+            run(["tc", "-n", namespace, "qdisc", "del", "dev", dev, "root"], check=False)
             if rate is not None:
                 # burst: at least 4 ms of traffic, and room for a whole GSO packet (64 KiB and its
                 # headers): tbf cuts a packet larger than its burst into segments, which costs the
                 # relay one message per segment instead of one per GSO packet
                 burst = max(2 * 65536, int(rate * 1e6 / 8 * 0.004))
-                netns.tc(namespace, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}mbit",
+                tc(namespace, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}mbit",
                          "burst", str(burst), "latency", f"{link.queue_ms}ms")
 
     def _node_rules(self, node: _Node) -> str:
@@ -332,14 +345,14 @@ class Lab:
         for mine, theirs in ((a, b), (b, a)):
             for host in mine:
                 for other in theirs:
-                    netns.iptables(self._node(host).namespace, "-t", "raw", "-A", _CHAIN, "-s",
+                    iptables(self._node(host).namespace, "-t", "raw", "-A", _CHAIN, "-s",
                                    self._node(other).address, "-j", "DROP")
         self.partitions.append((a, b))
 
     def heal(self) -> None:
         """Removes every partition."""
         for node in self.nodes.values():
-            netns.iptables(node.namespace, "-t", "raw", "-F", _CHAIN)
+            iptables(node.namespace, "-t", "raw", "-F", _CHAIN)
         self.partitions.clear()
 
     def relay_stats(self) -> dict[str, object]:
@@ -380,9 +393,9 @@ class Lab:
             if self.relay.stdout:
                 self.relay.stdout.close()
         for name in reversed(self._created):
-            netns.delete_namespace(name)
-        for name in netns.lab_namespaces(self.prefix):  # anything half-made by an interrupted build
-            netns.delete_namespace(name)
+            delete_namespace(name)
+        for name in lab_namespaces(self.prefix):  # anything half-made by an interrupted build
+            delete_namespace(name)
         atexit.unregister(self.close)
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_sigterm)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from swarm.metrics import AVERAGING_ROUNDS, REGISTRY, Registry, RPCMetrics, registry_for
+from swarm.metrics import AVERAGING_ROUNDS, REGISTRY, Registry, RPCMetrics
 
 
 def test_counter_gauge_histogram_render_in_text_format(parse):
@@ -127,9 +127,3 @@ def test_process_wide_and_per_peer_registries(parse):
     assert ("swarm_averaging_rounds_total", (("outcome", "failed"),)) in s
     assert s[("process_resident_memory_bytes", ())] > 0  # prometheus_client's ProcessCollector
     assert AVERAGING_ROUNDS.labels(outcome="succeeded") is AVERAGING_ROUNDS.labels("succeeded")
-
-    class FakePeer:
-        pass
-
-    a, b = FakePeer(), FakePeer()
-    assert registry_for(a) is registry_for(a) and registry_for(a) is not registry_for(b)
