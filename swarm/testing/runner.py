@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,6 +251,8 @@ class Run:
 
     def run(self) -> list[dict[str, Any]]:
         """Builds the lab, runs the timeline to its end and returns the events (the lab is gone)."""
+        for stale in ("logs", "procs"):  # a previous run's logs, identities and checkpoints
+            shutil.rmtree(self.out_dir / stale, ignore_errors=True)
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         sc = self.scenario
         with Lab(list(sc.hosts), seed=sc.seed) as lab:
