@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,6 +251,8 @@ class Run:
 
     def run(self) -> list[dict[str, Any]]:
         """Builds the lab, runs the timeline to its end and returns the events (the lab is gone)."""
+        for stale in ("logs", "procs"):  # a previous run's logs, identities and checkpoints
+            shutil.rmtree(self.out_dir / stale, ignore_errors=True)
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         sc = self.scenario
         with Lab(list(sc.hosts), seed=sc.seed) as lab:
@@ -302,19 +305,22 @@ class Run:
             self.view()
 
     def _stop_all(self, grace: float = 30.0) -> None:
-        """SIGINT to every running process (trainers finish their step and leave), then SIGKILL."""
+        """SIGINT to every running process (trainers finish their step and leave), then SIGKILL
+        after `grace` s: first the processes others did not wait for, then those they did (the
+        servers), as an operator would stop a swarm, so no client outlives its server."""
         running = [m for m in self.procs.values() if m.proc is not None and m.proc.poll() is None]
-        for m in running:
-            self.signal(m, signal.SIGINT)
-        deadline = time.monotonic() + grace
-        for m in running:
-            assert m.proc is not None
-            try:
-                m.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.record("stop_timeout", proc=m.spec.name)
-                self.signal(m, signal.SIGKILL)
-                m.proc.wait(10)
+        for group in ([m for m in running if not m.spec.ready], [m for m in running if m.spec.ready]):
+            for m in group:
+                self.signal(m, signal.SIGINT)
+            deadline = time.monotonic() + grace
+            for m in group:
+                assert m.proc is not None
+                try:
+                    m.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.record("stop_timeout", proc=m.spec.name)
+                    self.signal(m, signal.SIGKILL)
+                    m.proc.wait(10)
         end = time.monotonic() + 5
         while time.monotonic() < end and not self.lines.empty():
             self._drain(0.1)
