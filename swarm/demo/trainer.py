@@ -218,6 +218,16 @@ class Trainer:
         with torch.no_grad():
             return float(self.model.loss(x, y))
 
+    def report_evaluation(self, elapsed: float) -> None:
+        """Emits the held-out loss, or a notice when the mixture's experts do not answer right now
+        (a server restarting): a missed evaluation is no reason to stop training."""
+        try:
+            loss = self.evaluate()
+        except SwarmError as e:
+            self.emit(Notice(self.config.name, f"skipped a held-out evaluation: {e}"))
+            return
+        self.emit(Evaluation(self.config.name, elapsed, loss))
+
     def train(self) -> None:
         """The training loop: until `duration` or `stop`."""
         cfg, opt = self.config, self.optimizer
@@ -235,7 +245,7 @@ class Trainer:
         while not self.stop.is_set() and time.monotonic() < deadline:
             now = time.monotonic()
             if now >= next_eval:
-                self.emit(Evaluation(cfg.name, now - self.started, self.evaluate()))
+                self.report_evaluation(now - self.started)
                 next_eval = now + cfg.eval_every
             x, y = self.train_data.batch(cfg.batch_size, self.generator)
             try:
@@ -264,7 +274,7 @@ class Trainer:
                                    opt.epoch, samples, opt.bytes_sent, self.expert_bytes))
                 next_report = now + cfg.report_every
         now = time.monotonic()
-        self.emit(Evaluation(cfg.name, now - self.started, self.evaluate()))
+        self.report_evaluation(now - self.started)
         progress = opt.progress
         self.emit(Progress(cfg.name, now - self.started, step, smoothed, throughput, progress.num_peers, opt.epoch,
                            samples, opt.bytes_sent, self.expert_bytes))
