@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -216,25 +217,41 @@ async def _discard_until_closed(conn: FrameConnection) -> None:
 
 
 async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_bytes: int,
-                  peer_id: str, tls: bool = True) -> FrameConnection:
+                  peer_id: str, tls: bool = True, handshake_timeout: float = 5.0) -> FrameConnection:
     """Dials the callee's bulk port and presents the token; `PeerUnreachable` if it cannot be reached
     within `timeout` (nothing was sent then: the caller may fall back to gRPC). With `tls`, the
-    connection is TLS 1.3 and the callee must prove `peer_id` (`swarm.net.tls`) before the token
-    is sent."""
+    connection is TLS 1.3 and the callee must prove `peer_id` (`swarm.net.tls`) within
+    `handshake_timeout` more seconds (a loaded host may take longer than a TCP connect) before the
+    token is sent."""
     loop = asyncio.get_running_loop()
-    context = client_context(peer_id) if tls else None
     try:
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: FrameConnection(max_frame_bytes), host, port, ssl=context,
-                                   server_hostname=SERVER_NAME if tls else None,
-                                   ssl_handshake_timeout=timeout if tls else None), timeout)
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, infos[0][4]), timeout)
+        except BaseException:
+            sock.close()
+            raise
+    except (OSError, TimeoutError) as e:
+        raise PeerUnreachable(f"bulk port {host}:{port} unreachable ({type(e).__name__}: {e})",
+                              peer_id=peer_id) from None
+    try:
+        if tls:
+            _, conn = await asyncio.wait_for(loop.create_connection(
+                lambda: FrameConnection(max_frame_bytes), sock=sock, ssl=client_context(peer_id),
+                server_hostname=SERVER_NAME, ssl_handshake_timeout=handshake_timeout), handshake_timeout)
+        else:
+            _, conn = await loop.create_connection(lambda: FrameConnection(max_frame_bytes), sock=sock)
     except ssl.SSLCertVerificationError as e:
+        sock.close()
         # someone else answers at the bulk port: the stream stays on the (verified) gRPC channel
         logger.warning("bulk port %s:%d does not prove %s (%s): not using it", host, port, peer_id, e.verify_message)
         raise PeerUnreachable(f"bulk port {host}:{port} is not {peer_id}'s ({e.verify_message})",
                               peer_id=peer_id) from None
     except (OSError, TimeoutError) as e:
-        raise PeerUnreachable(f"bulk port {host}:{port} unreachable ({type(e).__name__}: {e})",
+        sock.close()
+        raise PeerUnreachable(f"bulk port {host}:{port}: no TLS session ({type(e).__name__}: {e})",
                               peer_id=peer_id) from None
     conn.write_frame(DATA, token)
     return conn

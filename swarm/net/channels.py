@@ -354,7 +354,9 @@ class PeerChannel:
         try:
             conn = await bulk_channel.connect(self.addr.host, opened.port, opened.token, connect_timeout,
                                               self.pool.config.max_message_bytes, self.peer_id,
-                                              tls=self.pool.config.tls)
+                                              tls=self.pool.config.tls,
+                                              handshake_timeout=max(0.01, min(self.pool.config.handshake_timeout,
+                                                                              deadline - loop.time())))
         except PeerUnreachable as e:
             logger.info("bulk port of %s unreachable (%s): its streams use gRPC", self.peer_id, e)
             self.bulk_reachable = False
