@@ -69,3 +69,29 @@ def test_admission_limits_requests_and_bytes_and_reports_idle() -> None:
         assert admission.admitted == 2 and admission.refused == 2
 
     asyncio.run(main())
+
+
+def test_one_caller_holds_at_most_its_share_of_the_slots() -> None:
+    admission = Admission(max_requests=4, max_bytes=1 << 20, max_per_caller=2)
+    with admission.request("forward", "mallory"), admission.request("forward", "mallory"):
+        with pytest.raises(ResourceExhausted, match="limit per caller"), admission.request("forward", "mallory"):
+            pass
+        with admission.request("forward", "alice"):
+            assert admission.by_caller == {"mallory": 2, "alice": 1}
+    assert admission.by_caller == {} and admission.requests == 0
+
+
+def test_a_stream_that_sends_no_header_is_refused_after_the_deadline() -> None:
+    from swarm.core.errors import DeadlineExceeded
+    from swarm.moe.admission import drain_request, receive_header
+
+    async def silent():
+        await asyncio.Event().wait()
+        yield b""
+
+    async def main() -> None:
+        with pytest.raises(DeadlineExceeded, match="no request header within 0.05 s"):
+            await receive_header(silent(), 0.05, "forward")
+        await asyncio.wait_for(drain_request(silent(), 1 << 20, timeout=0.05), 5)  # returns, does not hang
+
+    asyncio.run(main())
