@@ -29,7 +29,8 @@ def test_plot_writes_a_png_of_the_requested_size_showing_every_series():
 
 
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is absent
+    for name in ("matplotlib", "matplotlib.figure"):  # what the import meets where matplotlib is absent
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(PlotUnavailable, match=r"swarm-peer\[demo\]"):
         plot([Series("t", [(0, 1.0)], BLACK)], "x", "y")
 
