@@ -83,7 +83,7 @@ def test_one_caller_holds_at_most_its_share_of_the_slots() -> None:
 
 def test_a_stream_that_sends_no_header_is_refused_after_the_deadline() -> None:
     from swarm.core.errors import DeadlineExceeded
-    from swarm.moe.admission import drain_request, receive_header
+    from swarm.moe.server.admission import drain_request, receive_header
 
     async def silent():
         await asyncio.Event().wait()
