@@ -14,9 +14,11 @@ leave at random times (half say goodbye, half crash silently) and as many new no
 `--lookups` gets from random live nodes, spread over the run, look up random stored keys. It
 prints one table line per size: lookup success; hops (sequential request steps until a node
 returned the value) against log2(N); requests per lookup; virtual latency p50/p95; upkeep traffic
-(everything but the measured gets and the joiners' own join: refreshes, pings, republishes,
-hand-offs, goodbyes) in messages and payload bytes per live node per minute; memory per node (the
-process's RSS growth while the network was built, divided by N); and the wall time it took.
+during the churn (everything but the measured gets: refreshes, pings, republishes, hand-offs,
+goodbyes, and the joins of the newcomers) in messages and payload bytes per live node per minute;
+the payload a node sent and answered while the network was built, per node (the cost of a join);
+memory per node (the process's RSS growth while the network was built, divided by N); and the
+wall time. Payload bytes are the protobuf messages; gRPC/HTTP/2/TCP framing comes on top.
 
 Usage: .venv/bin/python scripts/bench/sim_dht.py [--sizes 100,250,500,1000] [--minutes 30]
        [--churn 0.3] [--lookups 1000] [--keys 200] [--loss 0.02] [--seed 0] [--json FILE]
@@ -34,6 +36,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -157,6 +160,7 @@ class Simulation:
         events.sort()
         start = simnet.CLOCK.now
         before = dict(self.net.traffic.bytes), dict(self.net.traffic.messages)
+        methods_before = Counter(self.net.traffic.by_tag_method)
         live_area = 0.0  # integral of live nodes over time
         last = start
         tasks: set[asyncio.Task[Any]] = set()
@@ -190,7 +194,11 @@ class Simulation:
         traffic = self.net.traffic
         upkeep_bytes = traffic.bytes["upkeep"] - before[0].get("upkeep", 0)
         upkeep_messages = traffic.messages["upkeep"] - before[1].get("upkeep", 0)
+        methods = Counter(self.net.traffic.by_tag_method)
+        methods.subtract(methods_before)
+        breakdown = {m.rsplit("/", 1)[-1]: round(b / node_minutes) for (t, m), b in methods.items() if t == "upkeep"}
         return {
+            "upkeep_by_method": breakdown,
             "minutes": minutes,
             "upkeep_bytes_per_node_min": upkeep_bytes / node_minutes,
             "upkeep_msgs_per_node_min": upkeep_messages / node_minutes,
@@ -269,6 +277,8 @@ def main() -> None:
               f"{r['hops_max']:3d} {r['requests']:7.1f} {r['latency_p50_ms']:7.0f} {r['latency_p95_ms']:7.0f} "
               f"{r['upkeep_bytes_per_node_min']:17.0f} {r['upkeep_msgs_per_node_min']:13.1f} "
               f"{r['join_kib_per_node']:8.1f} {r['memory_per_node_kib']:8.0f} {r['wall_s']:6.0f}", flush=True)
+        print("      upkeep B/node/min by method: " + ", ".join(
+            f"{m} {b}" for m, b in sorted(r["upkeep_by_method"].items(), key=lambda kv: -kv[1])), flush=True)
     if len(results) > 1:
         a, b = results[0], results[-1]
         print(f"from N={a['n']} to N={b['n']} (x{b['n'] / a['n']:.0f}, log2N x{b['log2n'] / a['log2n']:.2f}): "

@@ -124,6 +124,7 @@ class Traffic:
     messages: Counter[str] = field(default_factory=Counter)
     bytes: Counter[str] = field(default_factory=Counter)
     by_method: Counter[str] = field(default_factory=Counter)
+    by_tag_method: Counter[tuple[str, str]] = field(default_factory=Counter)
     lost: int = 0
 
     def add(self, nbytes: int, method: str = "") -> None:
@@ -131,6 +132,7 @@ class Traffic:
         self.messages[tag] += 1
         self.bytes[tag] += nbytes
         self.by_method[method] += nbytes
+        self.by_tag_method[tag, method] += nbytes
 
 
 class SimNetwork:
