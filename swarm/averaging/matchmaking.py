@@ -427,8 +427,9 @@ class Matchmaking:
         says the bytes take), within [min_round_timeout, cap]."""
         estimate = None
         if self._link is not None and size > 1:
-            # butterfly: each member sends and receives 2 (n-1)/n of the vector (raw float32 at most)
-            estimate = self._link.expected_time(None, int(2 * (size - 1) / size * self.numel * 4))
+            # butterfly: each link carries one part (1/n of the vector, raw float32 at most) each
+            # way, all links at once; the measured throughput is per link (`allreduce`)
+            estimate = self._link.expected_time(None, int(2 * self.numel * 4 / size))
         return self.timing.timeout(cap, estimate)
 
     def _report_start(self, group: GroupInfo, why: str, waited: float, bound: float,

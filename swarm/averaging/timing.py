@@ -4,8 +4,8 @@ Pure logic, no networking (unit-tested without sockets):
 
 - `ArrivalSpread`: how late the peers that did join arrived, relative to when they said they
   would be ready (their announced readiness, or when the leader first saw their declaration).
-  A leader waits for a declared peer up to a high quantile of these lags with a margin, between
-  a floor and a cap; with nothing observed yet it waits `initial`.
+  A leader waits for a declared peer up to the largest recent lag (or another quantile) with a
+  margin, between a floor and a cap; with nothing observed yet it waits `initial`.
 - `RoundTiming`: how long this peer's successful all-reduces took. A leader writes a small
   multiple of the expected time into the group as the round's timeout (between a floor and the
   time the step has left), so a stalled or dead member costs the survivors that multiple, not
@@ -52,7 +52,7 @@ class ArrivalSpread:
     floor: float = 0.05
     cap: float = 5.0
     margin: float = 1.5
-    quantile: float = 0.9
+    quantile: float = 1.0
     window: int = 64
     lags: deque[float] = field(default_factory=deque)
 
