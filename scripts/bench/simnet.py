@@ -250,6 +250,9 @@ class SimPool:
         self.net = net
         self.identity = identity
         self.host = host
+        from swarm.net.estimates import LinkEstimates
+
+        self.estimates = LinkEstimates()  # what the real pool measures per peer (RTT, throughput)
         self._channels: dict[str, SimChannel] = {}
 
     def __len__(self) -> int:
@@ -512,6 +515,9 @@ class SimPeer:
         self.initial_peers: list[Any] = []
         self.loop = _LoopShim()
         self.dht: Any = None
+        from swarm.core.services import Services
+
+        self.services = Services()  # the per-peer services (averaging RPCs, ...) a real peer owns
         self.components: list[Any] = []
 
     def attach(self, component: Any) -> None:

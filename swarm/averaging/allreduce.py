@@ -360,10 +360,9 @@ class ButterflyAllReduce:
     def _observe_link(self, p: Part) -> None:
         """What this part's exchange says of the link to its reducer: its bytes out and back over
         the time it took (waiting for the other senders included, so it errs slow)."""
-        estimates = getattr(getattr(self.peer, "pool", None), "estimates", None)
-        if estimates is not None and p.size:
+        if p.size:
             seconds = asyncio.get_running_loop().time() - self.t0
-            estimates.observe_transfer(self.group.members[p.reducer].peer_id, 2 * p.size * 4, seconds)
+            self.peer.pool.estimates.observe_transfer(self.group.members[p.reducer].peer_id, 2 * p.size * 4, seconds)
 
     def serve_fetch(self, part: int) -> AsyncIterator[bytes]:
         """Streams part `part` as this member holds it, to a member that lost it (see `serve_part` below)."""

@@ -152,9 +152,8 @@ class Matchmaking:
         self._down: set[str] = set()
         self._missed: str | None = None  # why this step knows a group of its round started without it
         self._last_round: bytes | None = None  # the round this peer's last step joined (until the next step)
-        self._link = getattr(getattr(peer, "pool", None), "estimates", None)
-        if self._link is not None:
-            self._link.exclude(JOIN, REPORT)  # long polls, not round trips
+        self._link = peer.pool.estimates
+        self._link.exclude(JOIN, REPORT)  # long polls, not round trips
         AveragingService.of(peer).join_handlers[prefix] = self.rpc_join
 
     def close(self) -> None:
@@ -342,7 +341,7 @@ class Matchmaking:
         next_poll = led_at + cfg.poll_interval
         refreshed_at = led_at  # `election.leader` just looked at the declarations
         expected_at: dict[str, float] = {}
-        bound = self.spread.bound(self._link.rtt() if self._link is not None else None)
+        bound = self.spread.bound(self._link.rtt())
         outstanding: dict[str, float] = {}
         why = ""
         while True:
@@ -426,7 +425,7 @@ class Matchmaking:
         """The round's timeout: a multiple of what rounds took (or of what the links' throughput
         says the bytes take), within [min_round_timeout, cap]."""
         estimate = None
-        if self._link is not None and size > 1:
+        if size > 1:
             # butterfly: each link carries one part (1/n of the vector, raw float32 at most) each
             # way, all links at once; the measured throughput is per link (`allreduce`)
             estimate = self._link.expected_time(None, int(2 * self.numel * 4 / size))
@@ -439,7 +438,7 @@ class Matchmaking:
             "why": why, "size": len(group.members), "waited": waited, "wait_bound": bound,
             "lags_seen": len(self.spread.lags), "left_waiting_for": sorted(outstanding),
             "round_timeout": group.timeout, "timeout_cap": cap, "expected_round": expected,
-            "backoff": self.timing.backoff, "rtt": self._link.rtt() if self._link is not None else None,
+            "backoff": self.timing.backoff, "rtt": self._link.rtt(),
         }
         MATCHMAKING_WAIT_BOUND.labels(self.prefix).set(bound)
         MATCHMAKING_WAITED.labels(self.prefix).set(waited)
@@ -462,9 +461,7 @@ class Matchmaking:
             candidate = getattr(self.election, "candidates", {}).get(peer_id)
             if candidate is None or peer_id > me.peer_id:
                 continue
-            timeout = self.config.poll_interval
-            if self._link is not None:
-                timeout = self._link.deadline(peer_id, 0, multiple=4, floor=0.05, cap=timeout)
+            timeout = self._link.deadline(peer_id, 0, multiple=4, floor=0.05, cap=self.config.poll_interval)
             try:
                 await self.peer.pool.get(candidate.addr).info(timeout=timeout)
             except RPCError:

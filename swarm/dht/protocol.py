@@ -186,9 +186,12 @@ class DHTProtocol:
             while attempts:
                 done, attempts = await asyncio.wait(attempts, return_when=asyncio.FIRST_COMPLETED)
                 for attempt in done:
-                    if attempt.exception() is None:
+                    if attempt.cancelled():  # never by us while we wait: its channel went away
+                        error = PeerUnreachable(f"{method} to {node.peer_id} was cancelled", peer_id=node.peer_id)
+                    elif attempt.exception() is None:
                         return attempt.result()
-                    error = attempt.exception()
+                    else:
+                        error = attempt.exception()
             assert error is not None
             raise error
         finally:

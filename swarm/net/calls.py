@@ -250,7 +250,8 @@ class CallStream:
                 # broke, as when the callee was killed): gone, as a unary call would report it
                 self._ended = (grpc.StatusCode.UNAVAILABLE, "the connection to the callee broke")
         elif isinstance(error, asyncio.CancelledError):
-            self._ended = (grpc.StatusCode.CANCELLED, "the channel was closed")
+            # the caller closed the channel (`ChannelPool.forget`): the callee is out of reach for it
+            self._ended = (grpc.StatusCode.UNAVAILABLE, "the channel was closed")
         elif isinstance(error, ValueError):
             self._ended = (grpc.StatusCode.INTERNAL, str(error))
         else:

@@ -269,6 +269,14 @@ class PeerChannel:
             self.pool.estimates.observe_call(self.peer_id, method, time.perf_counter() - started)  # issue #14
         except grpc.aio.AioRpcError as e:
             raise from_grpc_error(e, self.peer_id or str(self.addr), method) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this task is being cancelled
+            # grpc.aio cancels the calls of a channel that is closed under them (`ChannelPool.forget`):
+            # for the caller that is a peer it can no longer reach, not a cancellation of its own task
+            raise PeerUnreachable(f"the channel to {self.addr} was closed during {method}",
+                                  peer_id=self.peer_id) from None
         finally:
             stats.finish(started, ok)  # metrics
         return self._decode(data, response_type)

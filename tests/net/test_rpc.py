@@ -217,3 +217,31 @@ def test_taken_port_fails_loudly(make_peer):
     port = a.addrs[0].split("/")[4]
     with pytest.raises(ConfigError, match="port taken"):
         make_peer(listen=f"/ip4/127.0.0.1/tcp/{port}")
+
+
+@pytest.mark.parametrize("multiplex", [True, False], ids=["calls-stream", "unary-calls"])
+def test_a_call_whose_channel_is_closed_under_it_is_peer_unreachable(make_peer, multiplex):
+    # the DHT forgets the channel of a node it gave up on while a resent request may still be in
+    # flight on it; that request must fail as PeerUnreachable, not cancel the lookup that awaits it
+    a = make_peer()
+    b = make_peer(channel_config=ChannelConfig(multiplex=multiplex))
+    entered = threading.Event()
+
+    async def hang(request: bytes, ctx):
+        entered.set()
+        await asyncio.sleep(30)
+        return b"late"
+
+    a.server.add_unary("/test.T/Hang", hang)
+
+    async def go():
+        channel = b.pool.get(a.addrs[0])
+        await channel.info()
+        call = asyncio.ensure_future(channel.unary("/test.T/Hang", b"", timeout=20))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        await b.pool.forget(a.peer_id)
+        with pytest.raises(PeerUnreachable):
+            await asyncio.wait_for(call, 10)
+        assert not call.cancelled()
+
+    b.run(go(), timeout=30)
