@@ -1,3 +1,3 @@
 """The version of swarm (the one in pyproject.toml), reported by every peer's ``Info`` RPC."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
