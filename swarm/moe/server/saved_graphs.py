@@ -17,11 +17,11 @@ once (`swarm.moe.server.runtime`: one group per expert), so it has no lock.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+from cachetools import TLRUCache
 
 __all__ = ["SavedForward", "SavedGraphs"]
 
@@ -54,7 +54,8 @@ class SavedForward:
 
 
 class SavedGraphs:
-    """Bounded store of `SavedForward`s, keyed by (caller, graph id).
+    """Bounded store of `SavedForward`s, keyed by (caller, graph id): a cachetools `TLRUCache`
+    whose size is counted in rows and whose entries expire `ttl` after their forward ran.
 
     Args:
         max_rows: the most rows of saved forwards kept at once (0 disables saving).
@@ -66,57 +67,42 @@ class SavedGraphs:
             raise ValueError(f"max_rows must be >= 0 and ttl > 0, got {max_rows!r}, {ttl!r}")
         self.max_rows = max_rows
         self.ttl = ttl
-        self._entries: OrderedDict[Hashable, SavedForward] = OrderedDict()
-        self._rows = 0
+        # evicts the least recently used entries past max_rows, and expired ones first
+        self._entries: TLRUCache[Hashable, SavedForward] = TLRUCache(
+            maxsize=max_rows, ttu=lambda _key, saved, _now: saved.created + ttl, timer=time.monotonic,
+            getsizeof=lambda saved: saved.rows)
         self.hits = 0
         """Backwards that reused a saved graph."""
         self.misses = 0
         """Backwards that asked for a graph and had to recompute."""
 
     def __len__(self) -> int:
+        self._entries.expire()
         return len(self._entries)
 
     @property
     def rows(self) -> int:
         """Rows held now."""
-        return self._rows
+        self._entries.expire()
+        return int(self._entries.currsize)
 
     def accepts(self, rows: int) -> bool:
         """Whether a forward of `rows` rows may be saved at all."""
         return 0 < rows <= self.max_rows
 
     def put(self, key: Hashable, saved: SavedForward) -> None:
-        """Keeps `saved`, evicting expired, then oldest, entries to stay within `max_rows`."""
-        self.pop(key)
-        self._expire(saved.created)
-        while self._entries and self._rows + saved.rows > self.max_rows:
-            self._drop(next(iter(self._entries)))
-        self._entries[key] = saved
-        self._rows += saved.rows
+        """Keeps `saved`, evicting expired, then least recently used, entries to stay within `max_rows`."""
+        if self.accepts(saved.rows):
+            self._entries[key] = saved
 
     def pop(self, key: Hashable) -> SavedForward | None:
         """Removes and returns the entry under `key` (None if absent or expired)."""
-        saved = self._entries.pop(key, None)
-        if saved is None:
-            return None
-        self._rows -= saved.rows
-        if time.monotonic() - saved.created > self.ttl:
-            return None
-        return saved
+        return self._entries.pop(key, None)
 
     def invalidate_before(self, version: int) -> None:
         """Drops every entry computed before the expert's update `version` (useless now)."""
         for key in [k for k, s in self._entries.items() if s.version < version]:
-            self._drop(key)
+            del self._entries[key]
 
     def clear(self) -> None:
         self._entries.clear()
-        self._rows = 0
-
-    def _expire(self, now: float) -> None:
-        for key in [k for k, s in self._entries.items() if now - s.created > self.ttl]:
-            self._drop(key)
-
-    def _drop(self, key: Hashable) -> None:
-        saved = self._entries.pop(key)
-        self._rows -= saved.rows
