@@ -55,7 +55,7 @@ def test_peer_killed_mid_round_does_not_stop_the_others(tmp_path):
     try:
         first = trainers[0].read_until(lambda line: line.startswith("/ip4/"), 60)
         trainers.append(Trainer(tmp_path, 1, 3, epochs, "--initial-peers", first))
-        # dies in its third averaging round, after sending its first chunk of gradients
+        # dies in the first averaging round from its third on in which it sends gradients to a group
         trainers.append(Trainer(tmp_path, 2, 3, epochs, "--initial-peers", first, "--die-in-round", "2"))
         for t in trainers[1:]:
             t.read_until(lambda line: line.startswith("/ip4/"), 60)

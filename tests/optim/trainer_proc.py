@@ -4,7 +4,9 @@
 
 Prints its address once ready, then `epoch N` after every collective step, and saves its
 parameters to --out before exiting 0. `--die-in-round N` SIGKILLs the process in the middle of
-its N-th averaging round (after it sent its first chunk), through the averager's fault plan.
+the first averaging round from its N-th on (0-based) in which it sends a chunk to a group, through
+the averager's fault plan: a step that formed no group, or a group of one, sends nothing and so
+passes the kill on to the next round.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def main() -> None:
     print(peer.addrs[0], flush=True)
     plan = FaultPlan()
     if args.die_in_round is not None:
-        plan.add(FaultPoint.AFTER_CHUNKS_SENT, Action.KILL, after=1, rounds={args.die_in_round})
+        plan.add(FaultPoint.AFTER_CHUNKS_SENT, Action.KILL, after=1,
+                 rounds=set(range(args.die_in_round, args.die_in_round + 1000)))
     config = CollaborationConfig(target_batch_size=256, report_period=0.1, max_refresh_period=0.5,
                                  progress_expiration=2.0, averaging_timeout=5.0, matchmaking_window=0.5)
     model = make_model()
