@@ -34,7 +34,7 @@ import torch
 
 from swarm.core.errors import ConfigError, RPCError, SwarmError
 from swarm.dht.handle import PeerHandle
-from swarm.optim.averaging import AveragerLike, RoundResult, make_swarm_averager
+from swarm.optim.group_averaging import AveragerLike, RoundResult, make_swarm_averager
 from swarm.optim.config import CollaborationConfig, DiLoCoConfig
 from swarm.optim.diloco import DiLoCoMode
 from swarm.optim.large_batch import LargeBatchMode

@@ -24,7 +24,7 @@ from optim_task import DATA_SIZE, adam, loss_on, make_data, make_model
 
 from swarm.averaging import Action, Averager, FaultPlan, FaultPoint
 from swarm.optim import CollaborationConfig, Optimizer
-from swarm.optim.averaging import SwarmAverager
+from swarm.optim.group_averaging import SwarmAverager
 from swarm.peer import Peer
 
 
