@@ -62,7 +62,8 @@ def _evaluate(model: Any, held_out: Any) -> float:
 
 
 def thread_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads so far, by the Python name of the thread (or "native")."""
+    """CPU seconds of this process's threads so far: the training thread, the peer's loop, executor
+    threads, and threads Python does not know (gRPC's and OpenMP's, "native")."""
     import threading
 
     tick = os.sysconf("SC_CLK_TCK")
@@ -75,7 +76,12 @@ def thread_cpu() -> dict[str, float]:
         except OSError:
             continue
         name = names.get(int(tid), "native")
-        name = "executor" if name.startswith(("ThreadPoolExecutor", "asyncio_")) else name
+        if name == "MainThread":
+            name = "training"
+        elif name.startswith("swarm-"):
+            name = "peer loop"  # core.loop.LoopThread, named after its peer
+        elif name.startswith(("ThreadPoolExecutor", "asyncio_")):
+            name = "executor"
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
