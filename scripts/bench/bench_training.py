@@ -110,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
     from swarm.compression import CompressionType
     from swarm.optim import CollaborationConfig, DiLoCoConfig
 
-    peer = swarm.Peer(listen="/ip4/127.0.0.1/tcp/0", initial_peers=args.initial_peers)
+    peer = swarm.Peer(listen=f"/ip4/{args.address}/tcp/0", initial_peers=args.initial_peers)
     print(peer.addrs[0], flush=True)
     collaboration = CollaborationConfig(
         target_batch_size=args.target_batch_size, report_period=0.1 if args.mode == "step" else 0.5,
@@ -127,7 +127,9 @@ def worker(args: argparse.Namespace) -> None:
     samples, reached, loss = 0, None, None
     compute = stepping = 0.0
     stop_at = started + args.max_seconds
-    while time.monotonic() < stop_at:
+    steps = 0
+    while time.monotonic() < stop_at and (not args.max_steps or steps < args.max_steps):
+        steps += 1
         t0 = time.monotonic()
         x, y = train.batch(BATCH, gen)
         model.loss(x, y).backward()
@@ -144,6 +146,9 @@ def worker(args: argparse.Namespace) -> None:
             if loss <= args.target_loss:
                 reached = time.monotonic() - started
                 break
+    t0 = time.monotonic()
+    opt.flush()  # the round in flight, if any, lands: every mode ends with all of its rounds applied
+    stepping += time.monotonic() - t0
     elapsed = time.monotonic() - started
     cpu_after = thread_cpu()
     cpu = {name: round(cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0), 2) for name in cpu_after}
@@ -255,6 +260,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--lr", type=float, default=3e-3, help=argparse.SUPPRESS)
     parser.add_argument("--max-staleness", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--address", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--fragments", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

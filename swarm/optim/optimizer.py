@@ -260,6 +260,13 @@ class Optimizer:
         resynced = self._resync(f"the swarm moved on to epoch {swarm_epoch}", min_epoch=swarm_epoch)
         return replace(resynced, round=outcome)
 
+    def flush(self) -> RoundOutcome | None:
+        """Waits for the round in flight, if any, and applies it (before a checkpoint or an
+        evaluation that should see every round, or at the end of training); returns its outcome."""
+        if self._in_flight is None:
+            return None
+        return self._land(wait=True)
+
     async def astep(self, batch_size: int | None = None) -> StepOutcome:
         """Awaitable `step` for code inside an event loop (runs it in a worker thread)."""
         return await asyncio.to_thread(self.step, batch_size)
