@@ -147,13 +147,14 @@ def worker(args: argparse.Namespace) -> None:
                 reached = time.monotonic() - started
                 break
     t0 = time.monotonic()
+    before_flush = {"idle_s": opt.idle_seconds, "elapsed": t0 - started}
     opt.flush()  # the round in flight, if any, lands: every mode ends with all of its rounds applied
     stepping += time.monotonic() - t0
     elapsed = time.monotonic() - started
     cpu_after = thread_cpu()
     cpu = {name: round(cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0), 2) for name in cpu_after}
     result = {"index": args.index, "mode": args.mode, "elapsed": elapsed, "compute_s": compute, "step_s": stepping,
-              "idle_s": opt.idle_seconds, "cpu": cpu,
+              "idle_s": opt.idle_seconds, "cpu": cpu, "before_flush": before_flush,
               "staleness": sorted({r.staleness for r in opt.history if r.ok}), "seconds": reached if reached is not None else elapsed,
               "reached": reached is not None, "bytes_sent": opt.bytes_sent, "samples": samples,
               "samples_per_s": samples / elapsed, "epochs": opt.epoch, "loss": loss,

@@ -11,8 +11,9 @@ held locally, 1 torch thread each), each on its own lab host with a `--mbit` lin
    and with `--fragments` fragments synced in turn when given;
 3. large-batch mode (rounds overlapped) for `--seconds`, in the lab and then on loopback.
 
-Figures: the share of each trainer's wall time spent in compute (forward and backward: not in
-`step()`), the held-out loss after the same number of inner steps (overlapped over waited), and
+Figures: the share of each trainer's wall time in compute (not waiting for its group: the forward,
+backward, inner optimizer steps and swarm's bookkeeping), until its last step (the last round,
+which nothing can overlap, is shown apart), the held-out loss after the same number of inner steps (overlapped over waited), and
 large-batch samples/s in the lab over loopback.
 
     .venv/bin/python scripts/bench/lab_overlap.py [--peers 4] [--steps 200] [--local-steps 50]
@@ -69,17 +70,22 @@ def run_in_lab(lab: Any, mode: str, peers: int, extra: list[str], timeout: float
 
 def summary(name: str, results: list[dict[str, Any]]) -> dict[str, float]:
     compute = [r["compute_s"] / r["elapsed"] for r in results]
+    # the share of wall time a trainer did not wait for its group, until its last step (the final
+    # flush waits for the last round, which no later compute could overlap: shown apart)
+    busy = [1 - r["before_flush"]["idle_s"] / r["before_flush"]["elapsed"] for r in results]
+    flush = statistics.mean(r["elapsed"] - r["before_flush"]["elapsed"] for r in results)
     idle = [r["idle_s"] / r["elapsed"] for r in results]
     loss = statistics.mean(r["final_loss"] for r in results)
     sps = sum(r["samples_per_s"] for r in results)
     rounds = results[0]["epochs"]
-    print(f"{name}: compute {min(compute):.1%}-{max(compute):.1%} of each trainer's wall time (waiting for its "
-          f"group {statistics.mean(idle):.1%}); held-out loss {loss:.4f} after {results[0]['samples'] // 16} inner "
+    print(f"{name}: computing (not waiting for its group) {min(busy):.1%}-{max(busy):.1%} of each trainer's wall "
+          f"time until its last step, then {flush:.2f} s for the last round; forward+backward "
+          f"{min(compute):.1%}-{max(compute):.1%}, waiting {statistics.mean(idle):.1%} in all; held-out loss {loss:.4f} after {results[0]['samples'] // 16} inner "
           f"steps, {rounds} rounds, {statistics.mean(r['bytes_sent'] for r in results) / 1e6:.2f} MB sent per "
           f"trainer; {sps:.1f} samples/s in all; staleness {sorted({s for r in results for s in r['staleness']})}; "
           f"failed rounds {sum(r['failed_rounds'] for r in results)}; {statistics.mean(r['elapsed'] for r in results):.0f} s",
           flush=True)
-    return {"compute": min(compute), "loss": loss, "sps": sps}
+    return {"compute": min(busy), "loss": loss, "sps": sps}
 
 
 def main() -> None:
