@@ -504,6 +504,7 @@ class Optimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         loaded = TrainingState.from_wire(state["tensors"], state["metadata"])
+        self._drop_in_flight()
         with self._lock:
             self.mode.load_state(loaded)
             self.epoch = loaded.epoch
