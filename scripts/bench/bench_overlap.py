@@ -46,12 +46,17 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
         for thread, seconds in r["cpu"].items():
             cpu[thread] = cpu.get(thread, 0.0) + seconds / len(results)
     cpu_total = sum(cpu.values()) or 1.0
+    # samples per CPU-second, all trainers' CPU counted: the machine's other load does not enter it
+    per_cpu = sum(r["samples"] for r in results) / (cpu_total * len(results))
+    plain_per_cpu = plain["samples"] / plain["cpu_s"]
     shares = ", ".join(f"{thread} {seconds / cpu_total:.0%}" for thread, seconds in
                        sorted(cpu.items(), key=lambda kv: -kv[1]) if seconds / cpu_total >= 0.005)
     print(f"{name}: {total:.1f} samples/s in all = {total / plain['samples_per_s']:.2f}x the plain process; "
           f"held-out loss {loss:.3f} = {loss / plain['loss']:.3f}x; {results[0]['epochs']} collective steps, "
           f"staleness {sorted({s for r in results for s in r['staleness']})}, failed rounds "
           f"{sum(r['failed_rounds'] for r in results)}", flush=True)
+    print(f"  {per_cpu:.1f} samples per CPU-second = {per_cpu / plain_per_cpu:.2f}x the plain process's "
+          f"{plain_per_cpu:.1f}", flush=True)
     print(f"  per trainer: {compute:.0%} of wall time in compute, {step:.1%} in step() "
           f"({idle:.1%} waiting for its group); CPU {cpu_total:.1f} s per process: {shares}", flush=True)
 

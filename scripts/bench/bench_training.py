@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(1000 + args.index)
     adam = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
     if args.mode == "plain":
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         samples = 0
         while time.monotonic() - started < args.max_seconds:
             x, y = train.batch(BATCH, gen)
@@ -103,7 +103,9 @@ def worker(args: argparse.Namespace) -> None:
             adam.step()
             samples += BATCH
         elapsed = time.monotonic() - started
-        print(json.dumps({"samples_per_s": samples / elapsed, "loss": _evaluate(model, held_out)}), flush=True)
+        cpu_s = time.process_time() - cpu_started
+        print(json.dumps({"samples_per_s": samples / elapsed, "loss": _evaluate(model, held_out), "samples": samples,
+                          "cpu_s": cpu_s}), flush=True)
         return
 
     import swarm
