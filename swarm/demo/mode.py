@@ -8,7 +8,7 @@ averaging costs less than the compute it overlaps, so large-batch mode trains as
 would; across the internet (a slower measured round trip, a public address announced for
 others to join, or client mode behind NAT) the dense gradients of every collective step would
 outlast the compute they overlap, so it picks DiLoCo, which sends one 8-bit pseudo-gradient per
-`local_steps` steps, its rounds overlapped with the next inner steps.
+`DEFAULT_DILOCO_STEPS` steps, its rounds overlapped with the next inner steps.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from typing import Any
 from swarm.core.errors import ConfigError
 
 WAN_RTT = 0.010  # seconds: a round trip longer than this is not a local network
-DEFAULT_DILOCO_STEPS = 50
+# the demo's model: ten steps (seconds of compute with remote experts) hide a round of its 8-bit
+# pseudo-gradient (under 1 MB) across the internet
+DEFAULT_DILOCO_STEPS = 10
 MODES = ("auto", "large-batch", "diloco")
 
 
