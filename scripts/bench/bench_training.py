@@ -61,6 +61,31 @@ def _evaluate(model: Any, held_out: Any) -> float:
         return float(model.loss(*held_out))
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far: the training thread, the peer's loop, executor
+    threads, and threads Python does not know (gRPC's and OpenMP's, "native")."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "native")
+        if name == "MainThread":
+            name = "training"
+        elif name.startswith("swarm-"):
+            name = "peer loop"  # core.loop.LoopThread, named after its peer
+        elif name.startswith(("ThreadPoolExecutor", "asyncio_")):
+            name = "executor"
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -68,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(1000 + args.index)
     adam = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
     if args.mode == "plain":
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         samples = 0
         while time.monotonic() - started < args.max_seconds:
             x, y = train.batch(BATCH, gen)
@@ -78,33 +103,43 @@ def worker(args: argparse.Namespace) -> None:
             adam.step()
             samples += BATCH
         elapsed = time.monotonic() - started
-        print(json.dumps({"samples_per_s": samples / elapsed, "loss": _evaluate(model, held_out)}), flush=True)
+        cpu_s = time.process_time() - cpu_started
+        print(json.dumps({"samples_per_s": samples / elapsed, "loss": _evaluate(model, held_out), "samples": samples,
+                          "cpu_s": cpu_s}), flush=True)
         return
 
     import swarm
     from swarm.compression import CompressionType
     from swarm.optim import CollaborationConfig, DiLoCoConfig
 
-    peer = swarm.Peer(listen="/ip4/127.0.0.1/tcp/0", initial_peers=args.initial_peers)
+    peer = swarm.Peer(listen=f"/ip4/{args.address}/tcp/0", initial_peers=args.initial_peers)
     print(peer.addrs[0], flush=True)
     collaboration = CollaborationConfig(
         target_batch_size=args.target_batch_size, report_period=0.1 if args.mode == "step" else 0.5,
-        min_refresh_period=0.02, max_refresh_period=1.0, averaging_timeout=20.0, matchmaking_window=0.5)
-    diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType.UNIFORM_8BIT) \
-        if args.mode == "diloco" else None
+        min_refresh_period=0.02, max_refresh_period=1.0, averaging_timeout=20.0, matchmaking_window=0.5,
+        max_staleness=args.max_staleness)
+    diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType.UNIFORM_8BIT,
+                          fragments=args.fragments) if args.mode == "diloco" else None
     opt = swarm.Optimizer(peer, run_id=f"bench-{args.mode}", params=model.parameters(), optimizer=adam,
                           batch_size_per_step=BATCH, config=collaboration, diloco=diloco)
     if not opt.wait_for_peers(args.peers, timeout=120):
         raise SystemExit("the other peers did not show up")
     started = time.monotonic()
+    cpu_before = thread_cpu()
     samples, reached, loss = 0, None, None
+    compute = stepping = 0.0
     stop_at = started + args.max_seconds
-    while time.monotonic() < stop_at:
+    steps = 0
+    while time.monotonic() < stop_at and (not args.max_steps or steps < args.max_steps):
+        steps += 1
+        t0 = time.monotonic()
         x, y = train.batch(BATCH, gen)
         model.loss(x, y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t1 = time.monotonic()
         out = opt.step()
         opt.zero_grad()
+        compute, stepping = compute + t1 - t0, stepping + time.monotonic() - t1
         samples += BATCH
         evaluate_now = out.stepped and args.target_loss and opt.epoch % args.eval_every == 0
         if evaluate_now:
@@ -113,8 +148,16 @@ def worker(args: argparse.Namespace) -> None:
             if loss <= args.target_loss:
                 reached = time.monotonic() - started
                 break
+    t0 = time.monotonic()
+    before_flush = {"idle_s": opt.idle_seconds, "elapsed": t0 - started}
+    opt.flush()  # the round in flight, if any, lands: every mode ends with all of its rounds applied
+    stepping += time.monotonic() - t0
     elapsed = time.monotonic() - started
-    result = {"index": args.index, "mode": args.mode, "seconds": reached if reached is not None else elapsed,
+    cpu_after = thread_cpu()
+    cpu = {name: round(cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0), 2) for name in cpu_after}
+    result = {"index": args.index, "mode": args.mode, "elapsed": elapsed, "compute_s": compute, "step_s": stepping,
+              "idle_s": opt.idle_seconds, "cpu": cpu, "before_flush": before_flush,
+              "staleness": sorted({r.staleness for r in opt.history if r.ok}), "seconds": reached if reached is not None else elapsed,
               "reached": reached is not None, "bytes_sent": opt.bytes_sent, "samples": samples,
               "samples_per_s": samples / elapsed, "epochs": opt.epoch, "loss": loss,
               "final_loss": _evaluate(model, held_out),
@@ -219,6 +262,10 @@ def main() -> None:
     parser.add_argument("--target-batch-size", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--eval-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--lr", type=float, default=3e-3, help=argparse.SUPPRESS)
+    parser.add_argument("--max-staleness", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--address", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--fragments", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         if args.mode != "diloco" and args.target_batch_size is None:

@@ -146,8 +146,9 @@ class Launcher:
                     initial_peer, "--listen", "/ip4/127.0.0.1/tcp/0", "--seed", str(i), "--threads", "1",
                     "--duration", str(c.duration), "--batch-size", str(c.batch_size), "--target-batch-size",
                     str(c.target_batch_size), "--hidden-dim", str(c.model.hidden_dim)]
-            if c.diloco_steps is not None:
-                argv += ["--diloco-steps", str(c.diloco_steps)]
+            # every peer of this swarm is on loopback: large-batch fits that link (a round costs less
+            # than the compute it overlaps), unless DiLoCo is asked for
+            argv += ["--diloco-steps", str(c.diloco_steps)] if c.diloco_steps is not None else ["--mode", "large-batch"]
             if i == 0:
                 argv += ["--sample", "--sample-length", str(c.sample_length)]
             self.trainers.append(Child(name, argv, self.log_dir))
@@ -166,8 +167,9 @@ class Launcher:
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGTERM, self.on_signal)
         c = self.config
-        mode = f"DiLoCo, {c.diloco_steps} local steps per round" if c.diloco_steps else \
-            f"collective steps of {c.target_batch_size} windows"
+        mode = f"mode: DiLoCo, {c.diloco_steps} local steps per round (asked for)" if c.diloco_steps else \
+            f"mode: large-batch, collective steps of {c.target_batch_size} windows, each averaged while the " \
+            f"next batches compute (every peer is on loopback)"
         self.board.notice(f"swarm demo: {c.trainers} trainers, {c.duration:.0f} s, {mode}; "
                           f"logs in {self.log_dir}/ (Ctrl+C stops the swarm)")
         try:

@@ -27,6 +27,7 @@ import torch
 from swarm.core.errors import ConfigError, SwarmError
 from swarm.demo.data import ByteDataset, load_corpus
 from swarm.demo.events import Evaluation, Event, EventWriter, Notice, Progress, TextSample
+from swarm.demo.mode import MODES, ModeChoice, mode_key, pick_mode
 from swarm.demo.model import ByteLM, LocalExperts, ModelConfig
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class TrainerConfig:
         lr: peak learning rate of Adam (the inner optimizer in DiLoCo mode).
         warmup_epochs: epochs of linear learning-rate warm-up (large-batch mode).
         diloco_steps: use DiLoCo with this many local steps per round instead of large batches.
+        mode: "auto" (the run's mode, or the one that fits this peer's link: `swarm.demo.mode`),
+            "large-batch" or "diloco".
         seed: seeds the data order (and nothing else: initial weights come from the swarm).
         threads: torch threads (default: torch's choice).
         sample: generate a text sample before and after training.
@@ -77,6 +80,7 @@ class TrainerConfig:
     lr: float = 3e-3
     warmup_epochs: int = 4
     diloco_steps: int | None = None
+    mode: str = "auto"
     seed: int = 0
     threads: int | None = None
     sample: bool = False
@@ -92,6 +96,8 @@ class TrainerConfig:
             raise ConfigError("duration, batch sizes and lr must be positive")
         if self.diloco_steps is not None and self.diloco_steps < 1:
             raise ConfigError("--diloco-steps must be positive")
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-batch-size", type=int, default=d.target_batch_size)
     parser.add_argument("--lr", type=float, default=d.lr)
     parser.add_argument("--diloco-steps", type=int, default=None, help="DiLoCo mode: local steps per round")
+    parser.add_argument("--mode", choices=MODES, default=d.mode,
+                        help="training mode; auto: the run's, or the one that fits this peer's link")
     parser.add_argument("--hidden-dim", type=int, default=d.model.hidden_dim, help="must match the experts'")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--threads", type=int, default=None)
@@ -124,7 +132,8 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     return TrainerConfig(
         name=args.name, initial_peers=tuple(args.initial_peers), listen=args.listen, announce=tuple(args.announce),
         client_mode=args.client_mode, run_id=args.run_id, duration=args.duration, batch_size=args.batch_size,
-        target_batch_size=args.target_batch_size, lr=args.lr, diloco_steps=args.diloco_steps, seed=args.seed,
+        target_batch_size=args.target_batch_size, lr=args.lr, diloco_steps=args.diloco_steps, mode=args.mode,
+        seed=args.seed,
         threads=args.threads, sample=args.sample, sample_length=args.sample_length, eval_every=args.eval_every, json_events=args.json,
         local_experts=args.local_experts, model=ModelConfig(hidden_dim=args.hidden_dim),
     )
@@ -158,9 +167,39 @@ class Trainer:
             self.peer, in_features=mcfg.hidden_dim, grid_size=mcfg.grid_size, uid_prefix=mcfg.uid_prefix,
             k_best=mcfg.k_best, k_min=1, forward_timeout=20.0, backward_timeout=20.0)
         self.model = ByteLM(mcfg, mixture)
+        self.mode = self._pick_mode()
         self.optimizer = self._make_optimizer()
         self.expert_bytes = 0
         self.started = time.monotonic()
+
+    def _pick_mode(self) -> ModeChoice:
+        """The run's mode from the DHT, or the one that fits this peer's link (then stored for the
+        peers that join later)."""
+        from swarm.core.timeutil import get_dht_time
+
+        cfg = self.config
+        key = mode_key(cfg.run_id)
+        dht = self.peer.dht
+        try:
+            found = dht.get(key, latest=True) if dht is not None else None
+        except (SwarmError, TimeoutError) as e:
+            logger.warning("could not read the run's mode: %s", e)
+            found = None
+        record = found.value if found is not None else None
+        # the least round trip seen: queueing on a busy machine only ever adds to it
+        least = self.peer.pool.estimates.overall.min_rtt
+        choice = pick_mode(cfg.mode, cfg.diloco_steps, record, least if math.isfinite(least) else None,
+                           cfg.announce, cfg.client_mode)
+        if record is not None and record != choice.to_record():
+            self.emit(Notice(cfg.name, f"warning: the run's peers train in mode {record}, this one in "
+                                       f"{choice.to_record()}: they will not average together"))
+        elif record is None and dht is not None:
+            try:
+                dht.store(key, choice.to_record(), get_dht_time() + 86_000)
+            except (SwarmError, TimeoutError) as e:
+                logger.warning("could not store the run's mode: %s", e)
+        self.emit(Notice(cfg.name, choice.describe()))
+        return choice
 
     def _make_optimizer(self) -> Optimizer:
         from swarm.optim import CollaborationConfig, DiLoCoConfig, Optimizer
@@ -173,10 +212,11 @@ class Trainer:
         def adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             return torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.98))
 
-        if cfg.diloco_steps is not None:
+        if self.mode.mode == "diloco":
+            assert self.mode.local_steps is not None
             return Optimizer(self.peer, run_id=cfg.run_id, params=self.model.dense_parameters(),
-                                   optimizer=adam, batch_size_per_step=cfg.batch_size, config=collaboration,
-                                   diloco=DiLoCoConfig(local_steps=cfg.diloco_steps))
+                             optimizer=adam, batch_size_per_step=cfg.batch_size, config=collaboration,
+                             diloco=DiLoCoConfig(local_steps=self.mode.local_steps))
         return Optimizer(
             self.peer, run_id=cfg.run_id, params=self.model.dense_parameters(), optimizer=adam,
             target_batch_size=cfg.target_batch_size, batch_size_per_step=cfg.batch_size, config=collaboration,

@@ -5,6 +5,10 @@ samples in `param.grad`. Accumulating `b * grad` and the sample count `n` gives,
 of batches, the local mean `sum / n`; averaging those means across peers with weights `n` gives
 exactly the mean gradient of every sample the swarm processed, as if one process had seen the
 whole target batch.
+
+With rounds overlapped with compute, the sums of a window that is being averaged move aside
+(`begin_round`) and a fresh window accumulates meanwhile; a failed round's sums fold back into
+the next window (`abort_round`), so no sample is lost.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ class GradientAccumulator:
         self.means = [torch.zeros_like(s) for s in self.sums]
         self.samples = 0
         self.steps = 0
+        self._spare: list[torch.Tensor] | None = None  # zeroed sums for the next window (allocated on first use)
+        self.in_flight: list[torch.Tensor] | None = None  # the sums of the window being averaged
+        self.in_flight_samples = 0
 
     def add(self, batch_size: int) -> None:
         """Adds the current `.grad` of every parameter, weighted by `batch_size`."""
@@ -57,11 +64,51 @@ class GradientAccumulator:
                 else:
                     p.grad.copy_(mean)
 
+    def begin_round(self) -> float:
+        """Writes the local mean into `means`, moves the window's sums aside and opens a new window.
+
+        Returns the closed window's sample count (this peer's weight in the round).
+        """
+        if self.in_flight is not None:
+            raise RuntimeError("a round is already in flight")
+        self.compute_means()
+        if self._spare is None:
+            self._spare = [torch.zeros_like(s) for s in self.sums]
+        self.in_flight, self.sums, self._spare = self.sums, self._spare, None
+        self.in_flight_samples, self.samples, self.steps = self.samples, 0, 0
+        return float(self.in_flight_samples)
+
+    def in_flight_mean_to_grads(self) -> None:
+        """Puts the in-flight window's own mean into `.grad` (no other peer's gradients)."""
+        assert self.in_flight is not None
+        scale = 1.0 / max(self.in_flight_samples, 1)
+        with torch.no_grad():
+            for p, acc in zip(self.params, self.in_flight):
+                p.grad = acc * scale
+
+    def end_round(self) -> None:
+        """The in-flight window was applied: its buffer becomes the next spare."""
+        assert self.in_flight is not None
+        for acc in self.in_flight:
+            acc.zero_()
+        self._spare, self.in_flight, self.in_flight_samples = self.in_flight, None, 0
+
+    def abort_round(self) -> None:
+        """The round failed: the in-flight window's samples join the current window."""
+        assert self.in_flight is not None
+        with torch.no_grad():
+            for acc, old in zip(self.sums, self.in_flight):
+                acc.add_(old)
+        self.samples += self.in_flight_samples
+        self.end_round()
+
     def reset(self) -> int:
         """Forgets what was accumulated; returns how many samples that was."""
-        discarded = self.samples
+        discarded = self.samples + self.in_flight_samples
         for acc in self.sums:
             acc.zero_()
+        if self.in_flight is not None:
+            self.end_round()
         self.samples = 0
         self.steps = 0
         return discarded

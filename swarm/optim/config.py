@@ -43,6 +43,12 @@ class CollaborationConfig:
         state_timeout: seconds a state download (parameters, optimizer state) may take.
         load_state_on_start: download the swarm's current state when this peer starts.
         gradient_compression: wire format of averaged gradients.
+        max_staleness: rounds that may still be averaging while this peer computes. 1 (the
+            default): a round's averaging runs while the trainer computes the next batches, and its
+            step applies when the average arrives, so the gradients a step applies were computed
+            at most one collective step earlier (DiLoCo: the outer step lands up to one round late,
+            on top of the local steps taken meanwhile). The trainer waits for a round only when
+            the next one is due before it ended. 0: every round is waited for (synchronous).
     """
 
     target_batch_size: int | None = None
@@ -57,8 +63,12 @@ class CollaborationConfig:
     state_timeout: float = 60.0
     load_state_on_start: bool = True
     gradient_compression: CompressionType = CompressionType.NONE
+    max_staleness: int = 1
 
     def __post_init__(self) -> None:
+        if self.max_staleness not in (0, 1) or isinstance(self.max_staleness, bool):
+            raise ConfigError(f"max_staleness must be 0 (synchronous) or 1 (one round in flight), "
+                              f"got {self.max_staleness!r}")
         if self.target_batch_size is not None and (
             not isinstance(self.target_batch_size, int) or self.target_batch_size < 1
         ):
@@ -91,6 +101,10 @@ class DiLoCoConfig:
         outer_momentum: momentum of the outer SGD (the paper uses 0.9).
         nesterov: use Nesterov momentum (the paper does).
         compression: wire format of the averaged pseudo-gradient.
+        fragments: the parameters are cut into this many fragments, synced in turn (Streaming
+            DiLoCo, Douillard et al. 2025): one fragment every `local_steps / fragments` inner
+            steps, so each fragment is still synced every `local_steps` steps while a round sends
+            1/fragments of the model (the peak bandwidth per peer drops by that factor).
     """
 
     local_steps: int = 100
@@ -98,13 +112,23 @@ class DiLoCoConfig:
     outer_momentum: float = 0.9
     nesterov: bool = True
     compression: CompressionType = CompressionType.UNIFORM_8BIT
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.local_steps, int) or self.local_steps < 1:
             raise ConfigError(f"local_steps must be a positive int, got {self.local_steps!r}")
+        if not isinstance(self.fragments, int) or isinstance(self.fragments, bool) or self.fragments < 1:
+            raise ConfigError(f"fragments must be a positive int, got {self.fragments!r}")
+        if self.local_steps % self.fragments:
+            raise ConfigError(f"local_steps ({self.local_steps}) must be a multiple of fragments ({self.fragments})")
         _positive("outer_lr", self.outer_lr)
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
         if self.nesterov and self.outer_momentum == 0:
             raise ConfigError("nesterov needs a positive outer_momentum")
         object.__setattr__(self, "compression", CompressionType(self.compression))
+
+    @property
+    def steps_per_round(self) -> int:
+        """Inner steps between two rounds (each round syncs one fragment)."""
+        return self.local_steps // self.fragments

@@ -4,6 +4,12 @@ them (weighted by samples) and all take the same optimizer step.
 After a successful round every member holds the exact weighted mean of the group's gradients
 (docs/architecture.md, "Life of an averaging step"), so identical parameters and optimizer states stay identical: the swarm trains as
 one process would with the whole target batch (the arithmetic is in `swarm.optim.accumulator`).
+
+With a round in flight (`CollaborationConfig.max_staleness` 1), the window being averaged moves
+aside and the trainer accumulates the next one meanwhile, on the parameters it holds: the step
+of epoch e then applies the gradients of batches computed at epoch e-1 or e, one step late, as
+delayed parameter updates do. Every peer applies the same averaged gradient to the same
+parameters, so they stay identical at every epoch.
 """
 
 from __future__ import annotations
@@ -36,9 +42,12 @@ class LargeBatchMode:
         self.accumulator = GradientAccumulator(self.params)
 
     @property
-    def averaged_tensors(self) -> list[torch.Tensor]:
-        """The buffers the averager reduces in place (the local mean gradients)."""
-        return self.accumulator.means
+    def averaged_fragments(self) -> list[list[torch.Tensor]]:
+        """The buffers the averager reduces in place (the local mean gradients): one fragment."""
+        return [self.accumulator.means]
+
+    def fragment_of(self, epoch: int) -> int:
+        return 0
 
     @property
     def shared_tensors(self) -> list[torch.Tensor]:
@@ -57,34 +66,35 @@ class LargeBatchMode:
     def wants_round(self, progress: SwarmProgress) -> bool:
         return self.accumulator.samples > 0 and progress.ready
 
-    def prepare_round(self) -> float:
-        """Writes the local mean gradient into the averaged buffers; returns this peer's weight."""
-        self.accumulator.compute_means()
-        return float(self.accumulator.samples)
+    def prepare_round(self, epoch: int) -> float:
+        """Writes the local mean gradient into the averaged buffers and opens the next window;
+        returns this peer's weight."""
+        return self.accumulator.begin_round()
 
-    def apply_round(self) -> None:
-        """Steps the optimizer (and scheduler) with the averaged gradient; starts a new accumulation."""
+    def apply_round(self, epoch: int) -> None:
+        """Steps the optimizer (and scheduler) with the averaged gradient."""
         self.accumulator.apply_means_to_grads()
         self._step()
 
-    def step_alone(self) -> None:
-        """Applies the local mean gradient as the whole swarm's (this peer is the only one left).
+    def step_alone(self, epoch: int) -> None:
+        """Applies the round's local mean gradient as the whole swarm's (this peer is the only one left).
 
         It does not go through the averaged buffers: a round cancelled because everyone else left
         may still be writing them.
         """
-        scale = 1.0 / max(self.accumulator.samples, 1)
-        with torch.no_grad():
-            for p, acc in zip(self.params, self.accumulator.sums):
-                p.grad = acc * scale
+        self.accumulator.in_flight_mean_to_grads()
         self._step()
+
+    def abort_round(self, epoch: int) -> None:
+        """The round failed: its samples join the window being accumulated (retried with it)."""
+        self.accumulator.abort_round()
 
     def _step(self) -> None:
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=False)
-        self.accumulator.reset()
+        self.accumulator.end_round()
 
     def discard(self) -> int:
         """Drops the accumulated gradients (they belong to an epoch the swarm has left)."""

@@ -22,8 +22,13 @@ class TrainingMode(Protocol):
     optimizer: torch.optim.Optimizer
 
     @property
-    def averaged_tensors(self) -> list[torch.Tensor]:
-        """The buffers a round averages in place (fixed for the mode's lifetime)."""
+    def averaged_fragments(self) -> list[list[torch.Tensor]]:
+        """The buffers rounds average in place, per fragment (fixed for the mode's lifetime);
+        one fragment unless the mode syncs its parameters in turns."""
+        ...
+
+    def fragment_of(self, epoch: int) -> int:
+        """The fragment the round leading out of `epoch` averages."""
         ...
 
     @property
@@ -44,16 +49,21 @@ class TrainingMode(Protocol):
         """True when this peer should average now."""
         ...
 
-    def prepare_round(self) -> float:
-        """Fills `averaged_tensors` with this peer's contribution; returns its weight."""
+    def prepare_round(self, epoch: int) -> float:
+        """Fills the round's fragment with this peer's contribution and sets that contribution
+        aside, so local work can go on while the round is averaged; returns its weight."""
         ...
 
-    def apply_round(self) -> None:
+    def apply_round(self, epoch: int) -> None:
         """Turns the averaged tensors into the collective step."""
         ...
 
-    def step_alone(self) -> None:
+    def step_alone(self, epoch: int) -> None:
         """Takes the collective step with this peer's contribution only (no other peer is alive)."""
+        ...
+
+    def abort_round(self, epoch: int) -> None:
+        """The round failed: its contribution rejoins the local work, to be sent again."""
         ...
 
     def discard(self) -> int:

@@ -17,26 +17,33 @@ raises the same `AveragingError` on every member of its group (docs/architecture
 does the same thing: it keeps what it accumulated and retries at its next step; a peer whose
 round fails `max_failed_rounds` times in a row while the swarm moves on re-synchronizes from
 the others. No member waits on a dead peer longer than `averaging_timeout`.
+
+Overlap (`CollaborationConfig.max_staleness` 1, the default): a round runs on the peer's loop
+while `step()` returns and the trainer computes on; a later `step()` applies it once its
+average arrived, and waits for it only when the next round is due first. One round at most is
+in flight, so a step never applies gradients (or inner steps) older than one collective step
+(`RoundOutcome.staleness`); `idle_seconds` says how long the trainer waited for rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from swarm.core.errors import ConfigError, RPCError, SwarmError
 from swarm.dht.handle import PeerHandle
-from swarm.optim.averaging import AveragerLike, RoundResult, make_swarm_averager
 from swarm.optim.config import CollaborationConfig, DiLoCoConfig
 from swarm.optim.diloco import DiLoCoMode
+from swarm.optim.group_averaging import AveragerLike, RoundResult, make_swarm_averager
 from swarm.optim.large_batch import LargeBatchMode
 from swarm.optim.mode import TrainingMode
 from swarm.optim.outcome import RoundOutcome, StepOutcome
@@ -50,6 +57,18 @@ logger = logging.getLogger(__name__)
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 AveragerFactory = Callable[[Sequence[torch.Tensor], str], AveragerLike]
+
+
+@dataclass
+class _InFlight:
+    """A round averaging on the peer's loop while the trainer computes."""
+
+    epoch: int
+    samples: int
+    opened_at: int  # the epoch of the parameters its oldest gradients were computed on
+    started: float
+    averager: AveragerLike
+    future: concurrent.futures.Future[RoundResult | None]
 
 
 class Optimizer:
@@ -127,7 +146,13 @@ class Optimizer:
         prefix = f"{run_id}.{'outer' if diloco is not None else 'grads'}"
         factory = averager_factory or (
             lambda tensors, key: make_swarm_averager(peer, tensors, key, config, compression))
-        self.averager = factory(self.mode.averaged_tensors, prefix)
+        fragments = self.mode.averaged_fragments
+        # one averager per fragment (DiLoCo's streaming mode), each under its own prefix
+        self.averagers: list[AveragerLike] = [
+            factory(tensors, prefix if len(fragments) == 1 else f"{prefix}.f{i}") for i, tensors in enumerate(fragments)]
+        self.idle_seconds = 0.0
+        self._in_flight: _InFlight | None = None
+        self._window_opened = 0  # the epoch of the parameters the current window's first batch saw
         self.epoch = 0
         self.samples_total = 0
         self.failed_rounds = 0
@@ -157,6 +182,11 @@ class Optimizer:
         return self.mode.optimizer
 
     @property
+    def averager(self) -> AveragerLike:
+        """The averager of the (first) fragment."""
+        return self.averagers[0]
+
+    @property
     def progress(self) -> SwarmProgress:
         """Where the swarm stands: global epoch, samples towards the next step, peers, throughput."""
         return self.tracker.progress
@@ -180,8 +210,8 @@ class Optimizer:
         batch_size = batch_size or self.batch_size_per_step
         if not batch_size or batch_size < 1:
             raise ValueError("pass batch_size to step() or batch_size_per_step to the constructor")
-        progress = self.tracker.progress
-        if time.monotonic() >= self._resync_not_before:
+        if self._in_flight is None and time.monotonic() >= self._resync_not_before:
+            progress = self.tracker.progress
             if progress.epoch > self.epoch:
                 return self._resync(f"this peer is at epoch {self.epoch}, the swarm at {progress.epoch}",
                                     min_epoch=progress.epoch)
@@ -190,20 +220,52 @@ class Optimizer:
                 return self._resync(f"peers at epoch {self.epoch} hold different states", min_epoch=self.epoch,
                                     digest=canonical)
         with self._lock:
+            if self.mode.samples == 0:
+                self._window_opened = self.epoch
             self.mode.on_batch(batch_size)
         self.samples_total += batch_size
         self._meter.update(batch_size, time.monotonic())
         self._report()
-        progress = self.tracker.progress
+        landed = None
+        if self._in_flight is not None and self._in_flight.future.done():
+            landed = self._land(wait=False)
+            if not landed.ok and self.tracker.progress.epoch > self.epoch:
+                return self._after_failure(landed)
+        progress = self._next_round_progress()
         if not self.mode.wants_round(progress):
             self._announce_round(progress)
-            return StepOutcome(self.epoch)
-        outcome = self._run_round(progress)
+            return StepOutcome(self.epoch, round=landed)
+        if self._in_flight is not None:
+            # the next round is due before this one ended: wait for it (the staleness bound)
+            landed = self._land(wait=True)
+            if not landed.ok and self.tracker.progress.epoch > self.epoch:
+                return self._after_failure(landed)
+            progress = self.tracker.progress
+            if not self.mode.wants_round(progress):
+                self._announce_round(progress)
+                return StepOutcome(self.epoch, round=landed)
+        launched = self.epoch
+        alone = self._launch(progress)
+        if alone is not None:
+            return StepOutcome(self.epoch, round=alone)
+        if self.config.max_staleness == 0:
+            landed = self._land(wait=True)
+            if not landed.ok and self.tracker.progress.epoch > self.epoch:
+                return self._after_failure(landed)
+            return StepOutcome(self.epoch, round=landed)
+        return StepOutcome(self.epoch, round=landed, launched=launched)
+
+    def _after_failure(self, outcome: RoundOutcome) -> StepOutcome:
         swarm_epoch = self.tracker.progress.epoch
-        if not outcome.ok and swarm_epoch > self.epoch:
-            resynced = self._resync(f"the swarm moved on to epoch {swarm_epoch}", min_epoch=swarm_epoch)
-            return replace(resynced, round=outcome)
-        return StepOutcome(self.epoch, round=outcome)
+        resynced = self._resync(f"the swarm moved on to epoch {swarm_epoch}", min_epoch=swarm_epoch)
+        return replace(resynced, round=outcome)
+
+    def flush(self) -> RoundOutcome | None:
+        """Waits for the round in flight, if any, and applies it (before a checkpoint or an
+        evaluation that should see every round, or at the end of training); returns its outcome."""
+        if self._in_flight is None:
+            return None
+        return self._land(wait=True)
 
     async def astep(self, batch_size: int | None = None) -> StepOutcome:
         """Awaitable `step` for code inside an event loop (runs it in a worker thread)."""
@@ -220,6 +282,7 @@ class Optimizer:
             min_epoch: refuse older states.
             digest: only download from peers whose state has this fingerprint.
         """
+        self._drop_in_flight()
         candidates = [c for c in self.tracker.peers_at(min_epoch) if digest is None or c.digest == digest]
         try:
             state = self.peer.run(download_state(self.peer, self.run_id, candidates, self.config.state_timeout,
@@ -242,40 +305,88 @@ class Optimizer:
 
     # -- rounds -------------------------------------------------------------------------------
 
-    def _run_round(self, progress: SwarmProgress) -> RoundOutcome:
+    def _launch(self, progress: SwarmProgress) -> RoundOutcome | None:
+        """Starts the round of this epoch on the peer's loop; a lone peer steps at once (returned)."""
         epoch, samples = self.epoch, self.mode.samples
-        what = "pseudo-gradients" if self.mode.name == "diloco" else "gradients"
+        staleness = epoch - self._window_opened
         started = time.monotonic()
         if progress.num_peers == 1:
             # nobody else reports progress: this peer's mean is the swarm's mean
             with self._lock:
-                self.mode.step_alone()
-            outcome = RoundOutcome(epoch, True, 1, 1, samples, time.monotonic() - started)
+                self.mode.prepare_round(epoch)
+                self.mode.step_alone(epoch)
+            outcome = RoundOutcome(epoch, True, 1, 1, samples, time.monotonic() - started, staleness=staleness)
             return self._finish_round(outcome, f"stepped alone (no other peer), {samples} samples")
         with self._lock:
-            weight = self.mode.prepare_round()
+            weight = self.mode.prepare_round(epoch)
+        averager = self.averagers[self.mode.fragment_of(epoch)]
+        future = self.peer.loop.submit(self._average(averager, epoch, weight, progress.num_peers))
+        self._in_flight = _InFlight(epoch, samples, self._window_opened, started, averager, future)
+        return None
+
+    def _land(self, wait: bool) -> RoundOutcome:
+        """Applies the round in flight (waiting for it first if `wait`), or takes its failure."""
+        flight = self._in_flight
+        assert flight is not None
+        what = "pseudo-gradients" if self.mode.name == "diloco" else "gradients"
+        fragment = f" (fragment {self.mode.fragment_of(flight.epoch)})" if len(self.averagers) > 1 else ""
+        staleness = self.epoch - flight.opened_at
+        waited = time.monotonic()
+        error: str | None = None
         try:
-            result = self.peer.run(self._average(weight, progress.num_peers),
-                                   timeout=self.config.averaging_timeout + 5.0)
-        except (SwarmError, TimeoutError) as e:
-            outcome = RoundOutcome(epoch, False, 0, 0, samples, time.monotonic() - started,
-                                   f"{type(e).__name__}: {e}")
+            result = flight.future.result(timeout=self.config.averaging_timeout + 5.0 if wait else 0.0)
+        except (SwarmError, TimeoutError, concurrent.futures.CancelledError) as e:
+            flight.future.cancel()
+            result, error = None, f"{type(e).__name__}: {e}"
+        finally:
+            self._in_flight = None
+            if wait:
+                self.idle_seconds += time.monotonic() - waited
+                self._meter.pause()
+        seconds = time.monotonic() - flight.started
+        if error is not None:
+            with self._lock:
+                if self.mode.samples == 0:
+                    self._window_opened = flight.opened_at
+                self._window_opened = min(self._window_opened, flight.opened_at)
+                self.mode.abort_round(flight.epoch)
+            outcome = RoundOutcome(flight.epoch, False, 0, 0, flight.samples, seconds, error, staleness)
             return self._finish_round(outcome, "")
         if result is None:
             with self._lock:
-                self.mode.step_alone()
-            outcome = RoundOutcome(epoch, True, 1, 1, samples, time.monotonic() - started)
+                self.mode.step_alone(flight.epoch)
+            outcome = RoundOutcome(flight.epoch, True, 1, 1, flight.samples, seconds, staleness=staleness)
             return self._finish_round(outcome, f"the other peers left during the round: stepped alone, "
-                                               f"{samples} local samples")
+                                               f"{flight.samples} local samples")
         with self._lock:
-            self.mode.apply_round()
+            self.mode.apply_round(flight.epoch)
         self.bytes_sent += result.bytes_sent
-        outcome = RoundOutcome(epoch, True, result.group_size, result.contributors, samples,
-                               time.monotonic() - started)
-        return self._finish_round(outcome, f"averaged {what} of {result.contributors}/{result.group_size} peers, "
-                                           f"{samples} local samples")
+        outcome = RoundOutcome(flight.epoch, True, result.group_size, result.contributors, flight.samples, seconds,
+                               staleness=staleness)
+        return self._finish_round(outcome, f"averaged {what}{fragment} of {result.contributors}/{result.group_size} "
+                                           f"peers, {flight.samples} local samples, staleness {staleness}")
 
-    async def _average(self, weight: float, expected_size: int) -> RoundResult | None:
+    def _drop_in_flight(self) -> None:
+        """Cancels the round in flight (this peer leaves, or loads another state) and waits for its end."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        flight.future.cancel()
+        try:
+            flight.future.result(timeout=5.0)
+        except (SwarmError, TimeoutError, concurrent.futures.CancelledError):
+            pass
+        with self._lock:
+            self.mode.abort_round(flight.epoch)
+
+    def _next_round_progress(self) -> SwarmProgress:
+        """The swarm's progress towards the next round this peer would start."""
+        if self._in_flight is None:
+            return self.tracker.progress
+        return self.tracker.progress_ahead(self._in_flight.epoch)
+
+    async def _average(self, averager: AveragerLike, epoch: int, weight: float,
+                       expected_size: int) -> RoundResult | None:
         """Runs the averaging round; returns None if every other peer leaves before it ends.
 
         While the round still looks for a group it also stops when the swarm moves past this
@@ -283,8 +394,7 @@ class Optimizer:
         `AveragingError` at once instead of waiting out the timeout; the step then downloads the
         swarm's state.
         """
-        epoch = self.epoch
-        round_task = asyncio.ensure_future(self.averager.astep(
+        round_task = asyncio.ensure_future(averager.astep(
             weight=weight, timeout=self.config.averaging_timeout, expected_size=expected_size,
             group_key=str(epoch)))
         watch_epoch = True
@@ -308,7 +418,7 @@ class Optimizer:
                     round_task.cancel()
                     await asyncio.gather(round_task, return_exceptions=True)
                     return None
-                if self.averager.abandon_matchmaking(f"the swarm moved on to epoch {progress.epoch}"):
+                if averager.abandon_matchmaking(f"the swarm moved on to epoch {progress.epoch}"):
                     return await round_task  # raises the AveragingError that names why
                 watch_epoch = False  # the group formed: its members count on this peer, finish the round
         finally:
@@ -323,19 +433,21 @@ class Optimizer:
         counts on slow links), and never beyond the averaging timeout. Runs in the background:
         the training step does not wait for the DHT.
         """
-        aannounce = getattr(self.averager, "aannounce", None)
-        if aannounce is None or self._announced_epoch == self.epoch or not math.isfinite(progress.eta):
+        epoch = self.epoch + (1 if self._in_flight is not None else 0)  # the next round this peer starts
+        averager = self.averagers[self.mode.fragment_of(epoch)]
+        aannounce = getattr(averager, "aannounce", None)
+        if aannounce is None or self._announced_epoch == epoch or not math.isfinite(progress.eta):
             return
-        rtt_of = getattr(self.averager, "round_trip", None)
+        rtt_of = getattr(averager, "round_trip", None)
         rtt = rtt_of() if rtt_of is not None else None
         horizon = min(self.config.averaging_timeout / 2,
                       max(2 * self.config.report_period, 50 * (rtt or 0.0)))
         if progress.eta > horizon:
             return
-        self._announced_epoch = self.epoch
+        self._announced_epoch = epoch
         logger.debug("[%s] epoch %d: announcing this peer for the round in %.2f s (horizon %.2f s, rtt %s)",
-                     self.run_id, self.epoch, progress.eta, horizon, f"{rtt:.4f}" if rtt is not None else "unknown")
-        future = self.peer.loop.submit(aannounce(progress.eta, str(self.epoch)))
+                     self.run_id, epoch, progress.eta, horizon, f"{rtt:.4f}" if rtt is not None else "unknown")
+        future = self.peer.loop.submit(aannounce(progress.eta, str(epoch)))
         future.add_done_callback(_log_announce_failure)
 
     def _finish_round(self, outcome: RoundOutcome, summary: str) -> RoundOutcome:
@@ -361,7 +473,6 @@ class Optimizer:
             if self.failed_rounds >= self.config.max_failed_rounds:
                 self.tracker.request_refresh()  # the swarm may have moved on without us
         self.history.append(outcome)
-        self._meter.pause()
         self._report(urgent=True)
         return outcome
 
@@ -393,6 +504,7 @@ class Optimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         loaded = TrainingState.from_wire(state["tensors"], state["metadata"])
+        self._drop_in_flight()
         with self._lock:
             self.mode.load_state(loaded)
             self.epoch = loaded.epoch
@@ -404,18 +516,22 @@ class Optimizer:
         if self._closed:
             return
         self._closed = True
+        if self._in_flight is not None:
+            self._in_flight.future.cancel()
         if self._state_server is not None:
             await self._state_server.ashutdown()
             self.peer.detach(self._state_server)
         await self.tracker.ashutdown()
-        try:
-            await self.averager.ashutdown()
-        except (SwarmError, RPCError, OSError):
-            logger.debug("averager shutdown failed", exc_info=True)
+        for averager in self.averagers:
+            try:
+                await averager.ashutdown()
+            except (SwarmError, RPCError, OSError):
+                logger.debug("averager shutdown failed", exc_info=True)
 
     def shutdown(self) -> None:
         """Leaves the run: withdraws this peer's progress record and stops serving its state."""
         if not self._closed and not self.peer.loop.loop.is_closed():
+            self._drop_in_flight()
             self.peer.run(self.ashutdown(), timeout=10)
         self.peer.detach(self)
 

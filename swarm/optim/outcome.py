@@ -15,8 +15,12 @@ class RoundOutcome:
         group_size: members of the averaging group (1 when this peer stepped alone).
         contributors: members whose tensors are in the mean.
         samples: this peer's samples in the round.
-        seconds: wall time of the round.
+        seconds: wall time of the round, from its start to its step (it overlaps compute when a
+            round may be in flight).
         error: why the round failed (None when ok).
+        staleness: epochs between the parameters the round's oldest gradients (or inner steps)
+            were computed on and the ones its step applied to: 0 when every round is waited for,
+            at most `CollaborationConfig.max_staleness` (1) with rounds in flight.
     """
 
     epoch: int
@@ -26,6 +30,7 @@ class RoundOutcome:
     samples: int
     seconds: float
     error: str | None = None
+    staleness: int = 0
 
 
 @dataclass(frozen=True)
@@ -38,12 +43,15 @@ class StepOutcome:
         state_loaded: this peer was behind (or held a state its epoch's majority does not) and
             downloaded the swarm's state.
         discarded_samples: local samples dropped because the swarm had moved on.
+        launched: the epoch of the round this call started averaging in the background (None
+            when it started none); its step applies in a later call.
     """
 
     epoch: int
     round: RoundOutcome | None = None
     state_loaded: bool = False
     discarded_samples: int = 0
+    launched: int | None = None
 
     @property
     def stepped(self) -> bool:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from swarm.core.errors import DHTError, SwarmError
 from swarm.core.loop import spawn
@@ -87,6 +88,18 @@ class ProgressTracker:
         """The swarm's progress as of now: the last reports read, with this peer's fresh one."""
         with self._lock:
             reports, local = list(self._reports.values()), self._local
+        return summarize(reports, local, self.config.target_batch_size, self.clock(),
+                         extrapolate_for=2 * self.config.report_period + self.config.max_refresh_period)
+
+    def progress_ahead(self, epoch: int) -> SwarmProgress:
+        """The swarm's progress towards the round after `epoch`'s, while that round is averaged.
+
+        The peers at `epoch` are averaging it (as this one is) and what they report is what they
+        accumulated since: it counts towards the next round, with the peers already past it.
+        """
+        with self._lock:
+            reports = [replace(r, epoch=epoch + 1) if r.epoch == epoch else r for r in self._reports.values()]
+            local = replace(self._local, epoch=max(self._local.epoch, epoch + 1))
         return summarize(reports, local, self.config.target_batch_size, self.clock(),
                          extrapolate_for=2 * self.config.report_period + self.config.max_refresh_period)
 

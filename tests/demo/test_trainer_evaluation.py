@@ -20,6 +20,6 @@ def test_an_evaluation_without_experts_is_a_notice_not_a_crash() -> None:
         trainer.report_evaluation(0.0)
     finally:
         trainer.close()
-    notices = [e for e in events if isinstance(e, Notice)]
+    notices = [e.message for e in events if isinstance(e, Notice) and not e.message.startswith("mode: ")]
     assert not any(isinstance(e, Evaluation) for e in events)
-    assert len(notices) == 1 and "skipped a held-out evaluation" in notices[0].message
+    assert len(notices) == 1 and "skipped a held-out evaluation" in notices[0], notices

@@ -205,6 +205,8 @@ def check_outputs(nb: Any, full_events: list[object], full_log: str) -> str:
 
     # joined: in client mode, and the DHT (read with `await`) shows the run's other trainer and the experts
     find(r"joined as 12D3KooW\w+ in client mode", everything)
+    # the mode the run's first trainer picked for its link (loopback: large-batch), followed and printed
+    find(r"mode: large-batch.*the run's mode", everything)
     assert int(find(r"peers in run 'swarm-demo': (\d+)", everything).group(1)) >= 2, everything
     find(r"experts of the mixture layer: 4 of 4 alive", everything)
 

@@ -47,3 +47,37 @@ def reference_params(epoch_samples: Sequence[Sequence[int]], data: tuple[torch.T
         if sched is not None:
             sched.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def replay_delayed(windows: Sequence[Sequence[tuple[int, Sequence[int]]]],
+                   data: tuple[torch.Tensor, torch.Tensor]) -> list[list[torch.Tensor]]:
+    """One process replaying delayed steps: the step out of epoch e applies the mean gradient of
+    window e's batches, each taken at the parameters of the epoch it was computed at (`version`).
+
+    Returns the parameters at every epoch (index 0: the initial ones).
+    """
+    x, y = data
+    model = make_model()
+    params = list(model.parameters())
+    opt = adam(params)
+    history = [[p.detach().clone() for p in params]]
+    for batches in windows:
+        current = [p.detach().clone() for p in params]
+        total = sum(len(idx) for _, idx in batches)
+        sums = [torch.zeros_like(p) for p in params]
+        for version, indices in batches:
+            with torch.no_grad():
+                for p, value in zip(params, history[version]):
+                    p.copy_(value)
+            model.zero_grad()
+            idx = torch.tensor(list(indices))
+            loss_on(model, x[idx], y[idx]).backward()
+            for s, p in zip(sums, params):
+                s.add_(p.grad, alpha=float(len(indices)))
+        with torch.no_grad():
+            for p, value, s in zip(params, current, sums):
+                p.copy_(value)
+                p.grad = s / total
+        opt.step()
+        history.append([p.detach().clone() for p in params])
+    return history

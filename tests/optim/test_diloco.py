@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
+import pytest
 import torch
 from optim_task import DATA_SIZE, loss_on, make_data, make_model
 
@@ -18,19 +20,23 @@ def inner(params):
     return torch.optim.Adam(params, lr=0.01)
 
 
-def test_diloco_converges_and_keeps_peers_identical(make_peer):
+@pytest.mark.parametrize(("staleness", "fragments"), [(0, 1), (1, 1), (1, 2)])
+def test_diloco_converges_and_keeps_peers_identical(make_peer, staleness, fragments):
+    # synchronous, overlapped, and overlapped with the parameters synced in two fragments in turn
     x, y = make_data()
     held_x, held_y = make_data(seed=1)
     models = [make_model() for _ in range(2)]
     diloco = DiLoCoConfig(local_steps=10, outer_lr=0.7, outer_momentum=0.9,
-                          compression=CompressionType.UNIFORM_8BIT)
+                          compression=CompressionType.UNIFORM_8BIT, fragments=fragments)
+    config = replace(FAST, max_staleness=staleness)
     opts = [Optimizer(make_peer(), run_id="dl", params=m.parameters(), optimizer=inner, diloco=diloco,
-                      config=FAST) for m in models]
+                      config=config) for m in models]
     assert all(o.wait_for_peers(2, timeout=10) for o in opts)
     with torch.no_grad():
         initial = loss_on(models[0], held_x, held_y).item()
-    rounds = 8
+    rounds = 8 * fragments
     snapshots: list[dict[int, list[torch.Tensor]]] = [{}, {}]
+    staleness_seen: list[set[int]] = [set(), set()]
 
     def run(i: int) -> None:
         g = torch.Generator().manual_seed(i)
@@ -41,7 +47,11 @@ def test_diloco_converges_and_keeps_peers_identical(make_peer):
             out = opt.step(16)
             opt.zero_grad()
             if out.round is not None and out.round.ok:
-                snapshots[i][opt.epoch] = [p.detach().clone() for p in model.parameters()]
+                # the outer parameters: identical on every peer at each epoch (local ones drift apart
+                # while a round is in flight; without overlap they restart from the outer ones)
+                shared = opt.mode.shared_tensors if staleness else list(model.parameters())
+                snapshots[i][opt.epoch] = [p.detach().clone() for p in shared]
+                staleness_seen[i].add(out.round.staleness)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
@@ -54,3 +64,10 @@ def test_diloco_converges_and_keeps_peers_identical(make_peer):
         final = loss_on(models[0], held_x, held_y).item()
     assert final < 0.3 * initial, (initial, final)
     assert all(h.ok and h.group_size == 2 for o in opts for h in o.history)
+    # a step never lands more than the stated bound late, and without overlap never late at all
+    assert all(seen <= set(range(staleness + 1)) for seen in staleness_seen), staleness_seen
+    if fragments > 1:
+        # each round carried one fragment: about half the model's bytes
+        numel = sum(p.numel() for p in models[0].parameters())
+        per_round = [opts[0].averagers[i].numel for i in range(fragments)]
+        assert sum(per_round) == numel and max(per_round) < numel, per_round

@@ -10,16 +10,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-from optim_task import DATA_SIZE, adam, loss_on, make_data, make_model, reference_params
+from optim_task import DATA_SIZE, adam, loss_on, make_data, make_model, reference_params, replay_delayed
 
 from swarm.averaging import Action, Averager, FaultPlan, FaultPoint
 from swarm.optim import CollaborationConfig, Optimizer
-from swarm.optim.averaging import SwarmAverager
+from swarm.optim.group_averaging import SwarmAverager
 
 BATCH = 16
 TARGET = 64
 FAST = CollaborationConfig(target_batch_size=TARGET, report_period=0.05, min_refresh_period=0.02,
                            max_refresh_period=0.2, averaging_timeout=10.0)
+SYNC = replace(FAST, max_staleness=0)  # every round waited for: exactly one process's steps
 
 
 def train(opt: Optimizer, model: torch.nn.Module, data, seed: int, epochs: int, record: dict) -> None:
@@ -47,7 +48,7 @@ def test_peers_take_identical_steps_equal_to_one_process(make_peer, num_peers):
     data = make_data()
     epochs = 6
     models = [make_model() for _ in range(num_peers)]
-    opts = [Optimizer(make_peer(), run_id="lb", params=m.parameters(), optimizer=adam, config=FAST) for m in models]
+    opts = [Optimizer(make_peer(), run_id="lb", params=m.parameters(), optimizer=adam, config=SYNC) for m in models]
     assert all(o.wait_for_peers(num_peers, timeout=10) for o in opts)
     records: list[dict] = [{} for _ in range(num_peers)]
     threads = [threading.Thread(target=train, args=(o, m, data, 100 + i, epochs, r))
@@ -68,6 +69,81 @@ def test_peers_take_identical_steps_equal_to_one_process(make_peer, num_peers):
         torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-4)
 
 
+def train_overlapped(opt: Optimizer, model: torch.nn.Module, data, seed: int, epochs: int, record: dict) -> None:
+    """Trains with rounds in flight, recording which parameters (epoch) each batch was computed on
+    and which round's window it went into."""
+    x, y = data
+    g = torch.Generator().manual_seed(seed)
+    open_window: list[tuple[int, list[int]]] = []
+    launched: list[list[tuple[int, list[int]]]] = []  # windows of the rounds in flight, oldest first
+    windows, params, outcomes = record.setdefault("windows", {}), record.setdefault("params", {}), []
+    params[0] = [p.detach().clone() for p in model.parameters()]
+    while opt.epoch < epochs:
+        idx = torch.randint(0, DATA_SIZE, (BATCH,), generator=g)
+        version = opt.epoch  # parameters change only inside step()
+        loss_on(model, x[idx], y[idx]).backward()
+        out = opt.step(BATCH)
+        opt.zero_grad()
+        assert not out.state_loaded, out
+        open_window.append((version, idx.tolist()))
+        if out.round is not None:
+            outcomes.append(out.round)
+            if out.launched is None and out.round.group_size == 1:
+                raise AssertionError(f"a peer stepped alone: {out.round}")
+            window = launched.pop(0)
+            if out.round.ok:
+                windows[out.round.epoch] = window
+                params[out.round.epoch + 1] = [p.detach().clone() for p in model.parameters()]
+            else:
+                open_window = window + open_window  # a failed round's batches are sent again
+        if out.launched is not None:
+            launched.append(open_window)
+            open_window = []
+            assert len(launched) == 1, "more than one round in flight"
+    record["outcomes"] = outcomes
+
+
+@pytest.mark.parametrize("num_peers", [2, 3])
+def test_overlapped_rounds_land_one_step_late_and_keep_peers_identical(make_peer, num_peers):
+    # max_staleness 1: each round averages while its peers compute the next batches; its step
+    # lands when the average arrives. Every peer holds the same parameters at every epoch, no step
+    # applies gradients more than one epoch old, and the result is exactly one process taking the
+    # same delayed steps.
+    data = make_data()
+    epochs = 6
+    models = [make_model() for _ in range(num_peers)]
+    opts = [Optimizer(make_peer(), run_id="dpu", params=m.parameters(), optimizer=adam, config=FAST)
+            for m in models]
+    assert all(o.config.max_staleness == 1 for o in opts)  # the default
+    assert all(o.wait_for_peers(num_peers, timeout=10) for o in opts)
+    records: list[dict] = [{} for _ in range(num_peers)]
+    threads = [threading.Thread(target=train_overlapped, args=(o, m, data, 200 + i, epochs, r))
+               for i, (o, m, r) in enumerate(zip(opts, models, records))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    for epoch in range(1, epochs + 1):
+        first = records[0]["params"][epoch]
+        for r in records[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(first, r["params"][epoch])), f"peers differ at {epoch}"
+    observed = set()
+    for r in records:
+        for outcome in r["outcomes"]:
+            if not outcome.ok:
+                continue
+            oldest = min(version for version, _ in r["windows"][outcome.epoch])
+            assert outcome.staleness == outcome.epoch - oldest, outcome  # the optimizer states it truly
+            assert outcome.staleness <= 1, outcome  # the bound
+            observed.add(outcome.staleness)
+    assert 1 in observed, "no round overlapped the trainers' compute"
+    windows = [[b for r in records for b in r["windows"][e]] for e in range(epochs)]
+    expected = replay_delayed(windows, data)
+    for got, want in zip(models[0].parameters(), expected[epochs]):
+        torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-4)
+
+
 def test_failed_round_is_retried_by_every_member(make_peer):
     data = make_data()
     models = [make_model() for _ in range(2)]
@@ -80,7 +156,7 @@ def test_failed_round_is_retried_by_every_member(make_peer):
         return lambda tensors, prefix: SwarmAverager(
             Averager(peer, tensors, prefix=prefix, target_group_size=2, faults=plan), 4.0)
 
-    opts = [Optimizer(p, run_id="retry", params=m.parameters(), optimizer=adam, config=FAST,
+    opts = [Optimizer(p, run_id="retry", params=m.parameters(), optimizer=adam, config=SYNC,
                       averager_factory=faulty_averager(p)) for p, m in zip(peers, models)]
     assert all(o.wait_for_peers(2, timeout=10) for o in opts)
     records: list[dict] = [{}, {}]
@@ -159,9 +235,9 @@ def test_peer_steps_alone_at_once_when_the_others_leave_during_its_round(make_pe
     opt_b.shutdown()
     thread.join(20)
     assert not thread.is_alive()
-    round_ = result["out"].round
+    round_ = opt_a.history[0]
     assert round_.ok and round_.group_size == 1 and round_.seconds < 20, round_
-    assert opt_a.epoch == 1
+    assert opt_a.epoch >= 1  # with the round in flight, the batches computed meanwhile may step alone next
     assert "the other peers left during the round" in caplog.text
 
 
@@ -175,12 +251,13 @@ def test_peer_looking_for_a_group_stops_when_the_swarm_moves_past_its_epoch(make
     opt_b = Optimizer(make_peer(), run_id="jump", params=model_b.parameters(), optimizer=adam, config=slow)
     assert opt_a.wait_for_peers(2, timeout=10) and opt_b.wait_for_peers(2, timeout=10)
     x, y = make_data()
-    result: dict = {}
+    result: dict = {"calls": 0}
 
     def train_b() -> None:
         while "out" not in result or result["out"].round is None:
             loss_on(model_b, x[:16], y[:16]).backward()
             result["out"] = opt_b.step(16)
+            result["calls"] += 1
             opt_b.zero_grad()
 
     thread = threading.Thread(target=train_b)
@@ -200,7 +277,10 @@ def test_peer_looking_for_a_group_stops_when_the_swarm_moves_past_its_epoch(make
     out = result["out"]
     assert not out.round.ok and "the swarm moved on to epoch 3" in out.round.error, out
     assert out.round.seconds < 20, out  # not the 60 s averaging timeout
-    assert out.state_loaded and opt_b.epoch == 3 and out.discarded_samples == 32, out
+    # B never stepped: every sample it took in is dropped (the round's 32, and with the round in
+    # flight, the batches computed while it looked for a group)
+    assert out.state_loaded and opt_b.epoch == 3 and out.discarded_samples == 16 * result["calls"], out
+    assert out.round.samples == 32
     assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
     assert opt_b.failed_rounds == 0  # moving on is not a fault: no re-synchronization countdown
 

@@ -3,7 +3,8 @@
     python trainer_proc.py --seed 1 --epochs 6 --out params.pt [--initial-peers MADDR] [--die-in-round N]
 
 Prints its address once ready, then `epoch N` after every collective step, and saves its
-parameters to --out before exiting 0. `--die-in-round N` SIGKILLs the process in the middle of
+parameters to --out before exiting 0, after one line per round (`round EPOCH ok|failed SECONDS
+STALENESS`) and `idle SECONDS` (how long its training loop waited for rounds). `--die-in-round N` SIGKILLs the process in the middle of
 the first averaging round from its N-th on (0-based) in which it sends a chunk to a group, through
 the averager's fault plan: a step that formed no group, or a group of one, sends nothing and so
 passes the kill on to the next round.
@@ -24,8 +25,10 @@ from optim_task import DATA_SIZE, adam, loss_on, make_data, make_model
 
 from swarm.averaging import Action, Averager, FaultPlan, FaultPoint
 from swarm.optim import CollaborationConfig, Optimizer
-from swarm.optim.averaging import SwarmAverager
+from swarm.optim.group_averaging import SwarmAverager
 from swarm.peer import Peer
+
+AVERAGING_TIMEOUT = 5.0
 
 
 def main() -> None:
@@ -45,8 +48,9 @@ def main() -> None:
     if args.die_in_round is not None:
         plan.add(FaultPoint.AFTER_CHUNKS_SENT, Action.KILL, after=1,
                  rounds=set(range(args.die_in_round, args.die_in_round + 1000)))
+    # rounds overlap compute (max_staleness 1, the default)
     config = CollaborationConfig(target_batch_size=256, report_period=0.1, max_refresh_period=0.5,
-                                 progress_expiration=2.0, averaging_timeout=5.0, matchmaking_window=0.5)
+                                 progress_expiration=2.0, averaging_timeout=AVERAGING_TIMEOUT, matchmaking_window=0.5)
     model = make_model()
     opt = Optimizer(peer, run_id="kill", params=model.parameters(), optimizer=adam, config=config,
                     averager_factory=lambda tensors, prefix: SwarmAverager(
@@ -63,6 +67,9 @@ def main() -> None:
         if out.stepped:
             print(f"epoch {opt.epoch}", flush=True)
     torch.save([p.detach() for p in model.parameters()], args.out)
+    for r in opt.history:
+        print(f"round {r.epoch} {'ok' if r.ok else 'failed'} {r.seconds:.3f} {r.staleness}", flush=True)
+    print(f"idle {opt.idle_seconds:.3f}", flush=True)
     print("done", flush=True)
     opt.shutdown()
     peer.shutdown()

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Benchmark: swarm's trainers against one plain process, with and without rounds overlapping compute.
+
+In one invocation, on the demo's byte-level LM (`swarm.demo.model`, mixture held locally) and the
+same data, each phase `--seconds` of wall time:
+
+1. one plain PyTorch process alone on the machine, with 1 and with all threads (the better counts);
+2. `--peers` swarm trainers x 1 torch thread in large-batch mode, every round waited for
+   (`max_staleness=0`);
+3. the same trainers with each round averaging while they compute the next batches
+   (`max_staleness=1`, the default).
+
+For each swarm phase: samples/s of all trainers over the plain process's, held-out loss over the
+plain process's, the share of a trainer's time in compute (forward, backward), in `step()` and
+waiting for its group, and where each trainer process's CPU went, by thread (the training thread,
+the peer's loop, executor threads, native gRPC/OpenMP threads).
+
+    .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+_spec = importlib.util.spec_from_file_location("bench_training", HERE / "bench_training.py")
+assert _spec is not None and _spec.loader is not None
+bench_training = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_training)
+
+
+def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) -> None:
+    total = sum(r["samples_per_s"] for r in results)
+    loss = statistics.mean(r["final_loss"] for r in results)
+    compute = statistics.mean(r["compute_s"] / r["elapsed"] for r in results)
+    idle = statistics.mean(r["idle_s"] / r["elapsed"] for r in results)
+    step = statistics.mean(r["step_s"] / r["elapsed"] for r in results)
+    cpu: dict[str, float] = {}
+    for r in results:
+        for thread, seconds in r["cpu"].items():
+            cpu[thread] = cpu.get(thread, 0.0) + seconds / len(results)
+    cpu_total = sum(cpu.values()) or 1.0
+    # samples per CPU-second, all trainers' CPU counted: the machine's other load does not enter it
+    per_cpu = sum(r["samples"] for r in results) / (cpu_total * len(results))
+    plain_per_cpu = plain["samples"] / plain["cpu_s"]
+    shares = ", ".join(f"{thread} {seconds / cpu_total:.0%}" for thread, seconds in
+                       sorted(cpu.items(), key=lambda kv: -kv[1]) if seconds / cpu_total >= 0.005)
+    print(f"{name}: {total:.1f} samples/s in all = {total / plain['samples_per_s']:.2f}x the plain process; "
+          f"held-out loss {loss:.3f} = {loss / plain['loss']:.3f}x; {results[0]['epochs']} collective steps, "
+          f"staleness {sorted({s for r in results for s in r['staleness']})}, failed rounds "
+          f"{sum(r['failed_rounds'] for r in results)}", flush=True)
+    print(f"  {per_cpu:.1f} samples per CPU-second = {per_cpu / plain_per_cpu:.2f}x the plain process's "
+          f"{plain_per_cpu:.1f}", flush=True)
+    print(f"  per trainer: {compute:.0%} of wall time in compute, {step:.1%} in step() "
+          f"({idle:.1%} waiting for its group); CPU {cpu_total:.1f} s per process: {shares}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=int, default=60)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--target-batch", type=int, default=512)
+    parser.add_argument("--skip-sync", action="store_true", help="leave out the max_staleness=0 phase")
+    args = parser.parse_args()
+    seconds = str(args.seconds)
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    plains = [(threads, bench_training.run_workers("plain", 1, ["--max-seconds", seconds, "--threads", str(threads)],
+                                                   args.seconds + 120)[0])
+              for threads in sorted({1, os.cpu_count() or 1})]
+    for threads, result in plains:
+        print(f"one plain process, {threads} thread(s): {result['samples_per_s']:.1f} samples/s, held-out loss "
+              f"{result['loss']:.3f} after {args.seconds} s", flush=True)
+    threads, plain = max(plains, key=lambda tr: tr[1]["samples_per_s"])
+    common = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(args.target_batch)]
+    for staleness in ([1] if args.skip_sync else [0, 1]):
+        results = bench_training.run_workers("swarm", args.peers, [*common, "--max-staleness", str(staleness)],
+                                             args.seconds + 180)
+        describe(f"{args.peers} trainers, max_staleness={staleness}", results, plain)
+    print(f"baseline: the plain process with {threads} thread(s); load average after: {os.getloadavg()}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
