@@ -32,6 +32,7 @@ from swarm.averaging.group import GroupInfo, MemberInfo
 from swarm.averaging.matchmaking import Matchmaking, MatchmakingConfig
 from swarm.averaging.partition import FlatTensors, schema_digest
 from swarm.averaging.parts import RoundFailed, scratch_numel
+from swarm.averaging.reputation import Reputation, ReputationConfig
 from swarm.averaging.service import REPORT, VERIFY, AveragingService, RoundEntry
 from swarm.averaging.timing import clamp
 from swarm.averaging.verification import Verdict
@@ -114,12 +115,15 @@ class AveragerConfig:
         matchmaking: group sizes and waits.
         compression: wire codec for the tensors (a `swarm.compression.CompressionType`).
         bandwidth: this peer's relative bandwidth; parts are sized in proportion to it.
+        reputation: in robust mode, when a contributor clipped hard is kept out of the groups
+            this peer leads (`swarm.averaging.reputation`).
     """
 
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
     compression: CompressionType = CompressionType.NONE
     bandwidth: float = 1.0
+    reputation: ReputationConfig = field(default_factory=ReputationConfig)
 
     def __post_init__(self) -> None:
         try:
@@ -204,6 +208,9 @@ class Averager:
             peer, prefix, self.schema, self.numel, election, self.config.matchmaking,
             self.config.compression, self.config.allreduce.chunk_bytes,
         )
+        self.reputation = Reputation(peer.peer_id, self.config.reputation)
+        if self.config.allreduce.robust:
+            self.matchmaking.refuse = self.reputation.refusal
         peer.attach(self)
 
     # -- public API --------------------------------------------------------------------------
@@ -320,6 +327,10 @@ class Averager:
                 group = await self._form_group(me, timeout, expected_size)
                 self._formed = True
                 result = await self._run_round(group, deadline)
+                for peer_id in self.reputation.observe(result.clipped):
+                    logger.warning("averager %s: excluding %s from the groups it leads for %.0f s (clipped hard "
+                                   "in %d rounds)", self.prefix, peer_id, self.config.reputation.exclusion,
+                                   self.config.reputation.strikes)
                 AVERAGING_ROUNDS.labels(outcome="succeeded").inc()
                 return result
             except FaultInjected as e:
