@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from swarm.averaging.config import AGGREGATIONS
 from swarm.compression import CompressionType
 from swarm.core.errors import ConfigError
 
@@ -43,6 +44,9 @@ class CollaborationConfig:
         state_timeout: seconds a state download (parameters, optimizer state) may take.
         load_state_on_start: download the swarm's current state when this peer starts.
         gradient_compression: wire format of averaged gradients.
+        aggregation: how groups combine what they average (gradients, or DiLoCo's pseudo-gradients):
+            "mean", or "centered_clip" for byzantine-robust averaging (`swarm.averaging.robust`;
+            every peer of a run must use the same).
     """
 
     target_batch_size: int | None = None
@@ -57,8 +61,11 @@ class CollaborationConfig:
     state_timeout: float = 60.0
     load_state_on_start: bool = True
     gradient_compression: CompressionType = CompressionType.NONE
+    aggregation: str = "mean"
 
     def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.target_batch_size is not None and (
             not isinstance(self.target_batch_size, int) or self.target_batch_size < 1
         ):
