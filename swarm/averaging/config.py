@@ -64,7 +64,7 @@ class AllReduceConfig:
     bulk: bool = True
     aggregation: str = "mean"
     clip_tau: float | None = None
-    clip_tau_scale: float = 1.5
+    clip_tau_scale: float = 1.0
     clip_iterations: int = 20
     clip_tolerance: float = 1e-3
     verify: bool | None = None

@@ -9,7 +9,7 @@ its `ResultHeader`:
 - `digest`: blake2b-16 of the part's float32 values;
 - `clip_scales`, `clip_tau`, `clip_step`: CenteredClip's outcome (robust mode), hence the `a_i`;
 - `sketches`: per contributor, `SKETCHES` projections `<r_l, x_i>` of the input it received, on
-  Gaussian vectors `r_l` seeded by (round, part, digest): fixed only once the result is, so a
+  random sign vectors `r_l` seeded by (round, part, digest): fixed only once the result is, so a
   reducer cannot aim a lie at the vectors' blind spots without changing them (Fiat-Shamir).
 
 A member that holds part j checks (`check_part`, no networking): the values match the digest;
@@ -68,8 +68,13 @@ def _seed(round_id: bytes, part: int, digest: bytes) -> int:
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
+# row k: the signs of the SKETCHES vectors at a coordinate whose random nibble is k
+_SIGNS = torch.tensor([[1.0 if (k >> bit) & 1 else -1.0 for bit in range(SKETCHES)] for k in range(1 << SKETCHES)])
+
+
 def sketch(inputs: Sequence[torch.Tensor], round_id: bytes, part: int, digest: bytes) -> torch.Tensor:
-    """(len(inputs), SKETCHES) float64 projections of equal-length 1-D tensors on the part's vectors."""
+    """(len(inputs), SKETCHES) float64 projections of equal-length 1-D tensors on the part's random
+    sign (Rademacher) vectors: one random nibble per coordinate gives its sign in every vector."""
     n = len(inputs)
     out = torch.zeros(n, SKETCHES, dtype=torch.float64)
     if not n:
@@ -78,9 +83,10 @@ def sketch(inputs: Sequence[torch.Tensor], round_id: bytes, part: int, digest: b
     gen = torch.Generator().manual_seed(_seed(round_id, part, digest))
     for a in range(0, size, SKETCH_BLOCK):
         b = min(a + SKETCH_BLOCK, size)
-        r = torch.randn(SKETCHES, b - a, generator=gen)
-        block = torch.stack([x[a:b] for x in inputs], dim=1)  # (b - a, n)
-        out += (r @ block).T.double()
+        nibbles = torch.randint(0, 1 << SKETCHES, (b - a,), dtype=torch.uint8, generator=gen)
+        signs = _SIGNS.index_select(0, nibbles.long())         # (b - a, SKETCHES)
+        block = torch.stack([x[a:b] for x in inputs])          # (n, b - a)
+        out += (block @ signs).double()
     return out
 
 
