@@ -383,7 +383,7 @@ class Averager:
             self.flat.refresh()
         scratch = await self._scratch.acquire(scratch_numel(group, my_index))
         end = t0 + timeout  # waiting for the buffer does not move the round's end
-        verdict, verify = self._verification(group, cfg, end)
+        verdict, verify = self._verification(group, cfg, end, coordinator)
         allreduce = ButterflyAllReduce(self.peer, group, self.flat, scratch, cfg, self.faults, end - loop.time(), report,
                                        verify=verify)
         self.service.register(group.prefix, group.round_id, RoundEntry(allreduce, coordinator, verdict))
@@ -404,7 +404,8 @@ class Averager:
         clipping = clipping_of(allreduce, decision) if cfg.robust else None
         return AveragingResult.from_decision(group, decision, clipping)
 
-    def _verification(self, group: GroupInfo, cfg: AllReduceConfig, end: float) -> tuple[Verdict | None, Any]:
+    def _verification(self, group: GroupInfo, cfg: AllReduceConfig, end: float,
+                      coordinator: Coordinator | None) -> tuple[Verdict | None, Any]:
         """Verified rounds: the leader's verdict collector (on the leader) and the members' audit step."""
         if not cfg.verified:
             return None, None
@@ -413,8 +414,13 @@ class Averager:
         if group.index_of(self.peer.peer_id) == 0:
             # members finish at about the same time; one gone after the decision costs at most this
             until = min(end - 0.05 * group.timeout, loop.time() + cfg.give_up_decision * group.timeout)
-            expected = frozenset(i for i in group.senders if group.members[i].weight > 0)
-            verdict = Verdict(group, expected, until)
+            assert coordinator is not None
+
+            def expected() -> frozenset[int]:
+                decision = coordinator.decision
+                return frozenset(decision.contributors) if decision is not None else frozenset(group.senders)
+
+            verdict = Verdict(group, expected, until, grace=cfg.sender_timeout)
             ask = verdict.submit
         else:
             async def ask(report: Any) -> Any:

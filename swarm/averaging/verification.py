@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -173,22 +173,33 @@ class Verdict:
 
     Args:
         group: the round's group.
-        expected: member indices that will report (the round's senders).
+        expected: member indices whose reports it waits for: the decision's contributors (they
+            all held data moments ago), given by the leader's coordinator once it decided.
+        until: loop time after which the verdict is given without the reports still missing.
+        grace: seconds after the first report after which it is given all the same (members
+            hold every part at about the same time; the first are waiting on it).
     """
 
     group: GroupInfo
-    expected: frozenset[int]
-    until: float  # loop time after which the verdict is given without the reports still missing
+    expected: Callable[[], frozenset[int]]
+    until: float
+    grace: float = math.inf
     reports: dict[int, averaging_pb2.VerifyReport] = field(default_factory=dict)
     _all_in: asyncio.Event = field(default_factory=asyncio.Event)
     _verdict: averaging_pb2.VerifyVerdict | None = None
+    _first: float | None = None
 
     async def submit(self, report: averaging_pb2.VerifyReport) -> averaging_pb2.VerifyVerdict:
-        """Records one member's report; waits for the others (until `until`), then answers the verdict."""
-        wait = self.until - asyncio.get_running_loop().time()
-        if report.member in self.expected:
+        """Records one member's report; waits for the others (until `until`, or `grace` after the
+        first report), then answers the verdict."""
+        now = asyncio.get_running_loop().time()
+        if self._first is None:
+            self._first = now
+        wait = min(self.until, self._first + self.grace) - now
+        expected = self.expected()
+        if 0 <= report.member < len(self.group.members):
             self.reports.setdefault(report.member, report)
-        if self.expected <= set(self.reports):
+        if expected <= set(self.reports):
             self._all_in.set()
         try:
             await asyncio.wait_for(self._all_in.wait(), max(0.0, wait))

@@ -159,3 +159,26 @@ def test_a_contributor_clipped_hard_in_several_rounds_is_kept_out_of_the_leaders
     finally:
         for p in peers:
             p.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("config", [ROBUST, PLAIN], ids=["robust", "plain"])
+def test_a_verified_robust_round_goes_on_without_a_member_that_never_shows(group, config):
+    inputs = _honest_inputs(seed=11)
+    leader = min(range(N), key=lambda i: group[i].peer_id)
+    absent = (leader + 1) % N
+    tensors = [[x.clone()] for x in inputs]
+    avgs = _averagers(group, tensors, config)
+    present = [a for i, a in enumerate(avgs) if i != absent]
+    try:
+        results = run_steps(present, timeout=20.0, expected_size=N - 1)
+    finally:
+        for a in avgs:
+            a.shutdown()
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert all(group[absent].peer_id not in r.group for r in results)
+    outs = [t[0] for i, t in enumerate(tensors) if i != absent]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    honest_mean = sum(inputs[i] for i in range(N) if i != absent) / (N - 1)
+    assert float((outs[0] - honest_mean).norm()) < 1e-3 * float(honest_mean.norm())  # nobody clipped
+    assert torch.equal(tensors[absent][0], inputs[absent])

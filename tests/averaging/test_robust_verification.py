@@ -109,7 +109,7 @@ def _group(n=4):
 
 def _verdict(reports, expected=(0, 1, 2, 3)):
     async def run():
-        v = Verdict(_group(), frozenset(expected), asyncio.get_running_loop().time() + 1.0)
+        v = Verdict(_group(), lambda: frozenset(expected), asyncio.get_running_loop().time() + 1.0)
         answers = await asyncio.gather(*(v.submit(r) for r in reports))
         assert all(a == answers[0] for a in answers)  # one verdict for everyone
         return answers[0]
@@ -138,3 +138,16 @@ def test_verdict_names_an_equivocating_reducer_and_an_accused_one():
 def test_verdict_does_not_wait_past_its_time_for_a_missing_member():
     d = [b"a", b"b", b"c", b"d"]
     assert _verdict([_report(i, d) for i in range(3)]).ok
+
+
+def test_verdict_waits_only_its_grace_after_the_first_report():
+    async def run():
+        loop = asyncio.get_running_loop()
+        v = Verdict(_group(), lambda: frozenset(range(4)), loop.time() + 60.0, grace=0.2)
+        d = [b"a", b"b", b"c", b"d"]
+        started = loop.time()
+        answers = await asyncio.wait_for(asyncio.gather(*(v.submit(_report(i, d)) for i in range(3))), 10.0)
+        return answers, loop.time() - started
+
+    answers, took = asyncio.run(run())
+    assert all(a.ok for a in answers) and took < 30.0  # not the 60 s of `until`
