@@ -269,7 +269,7 @@ class Matchmaking:
     async def rpc_join(self, request: averaging_pb2.JoinRequest, ctx: CallContext) -> averaging_pb2.JoinResponse:
         """A follower asks to be in this peer's next group (answered when the group forms)."""
         if request.schema != self.schema or request.numel != self.numel:
-            return averaging_pb2.JoinResponse(accepted=False, reason="schema mismatch: different tensors")
+            return averaging_pb2.JoinResponse(accepted=False, reason="schema mismatch: different tensors or aggregation settings")
         try:
             member = MemberInfo.from_proto(request.member)
         except ConfigError as e:

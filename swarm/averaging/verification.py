@@ -41,6 +41,10 @@ SKETCHES = 4                 # projections per input
 SKETCH_BLOCK = 1 << 16       # columns of the projection vectors generated at once
 SKETCH_RTOL = 1e-4           # float32 reorderings stay far below; a lie must hide under it in every sketch
 PULL_SLACK = 3.0             # allowed |c_i| * estimated distance, in units of (tau + step)
+# A lossy codec sends the part as the codec rounds it, so the combination check allows the
+# codec's own error, relative to the part's scale (the codecs' bounds on values of order 1): a
+# lie within it passes, as the codec's rounding does.
+CODEC_RTOL = {0: SKETCH_RTOL, 1: 2e-3, 2: 2e-3, 3: 0.03, 4: 0.25}
 
 
 class ReducerLied(RoundFailed):
@@ -114,7 +118,7 @@ class PartClaim:
 
 def check_part(
     claim: PartClaim, values: torch.Tensor, own: torch.Tensor | None, me: int, contributors: Sequence[int],
-    weights: Sequence[float], round_id: bytes, part: int, robust: bool, tau: float | None,
+    weights: Sequence[float], round_id: bytes, part: int, robust: bool, tau: float | None, codec: int = 0,
 ) -> str:
     """A member's checks of one part it holds; returns why it fails ("" when it passes).
 
@@ -126,6 +130,7 @@ def check_part(
         round_id, part: which part.
         robust: robust mode (clip scales published) or the plain mean.
         tau: the agreed absolute radius, or None (auto: not checkable here).
+        codec: the round's wire codec (`CompressionType` value): how much rounding to allow.
     """
     if part_digest(values) != claim.digest:
         return "the values differ from the digest published with them"
@@ -150,13 +155,15 @@ def check_part(
         if float((claim.sketches[k] - mine[1]).abs().max()) > allowed:
             return "the input it claims to have received from this member is not what this member sent"
         if robust:
-            d = float(torch.linalg.vector_norm(own - values))
-            least = 1.0 if d + claim.step <= claim.tau else claim.tau / (d + claim.step)
+            d = float(torch.linalg.vector_norm(own - values)) + claim.step
+            if codec:  # the values held are the codec's rounding of the result
+                d += CODEC_RTOL.get(codec, 1.0) * float(torch.linalg.vector_norm(values))
+            least = 1.0 if d <= claim.tau else claim.tau / d
             if scales[k] < least * (1 - 1e-6):
                 return f"this member's input clipped to {scales[k]:.3g}, its distance allows {least:.3g}"
     combined = sum(a * claim.sketches[i] for i, a in enumerate(coefficients))
     scale = sum(a * float(claim.sketches[i].norm()) for i, a in enumerate(coefficients)) + float(result_sketch.norm())
-    if float((combined - result_sketch).abs().max()) > SKETCH_RTOL * scale + 1e-30:
+    if float((combined - result_sketch).abs().max()) > CODEC_RTOL.get(codec, 1.0) * scale + 1e-30:
         return "the part is not the published combination of the inputs received"
     if robust:
         limit = PULL_SLACK * (claim.tau + claim.step)

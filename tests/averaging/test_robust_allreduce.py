@@ -20,6 +20,7 @@ from swarm.averaging import AllReduceConfig, Averager, AveragerConfig, Matchmaki
 from swarm.averaging.faults import Action, FaultPlan, FaultPoint
 from swarm.averaging.reputation import Reputation, ReputationConfig
 from swarm.averaging.verification import ReducerLied
+from swarm.compression import CompressionType
 from swarm.peer import Peer
 
 N = 8
@@ -182,3 +183,26 @@ def test_a_verified_robust_round_goes_on_without_a_member_that_never_shows(group
     honest_mean = sum(inputs[i] for i in range(N) if i != absent) / (N - 1)
     assert float((outs[0] - honest_mean).norm()) < 1e-3 * float(honest_mean.norm())  # nobody clipped
     assert torch.equal(tensors[absent][0], inputs[absent])
+
+
+@pytest.mark.timeout(120)
+def test_robust_mode_with_a_lossy_codec_and_a_client_mode_member_passes_its_checks():
+    peers = [Peer(client_mode=(i == 3)) for i in range(4)]
+    try:
+        inputs = _honest_inputs(seed=5)[:4]
+        inputs[2] = inputs[2] * 1000
+        tensors = [[x.clone()] for x in inputs]
+        config = AveragerConfig(allreduce=AllReduceConfig(aggregation="centered_clip", chunk_bytes=16384),
+                                compression=CompressionType.UNIFORM_8BIT, matchmaking=ROOMY)
+        addrs = [p.addrs[0] for p in peers if p.addrs]
+        avgs = [Averager(p, t, prefix="lossy", target_group_size=4, initial_group=addrs, config=config)
+                for p, t in zip(peers, tensors)]
+        results = run_steps(avgs, timeout=20.0)
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert all(torch.equal(t[0], tensors[0][0]) for t in tensors)
+        assert results[0].clipped[peers[2].peer_id] > 0.5
+        honest = (inputs[0] + inputs[1] + inputs[3]) / 3
+        assert float((tensors[0][0] - honest).norm()) < 0.5 * float(honest.norm())
+    finally:
+        for p in peers:
+            p.shutdown()
