@@ -2,6 +2,9 @@
 
     avg = Averager(peer, tensors, prefix="run", target_group_size=4, initial_group=[...])
     result = avg.step(timeout=30)     # AveragingResult, or raises AveragingError
+
+Byzantine-robust mode: `AveragerConfig(allreduce=AllReduceConfig(aggregation="centered_clip"))`
+(docs/architecture.md, "Robust averaging"); a reducer caught lying raises `ReducerLied`.
 """
 
 from swarm.averaging.agreement import Decision
@@ -13,7 +16,9 @@ from swarm.averaging.group import GroupInfo, MemberInfo
 from swarm.averaging.matchmaking import MatchmakingConfig
 from swarm.averaging.moshpit import moshpit_group_key
 from swarm.averaging.parts import RoundFailed
+from swarm.averaging.reputation import ReputationConfig
 from swarm.averaging.state import State, StateServer, aload_state_from_peers, load_state_from_peers
+from swarm.averaging.verification import ReducerLied
 
 __all__ = [
     "Action",
@@ -28,6 +33,8 @@ __all__ = [
     "GroupInfo",
     "MatchmakingConfig",
     "MemberInfo",
+    "ReducerLied",
+    "ReputationConfig",
     "RoundFailed",
     "State",
     "StateServer",

@@ -64,9 +64,10 @@ class ButterflyAllReduce:
 
     def __init__(
         self, peer: PeerHandle, group: GroupInfo, flat: FlatTensors | None, scratch: torch.Tensor,
-        config: AllReduceConfig, faults: FaultPlan, timeout: float, report: Any,
+        config: AllReduceConfig, faults: FaultPlan, timeout: float, report: Any, verify: Any = None,
     ) -> None:
         self.peer, self.group, self.flat, self.config, self.faults = peer, group, flat, config, faults
+        self.verify = verify  # verified rounds: `verification.verify_round`-like check before applying
         self.my_index = group.index_of(peer.peer_id)
         self.me = group.members[self.my_index]
         self.codec: Codec = get_codec(group.compression)
@@ -119,6 +120,8 @@ class ButterflyAllReduce:
                         p.exchange = spawn(self._exchange(p), name=f"avg-x-{self.round_tag}-p{p.index}")
                         self._tasks.append(p.exchange)
                 decision = await self._gather()
+                if self.verify is not None:
+                    await self.verify(self, decision)  # raises `ReducerLied` for everyone alike
                 logger.debug("round %s: all parts in after %.3f s", self.round_tag, asyncio.get_running_loop().time() - self.t0)
                 await self.faults.hit(FaultPoint.BEFORE_APPLY)
                 late = asyncio.get_running_loop().time() - self.deadline
@@ -326,6 +329,7 @@ class ButterflyAllReduce:
             p.last_progress = asyncio.get_running_loop().time()
             if header is None:
                 header = averaging_pb2.ResultHeader.FromString(message)
+                p.claim = header
                 if header.decision and not p.decision:
                     p.decision = header.decision  # known decided: a stall from here on is a lost reducer
                     self._changed.set()
@@ -403,10 +407,12 @@ async def fetch_part(ar: ButterflyAllReduce, p: Part) -> None:
     tasks = [asyncio.ensure_future(_fetch_from(ar, p, i)) for i in candidates]
     winner: torch.Tensor | None = None
     decision = b""
+    header: averaging_pb2.ResultHeader | None = None
     try:
         for next_done in asyncio.as_completed(tasks):
             try:
-                values, decision = await next_done
+                values, header = await next_done
+                decision = header.decision
             except Exception as e:  # noqa: BLE001 - that holder does not have it
                 logger.debug("fetch of part %d failed: %s", p.index, e)
                 continue
@@ -423,9 +429,10 @@ async def fetch_part(ar: ButterflyAllReduce, p: Part) -> None:
     if ar.reducer is not None:
         await ar.reducer.slots_released.wait()
     p.values.copy_(winner)
+    p.claim = header
     ar.resolve(p, PartState.COMPLETE, decision=decision)
 
-async def _fetch_from(ar: ButterflyAllReduce, p: Part, holder: int) -> tuple[torch.Tensor, bytes]:
+async def _fetch_from(ar: ButterflyAllReduce, p: Part, holder: int) -> tuple[torch.Tensor, averaging_pb2.ResultHeader]:
     loop = asyncio.get_running_loop()
     member = ar.group.members[holder]
     request = averaging_pb2.FetchRequest(prefix=ar.group.prefix, round_id=ar.group.round_id, part=p.index)
@@ -444,7 +451,7 @@ async def _fetch_from(ar: ButterflyAllReduce, p: Part, holder: int) -> tuple[tor
         i += 1
     if header is None or i != len(bounds):
         raise NotFound(f"member {member.peer_id[-8:]} sent part {p.index} incomplete")
-    return values, header.decision
+    return values, header
 
 async def serve_part(ar: ButterflyAllReduce, part: int) -> AsyncIterator[bytes]:
     """Streams part `part` as this member holds it (raw float32), waiting until it is resolved."""
@@ -466,11 +473,21 @@ async def serve_part(ar: ButterflyAllReduce, part: int) -> AsyncIterator[bytes]:
         if ar.reducer.aborted or ar.reducer.decision is None:
             raise NotFound(f"part {part} was not averaged here")
         values, decision = ar.reducer.result(), ar.reducer.decision.to_bytes()
+        claim = ar.reducer.claim_fields()
     else:
         if p.state is not PartState.COMPLETE or p.values is None:
             raise NotFound(f"this member does not hold part {part}")
         values, decision = p.values, p.decision
-    yield averaging_pb2.ResultHeader(decision=decision, part=part, compression=0).SerializeToString()
+        claim = claim_fields_of(p.claim)
+    yield averaging_pb2.ResultHeader(decision=decision, part=part, compression=0, **claim).SerializeToString()
     for a, b in chunk_bounds(p.size, _FETCH_CODEC.chunk_numel(ar.config.chunk_bytes)):
         yield _FETCH_CODEC.encode(values[a:b])
 
+
+
+def claim_fields_of(header: averaging_pb2.ResultHeader | None) -> dict[str, Any]:
+    """The robust and verification fields of a received `ResultHeader`, to pass on with a fetched part."""
+    if header is None:
+        return {}
+    return {"clip_scales": list(header.clip_scales), "clip_tau": header.clip_tau, "clip_step": header.clip_step,
+            "digest": header.digest, "sketches": list(header.sketches)}

@@ -23,22 +23,26 @@ import torch
 
 from swarm.averaging.agreement import Coordinator, Decision
 from swarm.averaging.allreduce import ButterflyAllReduce
+from swarm.averaging.audit import audit_round
 from swarm.averaging.buffers import ScratchPool
-from swarm.averaging.config import AllReduceConfig
+from swarm.averaging.config import AllReduceConfig, fold_schema
 from swarm.averaging.election import DHTElection, Election, StaticElection
 from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
 from swarm.averaging.group import GroupInfo, MemberInfo
 from swarm.averaging.matchmaking import Matchmaking, MatchmakingConfig
 from swarm.averaging.partition import FlatTensors, schema_digest
 from swarm.averaging.parts import RoundFailed, scratch_numel
-from swarm.averaging.service import REPORT, AveragingService, RoundEntry
+from swarm.averaging.reputation import Reputation, ReputationConfig
+from swarm.averaging.service import REPORT, VERIFY, AveragingService, RoundEntry
 from swarm.averaging.timing import clamp
+from swarm.averaging.verification import Verdict
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.metrics import AVERAGING_ROUNDS
+from swarm.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,10 @@ class AveragingResult:
         contributors: PeerIDs whose tensors are in the mean.
         weights: weight of each contributor.
         excluded: PeerID -> why its tensors are not in the mean (stalled, died, non-finite, ...).
+        clipped: robust mode: PeerID -> how much of each contributor's input CenteredClip cut away,
+            averaged over the parts by their sizes (0: none; 0.9: its distance from the centre
+            counted for a tenth); empty in plain mode.
+        clip_tau: robust mode: the clipping radius of each part, in part order.
     """
 
     round_id: str
@@ -60,16 +68,42 @@ class AveragingResult:
     contributors: tuple[str, ...]
     weights: dict[str, float]
     excluded: dict[str, str] = field(default_factory=dict)
+    clipped: dict[str, float] = field(default_factory=dict)
+    clip_tau: tuple[float, ...] = ()
 
     @classmethod
-    def from_decision(cls, group: GroupInfo, decision: Decision) -> AveragingResult:
+    def from_decision(cls, group: GroupInfo, decision: Decision,
+                      clipping: tuple[dict[int, float], tuple[float, ...]] | None = None) -> AveragingResult:
         ids = group.peer_ids
+        clipped, taus = clipping or ({}, ())
         return cls(
             round_id=group.round_id.hex(), group=ids,
             contributors=tuple(ids[i] for i in decision.contributors),
             weights={ids[i]: w for i, w in zip(decision.contributors, decision.weights)},
             excluded={ids[i]: reason for i, reason in decision.excluded.items()},
+            clipped={ids[i]: c for i, c in clipped.items()}, clip_tau=taus,
         )
+
+
+def clipping_of(allreduce: ButterflyAllReduce, decision: Decision) -> tuple[dict[int, float], tuple[float, ...]]:
+    """Robust mode: (member index -> share clipped away, by part size; each part's radius), from the
+    clip scales its reducer published (the same on every member)."""
+    cut = dict.fromkeys(decision.contributors, 0.0)
+    taus: list[float] = []
+    total = 0
+    for p in allreduce.parts:
+        if p.index == allreduce.my_part and allreduce.reducer is not None and allreduce.reducer.clip is not None:
+            scales, tau = allreduce.reducer.clip.scales, allreduce.reducer.clip.tau
+        elif p.claim is not None:
+            scales, tau = tuple(p.claim.clip_scales), p.claim.clip_tau
+        else:
+            scales, tau = (), 0.0
+        taus.append(tau)
+        if p.size and len(scales) == len(decision.contributors):
+            total += p.size
+            for i, c in zip(decision.contributors, scales):
+                cut[i] += p.size * (1.0 - c)
+    return ({i: v / total for i, v in cut.items()} if total else dict.fromkeys(cut, 0.0)), tuple(taus)
 
 
 @dataclass(frozen=True)
@@ -81,12 +115,15 @@ class AveragerConfig:
         matchmaking: group sizes and waits.
         compression: wire codec for the tensors (a `swarm.compression.CompressionType`).
         bandwidth: this peer's relative bandwidth; parts are sized in proportion to it.
+        reputation: in robust mode, when a contributor clipped hard is kept out of the groups
+            this peer leads (`swarm.averaging.reputation`).
     """
 
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
     compression: CompressionType = CompressionType.NONE
     bandwidth: float = 1.0
+    reputation: ReputationConfig = field(default_factory=ReputationConfig)
 
     def __post_init__(self) -> None:
         try:
@@ -150,7 +187,8 @@ class Averager:
         self.faults = faults if faults is not None else FaultPlan()
         self.numel = sum(t.numel() for t in self.tensors)
         self.flat = None if auxiliary else FlatTensors(self.tensors)
-        self.schema = schema_digest(self.tensors)
+        # peers with other aggregation settings never group with this one (docs/architecture.md)
+        self.schema = fold_schema(schema_digest(self.tensors), self.config.allreduce.aggregation_tag())
         self._scratch = ScratchPool()
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
@@ -170,6 +208,9 @@ class Averager:
             peer, prefix, self.schema, self.numel, election, self.config.matchmaking,
             self.config.compression, self.config.allreduce.chunk_bytes,
         )
+        self.reputation = Reputation(peer.peer_id, self.config.reputation)
+        if self.config.allreduce.robust:
+            self.matchmaking.refuse = self.reputation.refusal
         peer.attach(self)
 
     # -- public API --------------------------------------------------------------------------
@@ -286,6 +327,10 @@ class Averager:
                 group = await self._form_group(me, timeout, expected_size)
                 self._formed = True
                 result = await self._run_round(group, deadline)
+                for peer_id in self.reputation.observe(result.clipped):
+                    logger.warning("averager %s: excluding %s from the groups it leads for %.0f s (clipped hard "
+                                   "in %d rounds)", self.prefix, peer_id, self.config.reputation.exclusion,
+                                   self.config.reputation.strikes)
                 AVERAGING_ROUNDS.labels(outcome="succeeded").inc()
                 return result
             except FaultInjected as e:
@@ -338,8 +383,10 @@ class Averager:
             self.flat.refresh()
         scratch = await self._scratch.acquire(scratch_numel(group, my_index))
         end = t0 + timeout  # waiting for the buffer does not move the round's end
-        allreduce = ButterflyAllReduce(self.peer, group, self.flat, scratch, cfg, self.faults, end - loop.time(), report)
-        self.service.register(group.prefix, group.round_id, RoundEntry(allreduce, coordinator))
+        verdict, verify = self._verification(group, cfg, end, coordinator)
+        allreduce = ButterflyAllReduce(self.peer, group, self.flat, scratch, cfg, self.faults, end - loop.time(), report,
+                                       verify=verify)
+        self.service.register(group.prefix, group.round_id, RoundEntry(allreduce, coordinator, verdict))
         try:
             decision = await allreduce.run()
         except RoundFailed:
@@ -354,7 +401,37 @@ class Averager:
                          name=f"avg-release-{group.round_id.hex()[:8]}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-        return AveragingResult.from_decision(group, decision)
+        clipping = clipping_of(allreduce, decision) if cfg.robust else None
+        return AveragingResult.from_decision(group, decision, clipping)
+
+    def _verification(self, group: GroupInfo, cfg: AllReduceConfig, end: float,
+                      coordinator: Coordinator | None) -> tuple[Verdict | None, Any]:
+        """Verified rounds: the leader's verdict collector (on the leader) and the members' audit step."""
+        if not cfg.verified:
+            return None, None
+        loop = asyncio.get_running_loop()
+        verdict: Verdict | None = None
+        if group.index_of(self.peer.peer_id) == 0:
+            # members finish at about the same time; one gone after the decision costs at most this
+            until = min(end - 0.05 * group.timeout, loop.time() + cfg.give_up_decision * group.timeout)
+            assert coordinator is not None
+
+            def expected() -> frozenset[int]:
+                decision = coordinator.decision
+                return frozenset(decision.contributors) if decision is not None else frozenset(group.senders)
+
+            verdict = Verdict(group, expected, until, grace=cfg.sender_timeout)
+            ask = verdict.submit
+        else:
+            async def ask(report: Any) -> Any:
+                channel = self.peer.pool.get(group.leader.addr)
+                return await channel.unary(VERIFY, report, averaging_pb2.VerifyVerdict,
+                                           timeout=max(0.01, end - asyncio.get_running_loop().time()))
+
+        async def verify(allreduce: ButterflyAllReduce, decision: Decision) -> None:
+            await audit_round(allreduce, decision, ask)
+
+        return verdict, verify
 
     def _remote_report(self, group: GroupInfo, give_up: float) -> Any:
         async def report(r: Any) -> Decision:

@@ -47,6 +47,7 @@ class Action(enum.Enum):
     RAISE = "raise"        # raise FaultInjected in the component (same effect as DROP outside streams)
     KILL = "kill"          # SIGKILL this process
     STOP = "stop"          # SIGSTOP this process (a test sends SIGCONT)
+    LIE = "lie"            # a reducer adds `seconds` to every value of its result (a lying reducer)
 
 
 class FaultInjected(SwarmError, ConnectionError):
@@ -94,10 +95,19 @@ class FaultPlan:
     def __bool__(self) -> bool:
         return bool(self.faults)
 
+    def take(self, point: FaultPoint, action: Action) -> Fault | None:
+        """For actions the component carries out itself (LIE): the first matching fault, now fired."""
+        for fault in self.faults:
+            if fault.point is point and fault.action is action and fault.fired < fault.times and (
+                    fault.rounds is None or self.round_index in fault.rounds):
+                fault.fired += 1
+                return fault
+        return None
+
     async def hit(self, point: FaultPoint, count: int = 0) -> None:
         """Called by production code at `point`; fires the first matching fault, if any."""
         for fault in self.faults:
-            if fault.point is not point or fault.fired >= fault.times or count < fault.after:
+            if fault.point is not point or fault.fired >= fault.times or count < fault.after or fault.action is Action.LIE:
                 continue
             if fault.rounds is not None and self.round_index not in fault.rounds:
                 continue

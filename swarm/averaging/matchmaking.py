@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +136,7 @@ class Matchmaking:
     ) -> None:
         self.peer, self.prefix, self.schema, self.numel = peer, prefix, schema, numel
         self.election = election
+        self.refuse: Callable[[str], str | None] | None = None  # PeerID -> why it may not join now (reputation)
         self.config = cfg = config or MatchmakingConfig()
         self.compression, self.chunk_bytes = compression, chunk_bytes
         self.spread = ArrivalSpread(initial=cfg.max_wait, floor=cfg.min_wait, cap=cfg.max_wait)
@@ -267,13 +269,16 @@ class Matchmaking:
     async def rpc_join(self, request: averaging_pb2.JoinRequest, ctx: CallContext) -> averaging_pb2.JoinResponse:
         """A follower asks to be in this peer's next group (answered when the group forms)."""
         if request.schema != self.schema or request.numel != self.numel:
-            return averaging_pb2.JoinResponse(accepted=False, reason="schema mismatch: different tensors")
+            return averaging_pb2.JoinResponse(accepted=False, reason="schema mismatch: different tensors or aggregation settings")
         try:
             member = MemberInfo.from_proto(request.member)
         except ConfigError as e:
             return averaging_pb2.JoinResponse(accepted=False, reason=f"bad member: {e}")
         if member.peer_id != ctx.peer_id:
             return averaging_pb2.JoinResponse(accepted=False, reason="a peer may only join as itself")
+        refusal = self.refuse(member.peer_id) if self.refuse is not None else None
+        if refusal is not None:  # local reputation (`reputation`): this peer keeps it out a while
+            return averaging_pb2.JoinResponse(accepted=False, reason=refusal)
         if not self._may_lead():
             if self._looking is None and self._last_round is not None and self.config.adaptive:
                 return averaging_pb2.JoinResponse(

@@ -49,6 +49,7 @@ class Part:
     last_progress: float = 0.0
     exchange: asyncio.Task[None] | None = None
     sink: Any = None  # swarm.net.bulk.Sink receiving the averaged part straight into `values`
+    claim: Any = None  # the ResultHeader it came with (robust mode and verification read its fields)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)  # complete, lost or aborted
     settled: asyncio.Event = field(default_factory=asyncio.Event)   # no longer pending
 

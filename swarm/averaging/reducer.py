@@ -30,9 +30,11 @@ import torch
 
 from swarm.averaging.agreement import Decision, Report
 from swarm.averaging.config import AllReduceConfig
-from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
+from swarm.averaging.faults import Action, FaultInjected, FaultPlan, FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import FlatTensors, chunk_bounds
+from swarm.averaging.robust import ClipOutcome, centered_clip
+from swarm.averaging.verification import part_digest, sketch
 from swarm.compression import Codec, CompressionError, has_nonfinite
 from swarm.compression.base import HEADER_SIZE, read_header
 from swarm.core.errors import InvalidRequest
@@ -297,6 +299,8 @@ class PartReducer(PartCollector):
         super().__init__(group, my_index, part, start, size, flat, slots, accumulator, codec, config, faults,
                          t0, timeout)
         self._report = report
+        self.clip: ClipOutcome | None = None                  # robust mode: CenteredClip's outcome
+        self.claim: tuple[bytes, list[float]] | None = None   # verified rounds: digest, input sketches
         self.sent_chunks = 0
         self.decision: Decision | None = None
         self.abort_reason = ""
@@ -387,6 +391,9 @@ class PartReducer(PartCollector):
         total = decision.total_weight
 
         def compute() -> None:
+            if self.config.robust:
+                self.clip = combine_robust(self, decision)
+                return
             if not fast:
                 self.sum.zero_()
                 for i in sorted(contributors):
@@ -394,9 +401,13 @@ class PartReducer(PartCollector):
             self.sum.div_(total)
 
         loop = asyncio.get_running_loop()
-        if self.size:
+        if self.size or self.config.robust:
             await loop.run_in_executor(None, compute)
-        self.slots_released.set()  # on the loop: asyncio events are not thread-safe
+        lie = self.faults.take(FaultPoint.BEFORE_ALL_GATHER, Action.LIE)
+        if lie is not None:
+            self.sum.add_(lie.seconds)  # tests: a reducer that sends what it did not compute
+        if not self.config.verified:
+            self.slots_released.set()  # on the loop: asyncio events are not thread-safe
         if self.codec.kind != 0:
             # lossy codec: encode once, and keep what the others will decode as our own copy
             def encode_all() -> list[bytes | None]:
@@ -408,6 +419,19 @@ class PartReducer(PartCollector):
                 return out
 
             self._payloads = await loop.run_in_executor(None, encode_all)
+        if self.config.verified:
+            # the inputs' sketches need the slots: only then may they hold this member's results
+            self.claim = await loop.run_in_executor(None, lambda: publish_claim(self, decision))
+            self.slots_released.set()
+
+    def claim_fields(self) -> dict[str, Any]:
+        """The robust and verification fields of this part's `ResultHeader` (none in plain mode)."""
+        fields: dict[str, Any] = {}
+        if self.clip is not None:
+            fields.update(clip_scales=self.clip.scales, clip_tau=self.clip.tau, clip_step=self.clip.step)
+        if self.claim is not None:
+            fields.update(digest=self.claim[0], sketches=self.claim[1])
+        return fields
 
     def stream_tasks(self) -> list[asyncio.Task[None]]:
         """The readers of the senders' streams (done once each sender closed its side)."""
@@ -474,7 +498,7 @@ class PartReducer(PartCollector):
             return
         assert self.decision is not None
         result_header = averaging_pb2.ResultHeader(
-            decision=self.decision.to_bytes(), part=self.part, compression=int(self.codec.kind)
+            decision=self.decision.to_bytes(), part=self.part, compression=int(self.codec.kind), **self.claim_fields(),
         ).SerializeToString()
         n = len(self.chunks)
         if n == 0 and sender.client_mode:
@@ -504,3 +528,25 @@ class PartReducer(PartCollector):
         except TimeoutError:
             logger.debug("part %d: a server-mode member did not acknowledge in time", self.part)
 
+
+
+# -- the robust combination and the verification claim (robust mode / verified rounds) -----------
+
+def combine_robust(reducer: PartReducer, decision: Decision) -> ClipOutcome:
+    """CenteredClip of the decision's contributors' chunks of this part into the reducer's sum.
+    Runs once every chunk is in (the clip needs whole parts); the inputs stay in their slots."""
+    order = list(decision.contributors)
+    inputs = [reducer._data_of(reducer.senders[i]) for i in order]
+    cfg = reducer.config
+    return centered_clip(
+        inputs, list(decision.weights), reducer.sum, tau=cfg.clip_tau, tau_scale=cfg.clip_tau_scale,
+        max_iterations=cfg.clip_iterations, tolerance=cfg.clip_tolerance,
+    )
+
+
+def publish_claim(reducer: PartReducer, decision: Decision) -> tuple[bytes, list[float]]:
+    """The digest of the part's result and the sketches of each contributor's input as received."""
+    digest = part_digest(reducer.sum)
+    inputs = [reducer._data_of(reducer.senders[i]) for i in decision.contributors]
+    sketches = sketch(inputs, reducer.group.round_id, reducer.part, digest)
+    return digest, sketches.view(-1).tolist()

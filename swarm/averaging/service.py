@@ -5,6 +5,7 @@ One `AveragingService` per peer hosts, for every averager on it (keyed by prefix
 - ``Reduce``  (bidi stream): a sender's part in, the averaged part out (`reducer`);
 - ``Report``  (unary, long poll): a reducer's report in, the leader's decision out (`agreement`);
 - ``Fetch``   (server stream): a member that lost a part gets it from one that holds it;
+- ``Verify``  (unary, long poll): verified rounds: a member's audit in, the leader's verdict out (`verification`);
 - ``Join``    (unary, long poll): matchmaking (`matchmaking`);
 - ``State``   (server stream): state transfer to newcomers (`state`).
 
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 from swarm.averaging.agreement import Coordinator, Report
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.reducer import PartReducer
+from swarm.averaging.verification import Verdict
 from swarm.core.errors import InvalidRequest, NotFound
 from swarm.net.handle import NetworkHandle
 from swarm.net.server import CallContext
@@ -33,6 +35,7 @@ REPORT = "/swarm.Averaging/Report"
 FETCH = "/swarm.Averaging/Fetch"
 JOIN = "/swarm.Averaging/Join"
 STATE = "/swarm.Averaging/State"
+VERIFY = "/swarm.Averaging/Verify"
 
 class RoundMember(Protocol):
     """This peer's side of one round, as the handlers need it (a `ButterflyAllReduce`)."""
@@ -55,6 +58,7 @@ class RoundEntry:
 
     allreduce: RoundMember
     coordinator: Coordinator | None = None
+    verdict: Verdict | None = None  # verified rounds this peer leads
 
 
 class AveragingService:
@@ -75,6 +79,7 @@ class AveragingService:
             server.add_stream(FETCH, self.rpc_fetch, request_streaming=False, bulk=True)
             server.add_unary(JOIN, self.rpc_join, averaging_pb2.JoinRequest)
             server.add_stream(STATE, self.rpc_state, request_streaming=False, bulk=True)
+            server.add_unary(VERIFY, self.rpc_verify, averaging_pb2.VerifyReport)
 
     @classmethod
     def of(cls, peer: NetworkHandle) -> AveragingService:
@@ -147,6 +152,16 @@ class AveragingService:
             raise InvalidRequest("only a part's reducer may report on it")
         decision = await coordinator.submit(Report.from_proto(request))
         return decision.to_bytes()
+
+    async def rpc_verify(self, request: averaging_pb2.VerifyReport, ctx: CallContext) -> Any:
+        entry = await self._entry(request.prefix, request.round_id, ctx)
+        verdict = entry.verdict
+        if verdict is None:
+            raise InvalidRequest("this peer does not lead a verified round of that id")
+        members = verdict.group.members
+        if not 0 <= request.member < len(members) or members[request.member].peer_id != ctx.peer_id:
+            raise InvalidRequest("a member reports only for itself")
+        return await verdict.submit(request)
 
     async def rpc_fetch(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
         request = None

@@ -43,6 +43,8 @@ class DemoConfig:
         sample_length: bytes of text generated before and after training.
         out_dir: where the loss curve and the processes' logs go.
         model: model sizes (the expert server is started to match).
+        aggregation: how the trainers average ("mean" or "centered_clip").
+        byzantine: how many trainers attack (the first ones), with `attack` (`swarm.demo.byzantine`).
     """
 
     trainers: int = 3
@@ -53,10 +55,15 @@ class DemoConfig:
     sample_length: int = 160
     out_dir: Path = Path("demo-out")
     model: ModelConfig = field(default_factory=ModelConfig)
+    aggregation: str = "mean"
+    byzantine: int = 0
+    attack: str = "sign_flip"
 
     def __post_init__(self) -> None:
         if not 1 <= self.trainers <= 16:
             raise ConfigError("--trainers must be within 1..16")
+        if not 0 <= self.byzantine <= self.trainers:
+            raise ConfigError("--byzantine must be within 0..trainers")
         if self.duration <= 0:
             raise ConfigError("--duration must be positive")
 
@@ -149,6 +156,9 @@ class Launcher:
             # every peer of this swarm is on loopback: large-batch fits that link (a round costs less
             # than the compute it overlaps), unless DiLoCo is asked for
             argv += ["--diloco-steps", str(c.diloco_steps)] if c.diloco_steps is not None else ["--mode", "large-batch"]
+            argv += ["--aggregation", c.aggregation]
+            if i < c.byzantine:
+                argv += ["--attack", c.attack]
             if i == 0:
                 argv += ["--sample", "--sample-length", str(c.sample_length)]
             self.trainers.append(Child(name, argv, self.log_dir))
@@ -303,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hidden-dim", type=int, default=d.model.hidden_dim)
     parser.add_argument("--sample-length", type=int, default=d.sample_length, help="bytes of generated text")
     parser.add_argument("--out-dir", type=Path, default=d.out_dir, help="loss curve and logs (default demo-out)")
+    parser.add_argument("--aggregation", default=d.aggregation, choices=["mean", "centered_clip"],
+                        help="how trainers average: mean (default) or centered_clip (byzantine-robust)")
+    parser.add_argument("--byzantine", type=int, default=0, help="how many trainers attack (default 0)")
+    parser.add_argument("--attack", default=d.attack, choices=["x1000", "sign_flip", "random", "constant"],
+                        help="what the byzantine trainers do to their gradients (default sign_flip)")
     return parser
 
 
@@ -311,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = DemoConfig(trainers=args.trainers, duration=args.duration, batch_size=args.batch_size,
                             target_batch_size=args.target_batch_size, diloco_steps=args.diloco_steps,
-                            sample_length=args.sample_length, out_dir=args.out_dir, model=ModelConfig(hidden_dim=args.hidden_dim))
+                            sample_length=args.sample_length, out_dir=args.out_dir, model=ModelConfig(hidden_dim=args.hidden_dim),
+                            aggregation=args.aggregation, byzantine=args.byzantine, attack=args.attack)
     except ValueError as e:
         print(f"swarm demo: error: {e}", file=sys.stderr)
         return 2

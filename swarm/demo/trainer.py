@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarm.core.errors import ConfigError, SwarmError
+from swarm.demo.byzantine import ATTACKS, attack_gradients
 from swarm.demo.data import ByteDataset, load_corpus
 from swarm.demo.events import Evaluation, Event, EventWriter, Notice, Progress, TextSample
 from swarm.demo.mode import MODES, ModeChoice, mode_key, pick_mode
@@ -66,6 +67,8 @@ class TrainerConfig:
         json_events: print events as JSON lines (for the launcher).
         local_experts: use local expert modules instead of the swarm's (a smoke test without servers).
         model: model sizes; the experts' hidden size must equal `model.hidden_dim`.
+        aggregation: how the swarm averages ("mean", or "centered_clip": byzantine-robust).
+        attack: make this trainer byzantine with this attack (`swarm.demo.byzantine`); None: honest.
     """
 
     name: str = "trainer"
@@ -90,6 +93,8 @@ class TrainerConfig:
     json_events: bool = False
     local_experts: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
+    aggregation: str = "mean"
+    attack: str | None = None
 
     def __post_init__(self) -> None:
         if self.duration <= 0 or self.batch_size < 1 or self.target_batch_size < 1 or self.lr <= 0:
@@ -98,6 +103,8 @@ class TrainerConfig:
             raise ConfigError("--diloco-steps must be positive")
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.attack is not None and self.attack not in ATTACKS:
+            raise ConfigError(f"--attack must be one of {ATTACKS}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print JSON events (for python -m swarm.demo)")
     parser.add_argument("--local-experts", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--aggregation", default=d.aggregation, help="mean (default) or centered_clip (robust)")
+    parser.add_argument("--attack", default=None, help="make this trainer byzantine: x1000, sign_flip, random, constant")
     return parser
 
 
@@ -136,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         seed=args.seed,
         threads=args.threads, sample=args.sample, sample_length=args.sample_length, eval_every=args.eval_every, json_events=args.json,
         local_experts=args.local_experts, model=ModelConfig(hidden_dim=args.hidden_dim),
+        aggregation=args.aggregation, attack=args.attack,
     )
 
 
@@ -206,7 +216,7 @@ class Trainer:
 
         cfg = self.config
         collaboration = CollaborationConfig(target_batch_size=cfg.target_batch_size, averaging_timeout=20.0,
-                                            report_period=0.5, max_refresh_period=2.0)
+                                            report_period=0.5, max_refresh_period=2.0, aggregation=cfg.aggregation)
         warmup = max(cfg.warmup_epochs, 1)
 
         def adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -297,6 +307,8 @@ class Trainer:
                 self.stop.wait(1.0)  # the experts may be restarting: do not spin on failing calls
                 continue
             torch.nn.utils.clip_grad_norm_(self.model.dense_parameters(), 1.0)
+            if cfg.attack is not None:
+                attack_gradients(self.model.dense_parameters(), cfg.attack, self.generator)
             opt.step()
             opt.zero_grad()
             step += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from swarm.averaging.config import AGGREGATIONS
 from swarm.compression import CompressionType
 from swarm.core.errors import ConfigError
 
@@ -49,6 +50,9 @@ class CollaborationConfig:
             at most one collective step earlier (DiLoCo: the outer step lands up to one round late,
             on top of the local steps taken meanwhile). The trainer waits for a round only when
             the next one is due before it ended. 0: every round is waited for (synchronous).
+        aggregation: how groups combine what they average (gradients, or DiLoCo's pseudo-gradients):
+            "mean", or "centered_clip" for byzantine-robust averaging (`swarm.averaging.robust`;
+            every peer of a run must use the same).
     """
 
     target_batch_size: int | None = None
@@ -64,11 +68,14 @@ class CollaborationConfig:
     load_state_on_start: bool = True
     gradient_compression: CompressionType = CompressionType.NONE
     max_staleness: int = 1
+    aggregation: str = "mean"
 
     def __post_init__(self) -> None:
         if self.max_staleness not in (0, 1) or isinstance(self.max_staleness, bool):
             raise ConfigError(f"max_staleness must be 0 (synchronous) or 1 (one round in flight), "
                               f"got {self.max_staleness!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.target_batch_size is not None and (
             not isinstance(self.target_batch_size, int) or self.target_batch_size < 1
         ):

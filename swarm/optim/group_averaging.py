@@ -115,13 +115,13 @@ class SwarmAverager:
 def make_swarm_averager(peer: PeerHandle, tensors: Sequence[torch.Tensor], prefix: str, config: CollaborationConfig,
                         compression: CompressionType) -> SwarmAverager:
     """A `swarm.Averager` of `peer` over `tensors`, grouping peers under `prefix`."""
-    from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig
+    from swarm.averaging import AllReduceConfig, Averager, AveragerConfig, MatchmakingConfig
 
     numel = sum(t.numel() for t in tensors)
     settings = AveragerConfig(
         matchmaking=MatchmakingConfig(target_group_size=config.target_group_size, min_group_size=2,
                                       join_window=config.matchmaking_window),
-        compression=compression,
+        compression=compression, allreduce=AllReduceConfig(aggregation=config.aggregation),
     )
     averager = Averager(peer, list(tensors), prefix=prefix, config=settings)
     wire = get_codec(compression).encoded_size(max(numel, 1)) / max(numel, 1)

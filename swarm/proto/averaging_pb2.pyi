@@ -126,18 +126,56 @@ class Decision(_message.Message):
     def __init__(self, round_id: _Optional[bytes] = ..., abort: bool = ..., reason: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[int]] = ..., excluded_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("abort", "reason", "decision", "part", "compression")
+    __slots__ = ("abort", "reason", "decision", "part", "compression", "clip_scales", "clip_tau", "clip_step", "digest", "sketches")
     ABORT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    CLIP_SCALES_FIELD_NUMBER: _ClassVar[int]
+    CLIP_TAU_FIELD_NUMBER: _ClassVar[int]
+    CLIP_STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SKETCHES_FIELD_NUMBER: _ClassVar[int]
     abort: bool
     reason: str
     decision: bytes
     part: int
     compression: int
-    def __init__(self, abort: bool = ..., reason: _Optional[str] = ..., decision: _Optional[bytes] = ..., part: _Optional[int] = ..., compression: _Optional[int] = ...) -> None: ...
+    clip_scales: _containers.RepeatedScalarFieldContainer[float]
+    clip_tau: float
+    clip_step: float
+    digest: bytes
+    sketches: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, abort: bool = ..., reason: _Optional[str] = ..., decision: _Optional[bytes] = ..., part: _Optional[int] = ..., compression: _Optional[int] = ..., clip_scales: _Optional[_Iterable[float]] = ..., clip_tau: _Optional[float] = ..., clip_step: _Optional[float] = ..., digest: _Optional[bytes] = ..., sketches: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class VerifyReport(_message.Message):
+    __slots__ = ("prefix", "round_id", "member", "digests", "accused", "reasons")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    ACCUSED_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    round_id: bytes
+    member: int
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    accused: _containers.RepeatedScalarFieldContainer[int]
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prefix: _Optional[str] = ..., round_id: _Optional[bytes] = ..., member: _Optional[int] = ..., digests: _Optional[_Iterable[bytes]] = ..., accused: _Optional[_Iterable[int]] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VerifyVerdict(_message.Message):
+    __slots__ = ("ok", "accused", "reported_by", "reason")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ACCUSED_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_BY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    accused: int
+    reported_by: int
+    reason: str
+    def __init__(self, ok: bool = ..., accused: _Optional[int] = ..., reported_by: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("prefix", "round_id", "part")

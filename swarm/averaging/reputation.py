@@ -1,0 +1,88 @@
+"""Local reputation: contributors that robust rounds clipped hard, kept out of this peer's groups a while.
+
+Each peer keeps its own record (no gossip: one peer's opinion cannot be forged into another's).
+After every robust round the averager calls `Reputation.observe` with the round's result; a
+contributor whose input was cut by at least `clip_threshold` (`AveragingResult.clipped`) gets a
+strike, and one with `strikes` strikes within its last `window` observed rounds is refused by this
+peer's matchmaking (`Matchmaking.refuse`, as a leader) for `exclusion` seconds, after which its
+record starts over. This peer never excludes itself.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from swarm.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ReputationConfig:
+    """When a contributor is excluded.
+
+    Attributes:
+        clip_threshold: share of a contributor's input clipped away that counts as a strike.
+        strikes: strikes within `window` rounds it took part in that exclude it; 0 turns it off.
+        window: rounds remembered per contributor.
+        exclusion: seconds it stays excluded.
+    """
+
+    clip_threshold: float = 0.5
+    strikes: int = 3
+    window: int = 10
+    exclusion: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.clip_threshold <= 1:
+            raise ConfigError("clip_threshold must be within (0, 1]")
+        if not 0 <= self.strikes <= self.window or self.window < 1:
+            raise ConfigError("need 0 <= strikes <= window and window >= 1")
+        if not (math.isfinite(self.exclusion) and self.exclusion >= 0):
+            raise ConfigError("exclusion must be a finite number of seconds >= 0")
+
+
+@dataclass
+class Reputation:
+    """This peer's record of other peers' clipping. `clock` is injectable for tests."""
+
+    me: str
+    config: ReputationConfig = field(default_factory=ReputationConfig)
+    clock: Callable[[], float] = time.monotonic
+    _history: dict[str, deque[bool]] = field(default_factory=dict)
+    _excluded_until: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, clipped: Mapping[str, float]) -> list[str]:
+        """Records one round's clipping (PeerID -> share clipped); returns the peers excluded by it."""
+        if not self.config.strikes:
+            return []
+        now = self.clock()
+        newly = []
+        for peer_id, share in clipped.items():
+            if peer_id == self.me:
+                continue
+            history = self._history.setdefault(peer_id, deque(maxlen=self.config.window))
+            history.append(share >= self.config.clip_threshold)
+            if sum(history) >= self.config.strikes and not self.excluded(peer_id):
+                self._excluded_until[peer_id] = now + self.config.exclusion
+                history.clear()
+                newly.append(peer_id)
+        return newly
+
+    def excluded(self, peer_id: str) -> bool:
+        until = self._excluded_until.get(peer_id)
+        if until is None:
+            return False
+        if self.clock() >= until:
+            del self._excluded_until[peer_id]
+            return False
+        return True
+
+    def refusal(self, peer_id: str) -> str | None:
+        """Why this peer refuses `peer_id` in its groups now, or None."""
+        if not self.excluded(peer_id):
+            return None
+        left = self._excluded_until[peer_id] - self.clock()
+        return f"excluded by this peer for {left:.0f} s more: its inputs were clipped hard in recent rounds"

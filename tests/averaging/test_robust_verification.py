@@ -1,0 +1,153 @@
+"""A member's checks of a part (swarm/averaging/verification.py) and the leader's verdict, without sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from swarm.averaging.group import GroupInfo, MemberInfo
+from swarm.averaging.robust import centered_clip
+from swarm.averaging.verification import PartClaim, Verdict, check_part, part_digest, sketch
+from swarm.proto import averaging_pb2
+
+ROUND = b"r" * 16
+
+
+def _inputs(n=5, size=3000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(size, generator=gen)
+    xs = [base + 0.1 * torch.randn(size, generator=gen) for _ in range(n)]
+    xs[-1] = xs[-1] * 1000  # a byzantine contributor
+    return xs
+
+
+def _honest_claim(xs, weights, result=None, part=0):
+    out = torch.empty_like(xs[0])
+    outcome = centered_clip(xs, weights, out)
+    values = out if result is None else result
+    digest = part_digest(values)
+    return PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, part, digest)), values
+
+
+def _check(claim, values, xs, me, weights, tau=None):
+    return check_part(claim, values, xs[me], me, list(range(len(xs))), weights, ROUND, 0, True, tau)
+
+
+def test_an_honest_part_passes_every_member_check():
+    xs, w = _inputs(), [1.0] * 5
+    claim, values = _honest_claim(xs, w)
+    for me in range(5):
+        assert _check(claim, values, xs, me, w) == ""
+
+
+def test_a_shifted_result_fails_the_linear_check():
+    xs, w = _inputs(), [1.0] * 5
+    claim, values = _honest_claim(xs, w)
+    lie = values + 0.01
+    digest = part_digest(lie)
+    forged = PartClaim(digest, claim.scales, claim.tau, claim.step, sketch(xs, ROUND, 0, digest))
+    assert "not the published combination" in _check(forged, lie, xs, 0, w)
+    assert "digest" in _check(claim, lie, xs, 0, w)  # the old digest with new values
+
+
+def test_a_substituted_input_is_caught_by_its_owner():
+    xs, w = _inputs(), [1.0] * 5
+    fake = list(xs)
+    fake[1] = xs[1] + 1.0  # the reducer pretends member 1 sent something else
+    claim, values = _honest_claim(fake, w)
+    assert "not what this member sent" in _check(claim, values, xs, 1, w)
+    assert _check(claim, values, xs, 2, w) == ""  # only the owner can tell
+
+
+def test_over_clipping_an_honest_member_is_caught_by_it():
+    xs, w = _inputs(), [1.0] * 5
+    claim, values = _honest_claim(xs, w)
+    scales = list(claim.scales)
+    scales[2] = 0.1
+    forged = PartClaim(claim.digest, tuple(scales), claim.tau, claim.step, claim.sketches)
+    reason = _check(forged, values, xs, 2, w)
+    assert "clipped to 0.1" in reason or "not the published combination" in reason
+
+
+def test_a_reducer_that_leaves_its_own_outlier_unclipped_is_caught():
+    xs, w = _inputs(), [1.0] * 5  # member 4 (the reducer, say) sends x1000
+    claim, _ = _honest_claim(xs, w)
+    scales = list(claim.scales)
+    scales[4] = 1.0
+    pulls = torch.tensor(scales, dtype=torch.float64)
+    result = sum(float(p) * x for p, x in zip(pulls / pulls.sum(), xs)).float()
+    digest = part_digest(result)
+    forged = PartClaim(digest, tuple(scales), claim.tau, claim.step, sketch(xs, ROUND, 0, digest))
+    assert "input pulls the part" in _check(forged, result, xs, 0, w)
+
+
+def test_an_absolute_radius_must_be_the_agreed_one():
+    xs, w = _inputs(), [1.0] * 5
+    out = torch.empty_like(xs[0])
+    outcome = centered_clip(xs, w, out, tau=5.0)
+    digest = part_digest(out)
+    claim = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest))
+    assert _check(claim, out, xs, 0, w, tau=5.0) == ""
+    assert "instead of the agreed" in _check(claim, out, xs, 0, w, tau=4.0)
+
+
+def test_a_malformed_claim_is_refused():
+    header = averaging_pb2.ResultHeader(sketches=[1.0, 2.0])
+    try:
+        PartClaim.from_header(header, 3)
+    except ValueError as e:
+        assert "sketch values" in str(e)
+    else:
+        raise AssertionError("accepted")
+
+
+def _group(n=4):
+    members = tuple(MemberInfo(f"peer{i}", f"/ip4/127.0.0.1/tcp/{1000 + i}") for i in range(n))
+    return GroupInfo(ROUND, "t", members, numel=100, timeout=10.0)
+
+
+def _verdict(reports, expected=(0, 1, 2, 3)):
+    async def run():
+        v = Verdict(_group(), lambda: frozenset(expected), asyncio.get_running_loop().time() + 1.0)
+        answers = await asyncio.gather(*(v.submit(r) for r in reports))
+        assert all(a == answers[0] for a in answers)  # one verdict for everyone
+        return answers[0]
+
+    return asyncio.run(run())
+
+
+def _report(member, digests, accused=(), reasons=()):
+    return averaging_pb2.VerifyReport(member=member, digests=digests, accused=list(accused), reasons=list(reasons))
+
+
+def test_verdict_ok_when_every_member_holds_the_same_parts():
+    d = [b"a", b"b", b"c", b"d"]
+    assert _verdict([_report(i, d) for i in range(4)]).ok
+
+
+def test_verdict_names_an_equivocating_reducer_and_an_accused_one():
+    d = [b"a", b"b", b"c", b"d"]
+    other = [b"a", b"b", b"X", b"d"]
+    verdict = _verdict([_report(0, d), _report(1, d), _report(2, other), _report(3, d)])
+    assert not verdict.ok and verdict.accused == 2 and verdict.reported_by == 2 and "equivocation" in verdict.reason
+    verdict = _verdict([_report(0, d), _report(1, d, [3], ["part 3: lie"]), _report(2, d), _report(3, d)])
+    assert not verdict.ok and verdict.accused == 3 and verdict.reported_by == 1
+
+
+def test_verdict_does_not_wait_past_its_time_for_a_missing_member():
+    d = [b"a", b"b", b"c", b"d"]
+    assert _verdict([_report(i, d) for i in range(3)]).ok
+
+
+def test_verdict_waits_only_its_grace_after_the_first_report():
+    async def run():
+        loop = asyncio.get_running_loop()
+        v = Verdict(_group(), lambda: frozenset(range(4)), loop.time() + 60.0, grace=0.2)
+        d = [b"a", b"b", b"c", b"d"]
+        started = loop.time()
+        answers = await asyncio.wait_for(asyncio.gather(*(v.submit(_report(i, d)) for i in range(3))), 10.0)
+        return answers, loop.time() - started
+
+    answers, took = asyncio.run(run())
+    assert all(a.ok for a in answers) and took < 30.0  # not the 60 s of `until`
