@@ -42,10 +42,16 @@ from swarm.compression.base import HEADER_SIZE
 from swarm.core.errors import InvalidRequest, NotFound
 from swarm.core.loop import spawn
 from swarm.dht.handle import PeerHandle
+from swarm.metrics import REGISTRY
 from swarm.net.bulk import Sink, Sunk
 from swarm.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
+
+PART_FETCHES = REGISTRY.counter(
+    "swarm_averaging_part_fetches_total", "Parts this member asked other members for, by why: its stream "
+    "to the reducer broke (failed), or sent nothing for sender_timeout after the round was decided (stalled)",
+    ("why",))
 
 
 class ButterflyAllReduce:
@@ -96,6 +102,7 @@ class ButterflyAllReduce:
         self.sent_chunks = 0
         self.received_chunks = 0
         self._changed = asyncio.Event()
+        self._decided_at: float | None = None  # loop time this member first learned the round's decision
         self._tasks: list[asyncio.Task[Any]] = []
 
     @property
@@ -164,22 +171,29 @@ class ButterflyAllReduce:
                 break
             now = loop.time()
             wake = self.deadline
-            decided = any(p.decision for p in self.parts)
+            if self._decided_at is None and any(p.decision for p in self.parts):
+                self._decided_at = now
             for p in self.parts:
                 if p.fetch is not None or p.index == self.my_part:
                     continue
                 if p.state is PartState.FAILED:
+                    PART_FETCHES.labels(why="failed").inc()
                     p.fetch = spawn(fetch_part(self, p), name=f"avg-fetch-{self.round_tag}-p{p.index}")
                     self._tasks.append(p.fetch)
-                elif p.state is PartState.PENDING and decided:
+                elif p.state is PartState.PENDING and self._decided_at is not None:
                     # decided, but this part's stream stalls: its reducer may be gone. Ask the
                     # holders too, yet keep waiting on the stream until the deadline: a stalled
-                    # reducer that resumes in time must not find us gone (agreement).
-                    if now - p.last_progress >= self.config.sender_timeout:
+                    # reducer that resumes in time must not find us gone (agreement). Silence is
+                    # counted from the decision at the earliest: no reducer sends a result before
+                    # it, so a reduce-scatter longer than sender_timeout (a slow link) would
+                    # otherwise have every member fetch every part a second time.
+                    since = max(p.last_progress, self._decided_at)
+                    if now - since >= self.config.sender_timeout:
+                        PART_FETCHES.labels(why="stalled").inc()
                         p.fetch = spawn(fetch_part(self, p), name=f"avg-fetch-{self.round_tag}-p{p.index}")
                         self._tasks.append(p.fetch)
                     else:
-                        wake = min(wake, p.last_progress + self.config.sender_timeout)
+                        wake = min(wake, since + self.config.sender_timeout)
             remaining = self.deadline - loop.time()
             if remaining <= 0:
                 missing = [p.index for p in self.parts if p.state is not PartState.COMPLETE]
