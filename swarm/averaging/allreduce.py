@@ -415,6 +415,11 @@ async def fetch_part(ar: ButterflyAllReduce, p: Part) -> None:
             ar.resolve(p, PartState.LOST, p.reason)
         return
     tasks = [asyncio.ensure_future(_fetch_from(ar, p, i)) for i in candidates]
+    for t in tasks:
+        # the holders that lose the race (or answer NotFound: their round is over) end after the
+        # winner, unawaited: their outcome is retrieved here, not logged as "Task exception was
+        # never retrieved" when they are collected
+        t.add_done_callback(_retrieve)
     winner: torch.Tensor | None = None
     decision = b""
     try:
@@ -438,6 +443,11 @@ async def fetch_part(ar: ButterflyAllReduce, p: Part) -> None:
         await ar.reducer.slots_released.wait()
     p.values.copy_(winner)
     ar.resolve(p, PartState.COMPLETE, decision=decision)
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("a fetch from a holder failed: %s", task.exception())
+
 
 async def _fetch_from(ar: ButterflyAllReduce, p: Part, holder: int) -> tuple[torch.Tensor, bytes]:
     loop = asyncio.get_running_loop()

@@ -49,6 +49,30 @@ def longest_stall(epochs: list[tuple[float, float]]) -> tuple[float, float]:
     return max(gaps), (times[-1] - times[0]) / steps
 
 
+def digest_agreement(events: list[dict[str, Any]], after: float) -> dict[str, Any]:
+    """Whether the trainers hold bit-identical shared parameters after time `after` (the last heal).
+
+    The demo trainer prints a `digest` event (sha256 of its shared parameters) each time its epoch
+    changes. Checked: every epoch reported after `after` by more than one trainer has one digest
+    (`mismatched` lists those that do not), and the trainers that trained after `after` (progress
+    events) reached a common epoch whose digest every one of them reported (`common_epoch`, the
+    last such; None if there is none)."""
+    reported: dict[int, dict[str, str]] = {}
+    for e in events:
+        if e["kind"] == "digest" and e["t"] > after:
+            reported.setdefault(int(e["epoch"]), {})[e["proc"]] = e["sha256"]
+    trainers = sorted({e["proc"] for e in events if e["kind"] == "progress" and e["t"] > after})
+    mismatched = {epoch: procs for epoch, procs in sorted(reported.items()) if len(set(procs.values())) > 1}
+    common = [epoch for epoch, procs in reported.items() if trainers and set(trainers) <= set(procs)]
+    return {
+        "after_s": after,
+        "trainers": trainers,
+        "epochs_compared": sum(1 for procs in reported.values() if len(procs) > 1),
+        "mismatched": mismatched,
+        "common_epoch": max(common, default=None),
+    }
+
+
 def figures(events: list[dict[str, Any]], relay: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the run measured, per trainer and for the swarm."""
     end = max((e["t"] for e in events), default=0.0)
@@ -74,6 +98,7 @@ def figures(events: list[dict[str, Any]], relay: dict[str, Any] | None = None) -
         "longest_stall_s": stall,
         "median_step_s": step_time,
         "faults": [{"start": a, "end": b, "fault": w} for a, b, w in fault_spans(events, end)],
+        "digests": digest_agreement(events, max((b for _, b, _ in fault_spans(events, end)), default=0.0)),
         "crashes": [e for e in exits if e["code"] not in (0, None) and not e.get("killed")],
         "relay": relay or {},
     }
