@@ -136,3 +136,27 @@ def test_a_decision_later_than_sender_timeout_does_not_make_members_fetch_every_
     finally:
         for p in peers:
             p.shutdown()
+
+
+def test_a_streaming_peer_may_stay_silent_a_multiple_of_its_own_links_chunk_time():
+    """Pure logic: each peer's silence limit follows its own link estimates, between a floor and
+    the round's sender_timeout (a link never measured gets the cap)."""
+    from swarm.averaging.allreduce import SILENCE_FLOOR, SILENCE_MULTIPLE, silence_limit
+    from swarm.net.estimates import LinkEstimates
+
+    est = LinkEstimates()
+    chunk = 1 << 20
+    assert silence_limit(est, "never-seen", chunk, cap=5.0) == 5.0
+    for _ in range(8):
+        est.observe_rtt("lan", 0.001)
+        est.observe_rtt("wan", 0.05)
+        est.observe_rtt("modem", 0.2)
+    est.observe_transfer("lan", 100 << 20, 0.1)    # ~1 GB/s
+    est.observe_transfer("wan", 50 << 20, 20.0)    # ~2.6 MB/s
+    est.observe_transfer("modem", 1 << 20, 10.0)   # ~100 KB/s
+    lan, wan, modem = (silence_limit(est, p, chunk, cap=5.0) for p in ("lan", "wan", "modem"))
+    assert lan == SILENCE_FLOOR
+    expected_wan = SILENCE_MULTIPLE * est.expected_time("wan", chunk)
+    assert wan == pytest.approx(expected_wan) and SILENCE_FLOOR < wan < 5.0
+    assert modem == 5.0  # a chunk takes ~10 s there: the round's limit caps it
+    assert silence_limit(est, "wan", chunk, cap=0.5) == 0.5  # the cap wins over the floor
