@@ -12,8 +12,8 @@ pass criteria it can check from outside the processes:
     than one trainer has one digest (sha256) of the shared parameters (`report.digest_agreement`);
   * expert parameters survive the expert server's SIGKILL and restart (the scenario's fixed
     fault, after its first periodic checkpoint): the experts' update counts in the checkpoint it
-    writes at the end continue those of the checkpoint on disk when it was killed (a server that
-    lost them would count from zero again, and could not catch up in the minute left).
+    writes at the end continue those of the checkpoint on disk when it was killed, and grew (a
+    server that lost them would count from zero again, and could not catch up in the minute left).
 
     .venv/bin/python scripts/bench/lab_chaos.py [--out lab-out/chaos] [--scenario FILE]
 """
@@ -69,6 +69,8 @@ def expert_survival(events: list[dict], run, seen: list[tuple[float, dict[str, i
     total = sum(saved.values())
     if lost:
         return False, f"expert updates lost in the restart (before, after): {lost}"
+    if sum(final.values()) <= total:  # nothing trained or saved since: the file is still the old one
+        return False, f"the restarted {server!r} trained and saved nothing after the kill ({total} updates before and after)"
     return True, (f"{len(saved)} experts kept their {total} updates through the kill at {kills[-1]:.0f} s "
                   f"({sum(final.values())} at the end)")
 

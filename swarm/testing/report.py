@@ -34,7 +34,8 @@ def fault_spans(events: list[dict[str, Any]], end: float) -> list[tuple[float, f
 
 def longest_stall(epochs: list[tuple[float, float]]) -> tuple[float, float]:
     """(longest time the swarm's epoch did not grow, median time per collective step), counted from
-    the first collective step; both NaN without two steps."""
+    the first collective step to the last report (a swarm that stops stepping while its trainers
+    still report has stalled until then); both NaN without two steps."""
     times = []
     best = -1.0
     for t, epoch in sorted(epochs):
@@ -43,7 +44,8 @@ def longest_stall(epochs: list[tuple[float, float]]) -> tuple[float, float]:
             best = epoch
     if len(times) < 3:
         return float("nan"), float("nan")
-    gaps = [b - a for a, b in itertools.pairwise(times[1:])] or [float("nan")]
+    last_report = max(t for t, _ in epochs)
+    gaps = [b - a for a, b in itertools.pairwise([*times[1:], last_report])] or [float("nan")]
     first_epoch = min(e for _, e in epochs)
     steps = max(best - first_epoch, 1)
     return max(gaps), (times[-1] - times[0]) / steps
