@@ -32,10 +32,10 @@ def fault_spans(events: list[dict[str, Any]], end: float) -> list[tuple[float, f
     return sorted(spans)
 
 
-def longest_stall(epochs: list[tuple[float, float]]) -> tuple[float, float]:
+def longest_stall(epochs: list[tuple[float, float]], until: float | None = None) -> tuple[float, float]:
     """(longest time the swarm's epoch did not grow, median time per collective step), counted from
-    the first collective step to the last report (a swarm that stops stepping while its trainers
-    still report has stalled until then); both NaN without two steps."""
+    the first collective step to `until` (default: the last report): a swarm that stops stepping
+    while its trainers still train has stalled until then; both NaN without two steps."""
     times = []
     best = -1.0
     for t, epoch in sorted(epochs):
@@ -44,8 +44,8 @@ def longest_stall(epochs: list[tuple[float, float]]) -> tuple[float, float]:
             best = epoch
     if len(times) < 3:
         return float("nan"), float("nan")
-    last_report = max(t for t, _ in epochs)
-    gaps = [b - a for a, b in itertools.pairwise([*times[1:], last_report])] or [float("nan")]
+    end = max(t for t, _ in epochs) if until is None else until
+    gaps = [b - a for a, b in itertools.pairwise([*times[1:], max(end, times[-1])])] or [float("nan")]
     first_epoch = min(e for _, e in epochs)
     steps = max(best - first_epoch, 1)
     return max(gaps), (times[-1] - times[0]) / steps
@@ -90,8 +90,10 @@ def figures(events: list[dict[str, Any]], relay: dict[str, Any] | None = None) -
     for proc, points in rates.items():
         trainers.setdefault(proc, {})["samples_per_second_median"] = statistics.median(v for _, v in points)
     swarm_epochs = [(t, v) for pts in _series(events, "progress", "epoch").values() for t, v in pts]
-    stall, step_time = longest_stall(swarm_epochs)
     exits = [e for e in events if e["kind"] == "exit"]
+    # until the first trainer leaves for good (the swarm winds down from there), or the last report
+    trainer_exits = [e["t"] for e in exits if e.get("proc") in trainers and not e.get("killed")]
+    stall, step_time = longest_stall(swarm_epochs, min(trainer_exits, default=None) if trainer_exits else None)
     return {
         "seconds": end,
         "trainers": trainers,

@@ -32,3 +32,13 @@ def test_a_differing_digest_or_a_trainer_that_never_caught_up_is_reported() -> N
     d = report.digest_agreement(events, after=0.0)
     assert d["mismatched"] == {3: {"a": "s", "b": "t"}}
     assert d["common_epoch"] is None  # c trained but never reported a digest
+
+
+def test_a_swarm_that_stops_stepping_has_stalled_until_its_first_trainer_leaves() -> None:
+    events = [progress(t, "a", e) for t, e in ((10, 1), (20, 2), (30, 3), (40, 4), (90, 4), (100, 4))]
+    events.append({"t": 80, "kind": "exit", "proc": "a", "code": 0})
+    f = report.figures(events)
+    assert f["longest_stall_s"] == 40  # from the last step (40 s) to the first trainer's exit (80 s)
+    assert f["median_step_s"] == 10
+    stepping = [progress(t, "a", e) for t, e in ((10, 1), (20, 2), (30, 3), (40, 4), (45, 4))]
+    assert report.figures(stepping)["longest_stall_s"] == 10
