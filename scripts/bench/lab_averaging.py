@@ -35,6 +35,12 @@ def worker(args: argparse.Namespace) -> None:
     from swarm.peer import Peer
 
     torch.set_num_threads(1)
+    if args.diag:
+        import logging
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                            format=f"%(created).3f h{args.index} %(name)s %(message)s")
+        logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
+        logging.getLogger("swarm.net").setLevel(logging.DEBUG)
     peer = Peer(listen=f"/ip4/{args.address}/tcp/0")
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
     addrs = json.loads(sys.stdin.readline())["addrs"]
@@ -104,6 +110,16 @@ def raw_worker(args: argparse.Namespace) -> None:
     sys.stdin.readline()
 
 
+def sample_sockets(lab, n: int, path: str, stop: threading.Event) -> None:
+    """Writes `ss -tin` of every host once a second (cwnd, rtt, send/receive windows) to `path`."""
+    with open(path, "w") as out:
+        while not stop.wait(1.0):
+            for i in range(n):
+                result = lab.exec(f"h{i}", ["ss", "-tinm", "state", "established"], timeout=5)
+                out.write(f"== {time.time():.3f} h{i}\n{result.stdout}")
+            out.flush()
+
+
 def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool = False) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
@@ -112,8 +128,14 @@ def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool
         host = f"h{i}"
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--address",
                 lab.address(host), "--mbytes", str(args.mbytes), "--rounds", str(args.rounds),
-                "--compression", str(compression), *(["--raw"] if raw else [])]
-        procs.append(lab.spawn(host, argv, stdin=subprocess.PIPE, env=env))
+                "--compression", str(compression), *(["--raw"] if raw else []), *(["--diag", args.diag] if args.diag else [])]
+        log = os.path.join(args.diag, f"{n}-{compression}-{'raw' if raw else 'swarm'}-h{i}.log") if args.diag else ""
+        with open(log or os.devnull, "wb") as stderr:  # the child keeps its own descriptor
+            procs.append(lab.spawn(host, argv, stdin=subprocess.PIPE, env=env, stderr=stderr if log else None))
+    stop = threading.Event()
+    if args.diag:
+        threading.Thread(target=sample_sockets, daemon=True, args=(
+            lab, n, os.path.join(args.diag, f"{n}-{compression}-{'raw' if raw else 'swarm'}-ss.txt"), stop)).start()
     try:
         addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
         for p in procs:
@@ -127,6 +149,7 @@ def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool
             p.wait(60)
         return reports
     finally:
+        stop.set()
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -147,6 +170,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=12.5)
+    parser.add_argument("--wire", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
+    parser.add_argument("--only", choices=["raw", "swarm"], default=None, help="run only one of the two")
+    parser.add_argument("--diag", default="", help="a folder: per-peer debug logs and `ss -tin` samples go there")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
@@ -164,6 +190,8 @@ def main() -> None:
     for n in args.peers:
         with Lab([HostSpec(f"h{i}", link) for i in range(n)], seed=1) as lab:
             for compression, wire, raw in ((0, "fp32", True), (0, "fp32", False), (1, "fp16", True), (1, "fp16", False)):
+                if wire not in args.wire or (args.only and args.only != ("raw" if raw else "swarm")):
+                    continue
                 t0 = lab.relay_stats()["cpu_seconds"]
                 w0 = time.monotonic()
                 times = round_seconds(run_group(lab, n, args, compression, raw))

@@ -42,10 +42,30 @@ from swarm.compression.base import HEADER_SIZE
 from swarm.core.errors import InvalidRequest, NotFound
 from swarm.core.loop import spawn
 from swarm.dht.handle import PeerHandle
+from swarm.metrics import REGISTRY
 from swarm.net.bulk import Sink, Sunk
+from swarm.net.estimates import LinkEstimates
 from swarm.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
+
+PART_FETCHES = REGISTRY.counter(
+    "swarm_averaging_part_fetches_total", "Parts this member asked other members for, by why: its stream "
+    "to the reducer broke (failed), or sent nothing for its silence limit after the round was decided (stalled)",
+    ("why",))
+
+
+SILENCE_MULTIPLE = 4.0  # a streaming peer silent this many times its expected chunk time is given up on
+SILENCE_FLOOR = 1.0     # seconds (as the round-wide stall limit's floor, `averager._run_round`)
+
+
+def silence_limit(estimates: LinkEstimates, peer_id: str, chunk_bytes: int, cap: float) -> float:
+    """How long a peer that is streaming a part (to its reducer, or the mean back) may stay silent
+    before the other side gives up on it: `SILENCE_MULTIPLE` times what one chunk from that peer
+    should take by its own link estimates (RTO plus the chunk over its measured throughput), within
+    [`SILENCE_FLOOR`, `cap`]; `cap` (the round's `sender_timeout`) for a link never measured. A
+    stalled peer on a fast link so costs a multiple of its link's time, not one round-wide constant."""
+    return estimates.deadline(peer_id, chunk_bytes, multiple=SILENCE_MULTIPLE, floor=SILENCE_FLOOR, cap=cap)
 
 
 class ButterflyAllReduce:
@@ -93,10 +113,19 @@ class ButterflyAllReduce:
                 if p.index != self.my_part:
                     p.values = scratch[pos:pos + p.size]
                     pos += p.size
+        estimates = peer.pool.estimates
+        self.silence = {i: silence_limit(estimates, m.peer_id, config.chunk_bytes, config.sender_timeout)
+                        for i, m in enumerate(group.members) if i != self.my_index}
+        if self.reducer is not None:
+            self.reducer.silence_limits = self.silence
+        logger.debug("round %s: silence limits %s (sender_timeout %.2f s)", group.round_id.hex()[:8],
+                     {group.members[i].peer_id[-6:]: round(v, 2) for i, v in self.silence.items()},
+                     config.sender_timeout)
         self.finished = asyncio.Event()   # this member is done with the round (its streams may close)
         self.sent_chunks = 0
         self.received_chunks = 0
         self._changed = asyncio.Event()
+        self._decided_at: float | None = None  # loop time this member first learned the round's decision
         self._tasks: list[asyncio.Task[Any]] = []
 
     @property
@@ -167,22 +196,30 @@ class ButterflyAllReduce:
                 break
             now = loop.time()
             wake = self.deadline
-            decided = any(p.decision for p in self.parts)
+            if self._decided_at is None and any(p.decision for p in self.parts):
+                self._decided_at = now
             for p in self.parts:
                 if p.fetch is not None or p.index == self.my_part:
                     continue
                 if p.state is PartState.FAILED:
+                    PART_FETCHES.labels(why="failed").inc()
                     p.fetch = spawn(fetch_part(self, p), name=f"avg-fetch-{self.round_tag}-p{p.index}")
                     self._tasks.append(p.fetch)
-                elif p.state is PartState.PENDING and decided:
+                elif p.state is PartState.PENDING and self._decided_at is not None:
                     # decided, but this part's stream stalls: its reducer may be gone. Ask the
                     # holders too, yet keep waiting on the stream until the deadline: a stalled
-                    # reducer that resumes in time must not find us gone (agreement).
-                    if now - p.last_progress >= self.config.sender_timeout:
+                    # reducer that resumes in time must not find us gone (agreement). Silence is
+                    # counted from the decision at the earliest: no reducer sends a result before
+                    # it, so a reduce-scatter longer than sender_timeout (a slow link) would
+                    # otherwise have every member fetch every part a second time.
+                    since = max(p.last_progress, self._decided_at)
+                    limit = self.silence.get(p.reducer, self.config.sender_timeout)
+                    if now - since >= limit:
+                        PART_FETCHES.labels(why="stalled").inc()
                         p.fetch = spawn(fetch_part(self, p), name=f"avg-fetch-{self.round_tag}-p{p.index}")
                         self._tasks.append(p.fetch)
                     else:
-                        wake = min(wake, p.last_progress + self.config.sender_timeout)
+                        wake = min(wake, since + limit)
             remaining = self.deadline - loop.time()
             if remaining <= 0:
                 missing = [p.index for p in self.parts if p.state is not PartState.COMPLETE]
@@ -405,6 +442,11 @@ async def fetch_part(ar: ButterflyAllReduce, p: Part) -> None:
             ar.resolve(p, PartState.LOST, p.reason)
         return
     tasks = [asyncio.ensure_future(_fetch_from(ar, p, i)) for i in candidates]
+    for t in tasks:
+        # the holders that lose the race (or answer NotFound: their round is over) end after the
+        # winner, unawaited: their outcome is retrieved here, not logged as "Task exception was
+        # never retrieved" when they are collected
+        t.add_done_callback(_retrieve)
     winner: torch.Tensor | None = None
     decision = b""
     header: averaging_pb2.ResultHeader | None = None
@@ -431,6 +473,12 @@ async def fetch_part(ar: ButterflyAllReduce, p: Part) -> None:
     p.values.copy_(winner)
     p.claim = header
     ar.resolve(p, PartState.COMPLETE, decision=decision)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("a fetch from a holder failed: %s", task.exception())
+
 
 async def _fetch_from(ar: ButterflyAllReduce, p: Part, holder: int) -> tuple[torch.Tensor, averaging_pb2.ResultHeader]:
     loop = asyncio.get_running_loop()

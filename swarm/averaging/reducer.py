@@ -95,6 +95,9 @@ class PartCollector:
                 slot_index += 1
             self.senders[i] = sender
         self.frozen = False
+        # per sender index: how long it may stay silent once streaming (set by the all-reduce from
+        # that peer's link estimates); absent: sender_timeout
+        self.silence_limits: dict[int, float] = {}
         self.received_chunks = 0
         self._changed = asyncio.Event()
         self.streams_closed = asyncio.Event()  # every remote sender closed its stream cleanly
@@ -109,19 +112,24 @@ class PartCollector:
             now = loop.time()
             pending = [s for s in self.senders.values() if not s.done]
             for s in pending:
-                if now - s.last_progress >= self.config.sender_timeout:
+                if now - s.last_progress >= self._silence_limit(s):
                     s.failed = "stalled" if s.streaming else "never connected"
             pending = [s for s in pending if not s.done]
             if not pending or now >= report_at:
                 for s in pending:
                     s.failed = "too late"
                 return
-            wake = min([report_at] + [s.last_progress + self.config.sender_timeout for s in pending])
+            wake = min([report_at] + [s.last_progress + self._silence_limit(s) for s in pending])
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), max(0.001, wake - now))
             except TimeoutError:
                 pass
+
+    def _silence_limit(self, sender: _Sender) -> float:
+        if not sender.streaming:  # connecting takes round trips of its own: the round-wide limit
+            return self.config.sender_timeout
+        return self.silence_limits.get(sender.index, self.config.sender_timeout)
 
     def _data_of(self, sender: _Sender) -> torch.Tensor:
         if sender.index == self.my_index:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
@@ -58,7 +59,9 @@ class ChannelConfig:
         max_message_bytes: largest single message sent or received.
         handshake_timeout: deadline for proving the callee's identity on a new channel.
         bulk_connect_timeout: how long dialing a peer's bulk port may take before its streams
-            fall back to gRPC.
+            fall back to gRPC (for `bulk_retry_after` seconds, doubling while it stays unreachable).
+        bulk_retry_after: seconds after a failed dial of a peer's bulk port before its streams try
+            it again: a dial lost to congestion does not send that peer's tensors over gRPC forever.
         multiplex: send small unary calls on one Calls stream per peer (`swarm.net.calls`);
             False sends each as a gRPC unary call of its own.
         calls_idle_timeout: seconds without calls after which a Calls stream ends (the next call
@@ -73,6 +76,7 @@ class ChannelConfig:
     max_message_bytes: int = 8 << 20
     handshake_timeout: float = 5.0
     bulk_connect_timeout: float = 1.0
+    bulk_retry_after: float = 30.0
     multiplex: bool = True
     calls_idle_timeout: float = 60.0
     calls_retry_after: float = 10.0
@@ -81,6 +85,8 @@ class ChannelConfig:
     def __post_init__(self) -> None:
         if self.default_timeout <= 0 or self.handshake_timeout <= 0 or self.calls_idle_timeout <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.bulk_retry_after <= 0:
+            raise ConfigError("bulk_retry_after must be positive")
 
 
 class PeerChannel:
@@ -94,6 +100,8 @@ class PeerChannel:
         self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._verified: asyncio.Future[None] | None = None
         self.bulk_reachable: bool | None = None  # None: not tried yet; False: use gRPC streams only
+        self._bulk_retry_at = 0.0  # while bulk_reachable is False: loop time its port is dialled again
+        self._bulk_retry_after = pool.config.bulk_retry_after
         self._calls: CallStream | None = None  # small unary calls, multiplexed (swarm.net.calls)
         self.calls_supported = pool.config.multiplex  # False: unary calls of their own (or an older peer)
         self._calls_refused_until = 0.0  # loop time until which calls skip the stream (it was refused)
@@ -303,7 +311,7 @@ class PeerChannel:
         """
         await self.verify()
         timeout = timeout or self.pool.config.default_timeout
-        if bulk and self.bulk_reachable is not False:
+        if bulk and (self.bulk_reachable is not False or asyncio.get_running_loop().time() >= self._bulk_retry_at):
             connection = await self._open_bulk(method, timeout)
             if connection is not None:
                 stats = self.pool.metrics.method(method)  # metrics (issue #7)
@@ -353,10 +361,10 @@ class PeerChannel:
             opened = await self.unary(bulk_channel.OPEN_BULK, peer_pb2.BulkOpenRequest(method=method, timeout=timeout),
                                       peer_pb2.BulkOpenResponse, timeout=min(timeout, self.pool.config.handshake_timeout))
         except NotFound:
-            self.bulk_reachable = False  # an older peer, or no bulk port there
+            self.bulk_reachable, self._bulk_retry_at = False, math.inf  # an older peer, or no bulk port there
             return None
         if not opened.port or len(opened.token) != bulk_channel.TOKEN_BYTES:
-            self.bulk_reachable = False
+            self.bulk_reachable, self._bulk_retry_at = False, math.inf
             return None
         connect_timeout = min(self.pool.config.bulk_connect_timeout, max(0.01, deadline - loop.time()))
         try:
@@ -366,10 +374,12 @@ class PeerChannel:
                                               handshake_timeout=max(0.01, min(self.pool.config.handshake_timeout,
                                                                               deadline - loop.time())))
         except PeerUnreachable as e:
-            logger.info("bulk port of %s unreachable (%s): its streams use gRPC", self.peer_id, e)
-            self.bulk_reachable = False
+            logger.info("bulk port of %s unreachable (%s): its streams use gRPC for %.0f s", self.peer_id, e,
+                        self._bulk_retry_after)
+            self.bulk_reachable, self._bulk_retry_at = False, loop.time() + self._bulk_retry_after
+            self._bulk_retry_after = min(2 * self._bulk_retry_after, 3600.0)
             return None
-        self.bulk_reachable = True
+        self.bulk_reachable, self._bulk_retry_after = True, self.pool.config.bulk_retry_after
         return conn, deadline
 
     async def stream_unary(

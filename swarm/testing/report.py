@@ -32,9 +32,10 @@ def fault_spans(events: list[dict[str, Any]], end: float) -> list[tuple[float, f
     return sorted(spans)
 
 
-def longest_stall(epochs: list[tuple[float, float]]) -> tuple[float, float]:
+def longest_stall(epochs: list[tuple[float, float]], until: float | None = None) -> tuple[float, float]:
     """(longest time the swarm's epoch did not grow, median time per collective step), counted from
-    the first collective step; both NaN without two steps."""
+    the first collective step to `until` (default: the last report): a swarm that stops stepping
+    while its trainers still train has stalled until then; both NaN without two steps."""
     times = []
     best = -1.0
     for t, epoch in sorted(epochs):
@@ -43,10 +44,35 @@ def longest_stall(epochs: list[tuple[float, float]]) -> tuple[float, float]:
             best = epoch
     if len(times) < 3:
         return float("nan"), float("nan")
-    gaps = [b - a for a, b in itertools.pairwise(times[1:])] or [float("nan")]
+    end = max(t for t, _ in epochs) if until is None else until
+    gaps = [b - a for a, b in itertools.pairwise([*times[1:], max(end, times[-1])])] or [float("nan")]
     first_epoch = min(e for _, e in epochs)
     steps = max(best - first_epoch, 1)
     return max(gaps), (times[-1] - times[0]) / steps
+
+
+def digest_agreement(events: list[dict[str, Any]], after: float) -> dict[str, Any]:
+    """Whether the trainers hold bit-identical shared parameters after time `after` (the last heal).
+
+    The demo trainer prints a `digest` event (sha256 of its shared parameters) each time its epoch
+    changes. Checked: every epoch reported after `after` by more than one trainer has one digest
+    (`mismatched` lists those that do not), and the trainers that trained after `after` (progress
+    events) reached a common epoch whose digest every one of them reported (`common_epoch`, the
+    last such; None if there is none)."""
+    reported: dict[int, dict[str, str]] = {}
+    for e in events:
+        if e["kind"] == "digest" and e["t"] > after:
+            reported.setdefault(int(e["epoch"]), {})[e["proc"]] = e["sha256"]
+    trainers = sorted({e["proc"] for e in events if e["kind"] == "progress" and e["t"] > after})
+    mismatched = {epoch: procs for epoch, procs in sorted(reported.items()) if len(set(procs.values())) > 1}
+    common = [epoch for epoch, procs in reported.items() if trainers and set(trainers) <= set(procs)]
+    return {
+        "after_s": after,
+        "trainers": trainers,
+        "epochs_compared": sum(1 for procs in reported.values() if len(procs) > 1),
+        "mismatched": mismatched,
+        "common_epoch": max(common, default=None),
+    }
 
 
 def figures(events: list[dict[str, Any]], relay: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -64,8 +90,10 @@ def figures(events: list[dict[str, Any]], relay: dict[str, Any] | None = None) -
     for proc, points in rates.items():
         trainers.setdefault(proc, {})["samples_per_second_median"] = statistics.median(v for _, v in points)
     swarm_epochs = [(t, v) for pts in _series(events, "progress", "epoch").values() for t, v in pts]
-    stall, step_time = longest_stall(swarm_epochs)
     exits = [e for e in events if e["kind"] == "exit"]
+    # until the first trainer leaves for good (the swarm winds down from there), or the last report
+    trainer_exits = [e["t"] for e in exits if e.get("proc") in trainers and not e.get("killed")]
+    stall, step_time = longest_stall(swarm_epochs, min(trainer_exits, default=None) if trainer_exits else None)
     return {
         "seconds": end,
         "trainers": trainers,
@@ -74,6 +102,7 @@ def figures(events: list[dict[str, Any]], relay: dict[str, Any] | None = None) -
         "longest_stall_s": stall,
         "median_step_s": step_time,
         "faults": [{"start": a, "end": b, "fault": w} for a, b, w in fault_spans(events, end)],
+        "digests": digest_agreement(events, max((b for _, b, _ in fault_spans(events, end)), default=0.0)),
         "crashes": [e for e in exits if e["code"] not in (0, None) and not e.get("killed")],
         "relay": relay or {},
     }

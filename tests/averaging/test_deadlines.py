@@ -106,3 +106,57 @@ def test_round_timeout_follows_a_slow_link_and_bounds_what_a_stalled_peer_costs(
     finally:
         for p in peers:
             p.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_decision_later_than_sender_timeout_does_not_make_members_fetch_every_part_again():
+    """A reduce-scatter (here: the leader's decision) that takes longer than `sender_timeout` is no
+    silence of the reducers: none can send a result before the decision. Found in the network lab
+    (BENCHMARKS.md, scenario 3), where every member fetched every part a second time over a slow link."""
+    from swarm.metrics import REGISTRY
+
+    def stalled_fetches() -> float:
+        return REGISTRY.value("swarm_averaging_part_fetches_total", why="stalled") or 0.0
+
+    peers = [Peer() for _ in range(3)]
+    try:
+        addrs = [p.addrs[0] for p in peers]
+        config = AveragerConfig(allreduce=AllReduceConfig(chunk_bytes=16384, sender_timeout=0.5))
+        # only the leader reaches BEFORE_DECISION: it decides 1.5 s (3 sender timeouts) late
+        plans = [FaultPlan().add(FaultPoint.BEFORE_DECISION, Action.DELAY, seconds=1.5) for _ in peers]
+        avgs = [Averager(p, [torch.full((100_000,), float(i))], prefix="late-decision", target_group_size=3,
+                         initial_group=addrs, config=config, faults=plan)
+                for i, (p, plan) in enumerate(zip(peers, plans))]
+        before = stalled_fetches()
+        out = run_steps(avgs, timeout=30.0)
+        assert all(not isinstance(x, Exception) and len(x.contributors) == 3 for x in out), out
+        assert sum(plan.faults[0].fired for plan in plans) == 1
+        assert stalled_fetches() == before  # every part came on its own stream
+        assert all(torch.allclose(a.tensors[0], torch.full((100_000,), 1.0)) for a in avgs)
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+def test_a_streaming_peer_may_stay_silent_a_multiple_of_its_own_links_chunk_time():
+    """Pure logic: each peer's silence limit follows its own link estimates, between a floor and
+    the round's sender_timeout (a link never measured gets the cap)."""
+    from swarm.averaging.allreduce import SILENCE_FLOOR, SILENCE_MULTIPLE, silence_limit
+    from swarm.net.estimates import LinkEstimates
+
+    est = LinkEstimates()
+    chunk = 1 << 20
+    assert silence_limit(est, "never-seen", chunk, cap=5.0) == 5.0
+    for _ in range(8):
+        est.observe_rtt("lan", 0.001)
+        est.observe_rtt("wan", 0.05)
+        est.observe_rtt("modem", 0.2)
+    est.observe_transfer("lan", 100 << 20, 0.1)    # ~1 GB/s
+    est.observe_transfer("wan", 50 << 20, 20.0)    # ~2.6 MB/s
+    est.observe_transfer("modem", 1 << 20, 10.0)   # ~100 KB/s
+    lan, wan, modem = (silence_limit(est, p, chunk, cap=5.0) for p in ("lan", "wan", "modem"))
+    assert lan == SILENCE_FLOOR
+    expected_wan = SILENCE_MULTIPLE * est.expected_time("wan", chunk)
+    assert wan == pytest.approx(expected_wan) and SILENCE_FLOOR < wan < 5.0
+    assert modem == 5.0  # a chunk takes ~10 s there: the round's limit caps it
+    assert silence_limit(est, "wan", chunk, cap=0.5) == 0.5  # the cap wins over the floor

@@ -15,6 +15,7 @@ import pytest
 
 from swarm.core.errors import DeadlineExceeded, InvalidRequest, NotFound, PeerUnreachable
 from swarm.net import bulk, tls
+from swarm.net.channels import ChannelConfig
 from swarm.net.server import ServerConfig
 from swarm.proto import peer_pb2
 
@@ -125,6 +126,24 @@ def test_falls_back_to_grpc_when_the_bulk_port_is_unreachable(make_peer):
     assert b.pool.get(a.addrs[0]).bulk_reachable is False
     call(b, a, [b"hi"])  # later streams go straight to gRPC
     assert seen[-1] == (b.peer_id, False)
+
+
+def test_a_bulk_port_that_failed_to_answer_is_tried_again_later(make_peer):
+    """A dial lost once (congestion dropped the SYN, found by the network lab) does not send that
+    peer's streams over gRPC for good: after `bulk_retry_after` they dial its bulk port again."""
+    a = make_peer()
+    b = make_peer(channel_config=ChannelConfig(bulk_retry_after=0.05))
+    seen: list = []
+    serve_echo(a, seen)
+    a.run(a.server.bulk.stop())
+    call(b, a, [b"hi"])
+    assert seen == [(b.peer_id, False)] and b.pool.get(a.addrs[0]).bulk_reachable is False
+    a.run(a.server.bulk.start("127.0.0.1", 0, tls.server_context(a.server.certificate)))
+    for _ in range(200):  # bounded: each call takes milliseconds, the retry comes after 50 ms
+        call(b, a, [b"hi"])
+        if seen[-1] == (b.peer_id, True):
+            break
+    assert seen[-1] == (b.peer_id, True) and b.pool.get(a.addrs[0]).bulk_reachable is True
 
 
 def test_peer_without_a_bulk_channel_is_reached_over_grpc(make_peer):

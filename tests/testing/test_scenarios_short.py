@@ -36,6 +36,8 @@ def test_the_wan_demo_trains_with_a_trainer_behind_nat(tmp_path: Path) -> None:
     assert set(figures["trainers"]) == {"trainer1", "home"}
     assert figures["trainers"]["home"]["epoch"] >= 1  # the NAT trainer took part in collective steps
     assert figures["trainers"]["home"]["averaging_bytes"] > 0
+    digests = figures["digests"]  # bit-identical shared parameters after each collective step
+    assert digests["epochs_compared"] >= 1 and digests["mismatched"] == {}, digests
     assert sum(q["dropped"] for ns in figures["relay"]["queues"].values() for q in ns.values()) > 0
 
 
