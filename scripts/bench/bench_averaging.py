@@ -60,6 +60,7 @@ def swarm_worker(args: argparse.Namespace) -> None:
 
         logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s")
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
+        logging.getLogger("swarm.net").setLevel(logging.DEBUG)
     peer = Peer(insecure=args.insecure)
     baseline = _rss_mb()
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
@@ -75,7 +76,7 @@ def swarm_worker(args: argparse.Namespace) -> None:
     if os.environ.get("BENCH_PROFILE") and args.index == 0:
         import cProfile
 
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.process_time)  # CPU time: the host is shared
 
         async def toggle(on: bool) -> None:
             profiler.enable() if on else profiler.disable()

@@ -189,13 +189,22 @@ def read_peer_certificate(der: bytes) -> str:
 
 # -- Python ssl contexts (the bulk side channel, probes) ------------------------------------------
 
-def server_context(certificate: PeerCertificate) -> ssl.SSLContext:
+class ServerContext(ssl.SSLContext):
+    """An `ssl.SSLContext` that also knows the DER of the certificate it presents (the bulk
+    channel binds its record keys to it, `swarm.net.sealed`)."""
+
+    certificate_der: bytes = b""
+
+
+def server_context(certificate: PeerCertificate) -> ServerContext:
     """TLS 1.3 server context presenting `certificate` (the bulk listener)."""
     import os
     import tempfile
 
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context = ServerContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.num_tickets = 0  # no session resumption: each bulk connection is a full handshake
+    context.certificate_der = x509.load_pem_x509_certificate(certificate.certificate_pem).public_bytes(_DER)
     # load_cert_chain reads files only: a private temporary directory, removed at once
     with tempfile.TemporaryDirectory(prefix="swarm-tls-") as tmp:
         path = os.path.join(tmp, "peer.pem")

@@ -5,6 +5,7 @@ falling back to gRPC when the bulk port cannot be reached."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
 import struct
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from swarm.core.errors import DeadlineExceeded, InvalidRequest, NotFound, PeerUnreachable
-from swarm.net import bulk, tls
+from swarm.net import bulk, sealed, tls
 from swarm.net.server import ServerConfig
 from swarm.proto import peer_pb2
 
@@ -162,18 +163,51 @@ def _frame(kind: int, payload: bytes) -> bytes:
 
 
 def _talk(port: int, data: bytes, callee: str) -> bytes:
-    """Sends raw bytes over TLS (checking `callee`'s certificate) to a bulk port and returns
-    everything it answers until it closes."""
-    chunks = []
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
-            tls.client_context(callee).wrap_socket(raw, server_hostname=tls.SERVER_NAME) as s:
+    """Runs the bulk port's handshake as a caller (TLS 1.3 checking `callee`'s certificate, then the
+    key material, `swarm.net.sealed`), sends `data` as sealed records and returns the plaintext of
+    every record it answers until it closes."""
+    return sealed_talk(port, [data], callee)
+
+
+def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None) -> bytes:
+    """`_talk` with the request bytes cut into `records` (each sealed on its own); `tamper(list of
+    sealed records)` may alter, drop, reorder or repeat them before they are sent."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls_object = tls.client_context(callee).wrap_bio(incoming, outgoing, server_hostname=tls.SERVER_NAME)
+    answer = bytearray()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        while True:
+            try:
+                tls_object.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                s.sendall(outgoing.read())
+                incoming.write(s.recv(65536))
+        material = os.urandom(sealed.RANDOM_BYTES)
+        tls_object.write(material)
+        to_callee, to_caller = sealed.derive_keys(material, tls_object.getpeercert(binary_form=True))
+        sealer, opener = sealed.Sealer(to_callee), sealed.Opener(to_caller)
+        wire = [sealer.seal(record) for record in records]
+        if tamper is not None:
+            wire = tamper(wire)
+        s.sendall(outgoing.read() + b"".join(wire))
+        received = bytearray()
         try:
-            s.sendall(data)
             while chunk := s.recv(65536):
-                chunks.append(chunk)
-        except (ConnectionResetError, ssl.SSLEOFError):
+                received += chunk
+        except ConnectionResetError:
             pass  # refused by a reset: what arrived before it is the answer
-    return b"".join(chunks)
+    offset = 0
+    while offset + 4 <= len(received):
+        (length,) = struct.unpack_from("<I", received, offset)
+        if offset + 4 + length > len(received):
+            break
+        out = bytearray(length - 16)
+        opener.open_into(bytes(received[offset:offset + 4]), memoryview(received)[offset + 4:offset + 4 + length],
+                         memoryview(out))
+        answer += out
+        offset += 4 + length
+    return bytes(answer)
 
 
 def test_strangers_and_replayed_tokens_get_nothing(make_peer):
