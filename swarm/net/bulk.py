@@ -11,9 +11,10 @@ loopback ceiling (BENCHMARKS.md, "Transport facts"). So a stream registered with
    same typed error a gRPC status would give.
 
 The handler is the one the gRPC stream runs (same `CallContext`: caller PeerID, deadline), so the
-two paths cannot drift apart. The connection is TLS 1.3 with the callee's gRPC certificate, checked
-against the PeerID the caller dialed (`swarm.net.tls`), unless both peers run insecure: so the
-token, and every tensor after it, reaches only the callee. The caller's identity is proven by the
+two paths cannot drift apart. The connection starts with a TLS 1.3 handshake with the callee's gRPC
+certificate, checked against the PeerID the caller dialed (`swarm.net.tls`), and then carries
+AES-GCM records under keys agreed inside it (`swarm.net.sealed`), unless both peers run insecure:
+so the token, and every tensor after it, reaches only the callee. The caller's identity is proven by the
 ticket of the OpenBulk call, which travelled inside the gRPC channel's TLS. A caller that cannot reach the bulk
 port (a firewall, a container publishing only the gRPC port) falls back to the gRPC stream and
 remembers to skip the side channel for that peer.
