@@ -280,7 +280,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
             return
         except (ssl.SSLError, ValueError) as e:
             self._flush()  # the alert, if any, so the other side learns why
-            self._fail(e)
+            self._fail(e if isinstance(e, OSError) else SealedError(f"bulk handshake failed: {e}"))
             return
         der = self._certificate if self.server_side else tls.getpeercert(binary_form=True)
         to_callee, to_caller = derive_keys(self._key_material, der or b"")
