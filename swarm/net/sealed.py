@@ -235,11 +235,11 @@ class SealedProtocol(asyncio.BufferedProtocol):
         return bool(self.inner.eof_received())
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._lost = True
+        lost, self._lost = self._lost, True
         if not self.ready.done():
             self.ready.set_exception(exc or SealedError("the connection closed during the bulk handshake"))
-            return
-        self.inner.connection_lost(exc)
+        elif self._sealer is not None and not lost:  # the inner protocol was connected
+            self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
         if self._sealer is not None:
@@ -253,7 +253,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._closing = True
         if not self.ready.done():
             self.ready.set_exception(error)
-        elif not self._lost:
+        elif not self._lost and self._sealer is not None:
             self._lost = True
             self.inner.connection_lost(error if isinstance(error, Exception) else None)
         self._transport.abort()
