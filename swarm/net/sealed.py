@@ -126,7 +126,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, inner: asyncio.BufferedProtocol, context: ssl.SSLContext, server_side: bool,
                  server_hostname: str | None = None, certificate: bytes = b"") -> None:
-        self.inner = inner
+        self.inner: Any = inner  # a FrameConnection; this object is its (duck-typed) transport
         self._certificate = certificate
         self.server_side = server_side
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
