@@ -60,6 +60,7 @@ def swarm_worker(args: argparse.Namespace) -> None:
 
         logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s")
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
+        logging.getLogger("swarm.net").setLevel(logging.DEBUG)
     peer = Peer(insecure=args.insecure)
     baseline = _rss_mb()
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
@@ -75,7 +76,7 @@ def swarm_worker(args: argparse.Namespace) -> None:
     if os.environ.get("BENCH_PROFILE") and args.index == 0:
         import cProfile
 
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.process_time)  # CPU time: the host is shared
 
         async def toggle(on: bool) -> None:
             profiler.enable() if on else profiler.disable()
@@ -248,6 +249,7 @@ def main() -> None:
     parser.add_argument("--transport", choices=["bulk", "grpc"], default="bulk", help=argparse.SUPPRESS)
     parser.add_argument("--insecure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--skip-plaintext", action="store_true", help="skip the plaintext (--insecure) run")
+    parser.add_argument("--plaintext-first", action="store_true", help="run the plaintext group before the TLS one")
     args = parser.parse_args()
     if args.worker == "swarm":
         return swarm_worker(args)
@@ -264,6 +266,9 @@ def main() -> None:
             grpc = round_seconds(run_group("swarm", n, args, transport="grpc"))  # TLS, like the default
             print(f"swarm over gRPC only  {n} peers, {args.mbytes} MB fp32: {grpc:.3f} s/round"
                   f" ({100 * raw / grpc:.0f}% of raw-socket ceiling)", flush=True)
+        plain_reports = None
+        if args.plaintext_first and not args.skip_plaintext:  # alternate the order between runs
+            plain_reports = run_group("swarm", n, args, insecure=True)
         reports = run_group("swarm", n, args)
         bulk = round_seconds(reports)
         goal = goals.get(n)
@@ -272,7 +277,7 @@ def main() -> None:
               f" ({100 * raw / bulk:.0f}% of raw-socket ceiling{f'; goal <= {goal} s' if goal else ''});"
               f" {cpu:.3f} s of CPU per peer per round", flush=True)
         if not args.skip_plaintext:
-            plain_reports = run_group("swarm", n, args, insecure=True)
+            plain_reports = plain_reports or run_group("swarm", n, args, insecure=True)
             plain = round_seconds(plain_reports)
             plain_cpu = statistics.median(c for r in plain_reports for c in r["cpu"])
             print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32, plaintext (--insecure): {plain:.3f} s/round;"

@@ -11,9 +11,10 @@ loopback ceiling (BENCHMARKS.md, "Transport facts"). So a stream registered with
    same typed error a gRPC status would give.
 
 The handler is the one the gRPC stream runs (same `CallContext`: caller PeerID, deadline), so the
-two paths cannot drift apart. The connection is TLS 1.3 with the callee's gRPC certificate, checked
-against the PeerID the caller dialed (`swarm.net.tls`), unless both peers run insecure: so the
-token, and every tensor after it, reaches only the callee. The caller's identity is proven by the
+two paths cannot drift apart. The connection starts with a TLS 1.3 handshake with the callee's gRPC
+certificate, checked against the PeerID the caller dialed (`swarm.net.tls`), and then carries
+AES-GCM records under keys agreed inside it (`swarm.net.sealed`), unless both peers run insecure:
+so the token, and every tensor after it, reaches only the callee. The caller's identity is proven by the
 ticket of the OpenBulk call, which travelled inside the gRPC channel's TLS. A caller that cannot reach the bulk
 port (a firewall, a container publishing only the gRPC port) falls back to the gRPC stream and
 remembers to skip the side channel for that peer.
@@ -43,6 +44,7 @@ from swarm.core.errors import (
 )
 from swarm.net.errors import from_status, to_status
 from swarm.net.frames import DATA, END, ERROR, BulkProtocolError, FrameConnection, Sink, Sunk
+from swarm.net.sealed import SealedProtocol
 from swarm.net.tls import SERVER_NAME, client_context
 
 logger = logging.getLogger(__name__)
@@ -101,21 +103,29 @@ class BulkListener:
         self._tickets: dict[bytes, _Ticket] = {}
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._ssl: ssl.SSLContext | None = None
 
     async def start(self, host: str, port: int = 0, ssl_context: ssl.SSLContext | None = None) -> int:
-        """Listens on `host:port`; with `ssl_context`, every connection is TLS first."""
+        """Listens on `host:port`; with `ssl_context` (`swarm.net.tls.server_context`), every
+        connection is a TLS handshake first, then sealed records (`swarm.net.sealed`)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._protocol, host, port, reuse_port=False, ssl=ssl_context,
-                                                ssl_handshake_timeout=self.token_ttl if ssl_context else None)
+        self._ssl = ssl_context
+        self._server = await loop.create_server(self._protocol, host, port, reuse_port=False)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
-    def _protocol(self) -> FrameConnection:
+    def _protocol(self) -> asyncio.BufferedProtocol:
         conn = FrameConnection(self.max_frame_bytes, first_frame_limit=TOKEN_BYTES)
-        task = asyncio.ensure_future(self._accept(conn))
+        protocol: asyncio.BufferedProtocol = conn
+        ready = conn.connected
+        if self._ssl is not None:
+            protocol = SealedProtocol(conn, self._ssl, server_side=True,
+                                      certificate=getattr(self._ssl, "certificate_der", b""))
+            ready = protocol.ready
+        task = asyncio.ensure_future(self._accept(conn, ready, protocol))
         self._connections.add(task)
         task.add_done_callback(self._connections.discard)
-        return conn
+        return protocol
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -148,16 +158,16 @@ class BulkListener:
 
     # -- connections -------------------------------------------------------------------------
 
-    async def _accept(self, conn: FrameConnection) -> None:
+    async def _accept(self, conn: FrameConnection, ready: asyncio.Future[None], protocol: Any) -> None:
         try:
-            # over TLS the protocol is connected only once the handshake succeeded (never, for a
-            # plaintext or unverifiable caller): wait a bounded time
-            await asyncio.wait_for(conn.connected, self.token_ttl)
+            # over TLS the frames start only once the handshake and the key agreement succeeded
+            # (never, for a plaintext or unverifiable caller): wait a bounded time
+            await asyncio.wait_for(asyncio.shield(ready), self.token_ttl)
             await self._serve(conn)
-        except (ConnectionError, TimeoutError) as e:
+        except (OSError, TimeoutError) as e:  # ssl.SSLError is an OSError
             logger.debug("bulk connection ended: %s", e)
         finally:
-            conn.close()
+            protocol.close()
 
     async def _serve(self, conn: FrameConnection) -> None:
         # the first frame is the token (a stranger gets nothing bigger than that read)
@@ -238,9 +248,15 @@ async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_
                               peer_id=peer_id) from None
     try:
         if tls:
-            _, conn = await asyncio.wait_for(loop.create_connection(
-                lambda: FrameConnection(max_frame_bytes), sock=sock, ssl=client_context(peer_id),
-                server_hostname=SERVER_NAME, ssl_handshake_timeout=handshake_timeout), handshake_timeout)
+            conn = FrameConnection(max_frame_bytes)
+            _, sealed = await loop.create_connection(
+                lambda: SealedProtocol(conn, client_context(peer_id), server_side=False, server_hostname=SERVER_NAME),
+                sock=sock)
+            try:
+                await asyncio.wait_for(asyncio.shield(sealed.ready), handshake_timeout)
+            except BaseException:
+                sealed.abort()
+                raise
         else:
             _, conn = await loop.create_connection(lambda: FrameConnection(max_frame_bytes), sock=sock)
     except ssl.SSLCertVerificationError as e:

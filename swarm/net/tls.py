@@ -28,17 +28,21 @@ import datetime
 import functools
 import ssl
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
-from cryptography.x509.oid import NameOID
 
 from swarm.core.errors import Unauthenticated
 from swarm.core.identity import Identity, peer_id_to_public_key, public_key_to_peer_id
 
-LIBP2P_EXTENSION_OID = x509.ObjectIdentifier("1.3.6.1.4.1.53594.1.1")
+if TYPE_CHECKING:
+    from cryptography import x509
+
+# `cryptography.x509` (~3 MB of modules) is imported on first use, not by every process that
+# imports the transport: an --insecure peer never needs it.
+_LIBP2P_EXTENSION = "1.3.6.1.4.1.53594.1.1"
 SERVER_NAME = "swarm-peer"  # the DNS name in every certificate; the PeerID is what is checked
 _SIGNED_KEY_PREFIX = b"libp2p-tls-handshake:"
 _PUBKEY_PREFIX = bytes([0x08, 0x01, 0x12, 0x20])  # libp2p PublicKey protobuf, Ed25519, 32 bytes
@@ -49,8 +53,19 @@ _CLOCK_SKEW = datetime.timedelta(days=1)
 ALPN = "h2"
 
 
+def __getattr__(name: str) -> Any:
+    if name == "LIBP2P_EXTENSION_OID":
+        from cryptography import x509
+
+        return x509.ObjectIdentifier(_LIBP2P_EXTENSION)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def anchor_name(public_key: bytes) -> x509.Name:
     """The issuer name of every certificate the key behind `public_key` signs (64 hex digits)."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "swarm libp2p identity"),
                       x509.NameAttribute(NameOID.COMMON_NAME, public_key.hex())])
 
@@ -111,6 +126,9 @@ class PeerCertificate:
 
     @classmethod
     def issue(cls, identity: Identity) -> PeerCertificate:
+        from cryptography import x509
+        from cryptography.x509.oid import NameOID
+
         key = ec.generate_private_key(ec.SECP256R1())
         spki = key.public_key().public_bytes(_DER, serialization.PublicFormat.SubjectPublicKeyInfo)
         now = datetime.datetime.now(datetime.UTC)
@@ -124,7 +142,8 @@ class PeerCertificate:
             .not_valid_after(now + _LEAF_LIFETIME)
             .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.UnrecognizedExtension(LIBP2P_EXTENSION_OID, signed_key(identity, spki)),
+            .add_extension(x509.UnrecognizedExtension(x509.ObjectIdentifier(_LIBP2P_EXTENSION),
+                                                      signed_key(identity, spki)),
                            critical=False)
             .sign(identity.private_key, None)
         )
@@ -150,6 +169,8 @@ def trust_anchor(peer_id: str) -> bytes:
     except Exception:  # noqa: BLE001 - IdentityError, or garbage from a record
         raise Unauthenticated(f"{peer_id!r} is not an Ed25519 PeerID: no TLS certificate can prove it",
                               peer_id=peer_id) from None
+    from cryptography import x509
+
     name = anchor_name(public_key)
     anchor = (
         x509.CertificateBuilder()
@@ -171,9 +192,11 @@ def trust_anchor(peer_id: str) -> bytes:
 def read_peer_certificate(der: bytes) -> str:
     """The PeerID a certificate proves (its X.509 signature and its libp2p extension both made by
     that key); raises `Unauthenticated` otherwise. Used on certificates received unverified."""
+    from cryptography import x509
+
     try:
         certificate = x509.load_der_x509_certificate(der)
-        value = certificate.extensions.get_extension_for_oid(LIBP2P_EXTENSION_OID).value
+        value = certificate.extensions.get_extension_for_oid(x509.ObjectIdentifier(_LIBP2P_EXTENSION)).value
         public_key, signature = _parse_signed_key(value.value)  # type: ignore[attr-defined]
         host_key = ed25519.Ed25519PublicKey.from_public_bytes(public_key)
         spki = certificate.public_key().public_bytes(_DER, serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -189,13 +212,22 @@ def read_peer_certificate(der: bytes) -> str:
 
 # -- Python ssl contexts (the bulk side channel, probes) ------------------------------------------
 
-def server_context(certificate: PeerCertificate) -> ssl.SSLContext:
+class ServerContext(ssl.SSLContext):
+    """An `ssl.SSLContext` that also knows the DER of the certificate it presents (the bulk
+    channel binds its record keys to it, `swarm.net.sealed`)."""
+
+    certificate_der: bytes = b""
+
+
+def server_context(certificate: PeerCertificate) -> ServerContext:
     """TLS 1.3 server context presenting `certificate` (the bulk listener)."""
     import os
     import tempfile
 
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context = ServerContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.num_tickets = 0  # no session resumption: each bulk connection is a full handshake
+    context.certificate_der = ssl.PEM_cert_to_DER_cert(certificate.certificate_pem.decode())
     # load_cert_chain reads files only: a private temporary directory, removed at once
     with tempfile.TemporaryDirectory(prefix="swarm-tls-") as tmp:
         path = os.path.join(tmp, "peer.pem")

@@ -5,6 +5,7 @@ falling back to gRPC when the bulk port cannot be reached."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
 import struct
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from swarm.core.errors import DeadlineExceeded, InvalidRequest, NotFound, PeerUnreachable
-from swarm.net import bulk, tls
+from swarm.net import bulk, sealed, tls
 from swarm.net.channels import ChannelConfig
 from swarm.net.server import ServerConfig
 from swarm.proto import peer_pb2
@@ -181,18 +182,54 @@ def _frame(kind: int, payload: bytes) -> bytes:
 
 
 def _talk(port: int, data: bytes, callee: str) -> bytes:
-    """Sends raw bytes over TLS (checking `callee`'s certificate) to a bulk port and returns
-    everything it answers until it closes."""
-    chunks = []
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
-            tls.client_context(callee).wrap_socket(raw, server_hostname=tls.SERVER_NAME) as s:
+    """Runs the bulk port's handshake as a caller (TLS 1.3 checking `callee`'s certificate, then the
+    key material, `swarm.net.sealed`), sends `data` as sealed records and returns the plaintext of
+    every record it answers until it closes."""
+    return sealed_talk(port, [data], callee)
+
+
+def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None, half_close: bool = False) -> bytes:
+    """`_talk` with the request bytes cut into `records` (each sealed on its own); `tamper(list of
+    sealed records)` may alter, drop, reorder or repeat them before they are sent; `half_close`
+    ends the caller's side of the TCP connection after them (a cut stream)."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls_object = tls.client_context(callee).wrap_bio(incoming, outgoing, server_hostname=tls.SERVER_NAME)
+    answer = bytearray()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        while True:
+            try:
+                tls_object.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                s.sendall(outgoing.read())
+                incoming.write(s.recv(65536))
+        material = os.urandom(sealed.RANDOM_BYTES)
+        tls_object.write(material)
+        to_callee, to_caller = sealed.derive_keys(material, tls_object.getpeercert(binary_form=True))
+        sealer, opener = sealed.Sealer(to_callee), sealed.Opener(to_caller)
+        wire = [sealer.seal(record) for record in records]
+        if tamper is not None:
+            wire = tamper(wire)
+        s.sendall(outgoing.read() + b"".join(wire))
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        received = bytearray()
         try:
-            s.sendall(data)
             while chunk := s.recv(65536):
-                chunks.append(chunk)
-        except (ConnectionResetError, ssl.SSLEOFError):
+                received += chunk
+        except ConnectionResetError:
             pass  # refused by a reset: what arrived before it is the answer
-    return b"".join(chunks)
+    offset = 0
+    while offset + 4 <= len(received):
+        (length,) = struct.unpack_from("<I", received, offset)
+        if offset + 4 + length > len(received):
+            break
+        out = bytearray(length - 16)
+        opener.open_into(bytes(received[offset:offset + 4]), memoryview(received)[offset + 4:offset + 4 + length],
+                         memoryview(out))
+        answer += out
+        offset += 4 + length
+    return bytes(answer)
 
 
 def test_strangers_and_replayed_tokens_get_nothing(make_peer):
@@ -335,3 +372,111 @@ def test_a_sink_that_returns_the_wrong_size_costs_a_copy_not_the_data():
             server.close()
 
     asyncio.run(go())
+
+
+# -- sealed records (swarm.net.sealed): what an on-path attacker can do to them ----------------------
+
+def test_sealed_records_open_only_in_order_in_their_direction_and_connection():
+    to_callee, to_caller = sealed.derive_keys(b"k" * 32, b"certificate")
+    assert to_callee != to_caller  # one key per direction: a record reflected back never opens
+    assert sealed.derive_keys(b"k" * 32, b"another certificate") != (to_callee, to_caller)
+    sealer = sealed.Sealer(to_callee)
+    records = [sealer.seal(m) for m in (b"first", b"second", b"x" * 5000)]
+
+    def opened(key: bytes, wire: list[bytes]) -> list[bytes]:
+        opener, out = sealed.Opener(key), []
+        for record in wire:
+            plain = bytearray(len(record) - 20)
+            opener.open_into(record[:4], memoryview(record)[4:], memoryview(plain))
+            out.append(bytes(plain))
+        return out
+
+    assert opened(to_callee, records) == [b"first", b"second", b"x" * 5000]
+    flipped = bytearray(records[1])
+    flipped[7] ^= 1
+    bad_length = sealed.Sealer(to_callee).seal(b"first")
+    bad_length = (len(bad_length) - 3).to_bytes(4, "little") + bad_length[4:]  # the prefix is authenticated too
+    for wire in ([records[1], records[0]], [records[0], records[0]], [records[0], bytes(flipped)],
+                 [records[0], records[2]], [bad_length]):
+        with pytest.raises(sealed.SealedError, match="failed authentication"):
+            opened(to_callee, wire)
+    with pytest.raises(sealed.SealedError):
+        opened(to_caller, records[:1])  # the other direction's key
+    with pytest.raises(sealed.SealedError):  # another connection's keys
+        opened(sealed.derive_keys(b"j" * 32, b"certificate")[0], records[:1])
+
+
+def _bulk_records(token: bytes) -> list[bytes]:
+    return [_frame(bulk.DATA, token), _frame(bulk.DATA, b"hi"), _frame(bulk.DATA, b"yo"), _frame(bulk.END, b"")]
+
+
+def test_altered_reordered_replayed_or_cut_records_end_the_stream_and_nothing_is_applied(make_peer):
+    a, b = make_peer(), make_peer()
+    seen: list = []
+    serve_echo(a, seen)
+    summary = f"2 from {b.peer_id[-6:]}".encode()
+    port, token = _token(b, a)
+    answer = sealed_talk(port, _bulk_records(token), a.peer_id)  # untouched: the whole stream
+    assert answer == _frame(bulk.DATA, b"ih") + _frame(bulk.DATA, b"oy") + _frame(bulk.DATA, summary) + _frame(bulk.END, b"")
+    assert len(seen) == 1
+
+    def flip(wire):
+        record = bytearray(wire[1])
+        record[-3] ^= 0x40  # one bit of the tag of "hi"
+        return [wire[0], bytes(record), *wire[2:]]
+
+    captured: list = []
+    attacks = {
+        "altered": flip,
+        "reordered": lambda wire: [wire[0], wire[2], wire[1], wire[3]],
+        "replayed": lambda wire: [wire[0], wire[1], wire[1], wire[2], wire[3]],
+        "dropped": lambda wire: [wire[0], wire[2], wire[3]],
+        "from another connection": lambda wire: [wire[0], captured[0], wire[2], wire[3]],
+    }
+    for name, attack in attacks.items():
+        port, token = _token(b, a)
+        if name == "from another connection":  # a record of an earlier, complete connection
+            sealed_talk(port, _bulk_records(token), a.peer_id, tamper=lambda wire: captured.append(wire[1]) or wire)
+            port, token = _token(b, a)
+        answer = sealed_talk(port, _bulk_records(token), a.peer_id, tamper=attack)
+        # the callee aborted at the bad record: nothing of it or after it reached the handler
+        assert _frame(bulk.DATA, b"oy") not in answer and summary not in answer, name
+        assert answer in (b"", _frame(bulk.DATA, b"ih")), name
+    # cut: the END frame's record never comes, or a record stops halfway; the stream does not complete
+    for cut in (lambda wire: wire[:3], lambda wire: [wire[0], wire[1][:9]]):
+        port, token = _token(b, a)
+        answer = sealed_talk(port, _bulk_records(token), a.peer_id, tamper=cut, half_close=True)
+        assert summary not in answer and not answer.endswith(_frame(bulk.END, b""))
+    assert len(seen) == 2  # the two complete streams only (the untouched one and the one captured)
+    assert call(b, a, [b"ok"])[0] == b"ko"  # the peer is unharmed
+
+
+def test_a_record_altered_on_the_way_back_fails_the_callers_stream(make_peer):
+    """The callee's records are checked by the caller as strictly: a proxy on the bulk port that
+    flips one byte of what the callee sends makes the caller's call fail, with no response."""
+    from proxy import LoopbackProxy
+
+    a, b = make_peer(), make_peer()
+    serve_echo(a)
+    port, token = _token(b, a)
+    passed = 0
+    flip_at = 4096  # past the TLS handshake (~1.5 KB), inside the 20 kB echo record
+
+    def flip_down(direction: str, data: bytes) -> bytes:
+        nonlocal passed
+        if direction == "down" and passed <= flip_at < passed + len(data):
+            data = data[:flip_at - passed] + bytes([data[flip_at - passed] ^ 1]) + data[flip_at - passed + 1:]
+        passed += len(data) if direction == "down" else 0
+        return data
+
+    proxy = LoopbackProxy(("127.0.0.1", port), tamper=flip_down)
+    try:
+        async def go():
+            conn = await bulk.connect("127.0.0.1", proxy.port, token, 5.0, 1 << 20, a.peer_id)
+            loop = asyncio.get_running_loop()
+            return [bytes(m) async for m in bulk.exchange(conn, [b"x" * 20000], loop.time() + 10, a.peer_id, ECHO)]
+
+        with pytest.raises(PeerUnreachable, match="failed authentication"):
+            b.run(go())
+    finally:
+        proxy.close()
