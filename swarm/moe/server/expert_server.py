@@ -183,6 +183,10 @@ class ExpertServer(GroupCallHandlers):
             self.declarer = ExpertDeclarer(self.peer.dht, list(self.experts), _public_addr(self.peer.addrs),
                                            self.config.declare_ttl)
             await self.declarer.astart()
+            nat = getattr(self.peer, "nat", None)  # a swarm.Peer behind NAT: its relays may change (docs/relay.md)
+            if nat is not None:
+                declarer = self.declarer
+                nat.on_addrs_changed.append(lambda addrs: declarer.readdress(_public_addr(addrs)))
         elif self._declare:
             logger.info("peer has no DHT: %d experts served but not declared", len(self.experts))
         logger.info("serving %d experts (%s%s)", len(self.experts), next(iter(self.experts)),
