@@ -132,7 +132,8 @@ class Peer:
             PeerService(self.server, self.describe)
             port = await self.server.start(self.listen)
             self.addrs = reachable_addrs(self.listen, port, self.peer_id, self.announce)
-            self.nat = NatTraversal(self.pool, self.server, self.listen, self.addrs, self._known_peers, self._nat_config)
+            self.nat = self.services.add(NatTraversal(self.pool, self.server, self.listen, self.addrs,
+                                                      self._known_peers, self._nat_config))
             await self.nat.start()
         await self._start_dht()
         logger.info("peer %s ready at %s", self.peer_id, ", ".join(self.addrs) or "(client mode)")

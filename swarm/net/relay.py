@@ -111,8 +111,10 @@ class TokenBucket:
 
 
 async def splice(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter, b_reader: asyncio.StreamReader,
-                 b_writer: asyncio.StreamWriter, bucket: TokenBucket | None = None) -> int:
-    """Copies bytes both ways until either side closes; returns the bytes carried."""
+                 b_writer: asyncio.StreamWriter, bucket: TokenBucket | None = None,
+                 count: Callable[[int], None] | None = None) -> int:
+    """Copies bytes both ways until either side closes; returns the bytes carried (`count` hears
+    of them as they pass)."""
     carried = 0
 
     async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -123,6 +125,8 @@ async def splice(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter,
                     await bucket.take(len(data))
                 writer.write(data)
                 carried += len(data)
+                if count is not None:
+                    count(len(data))
                 await writer.drain()
         except (OSError, asyncio.IncompleteReadError):
             pass
@@ -193,6 +197,9 @@ class Relay:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
             self._server = None
+
+    def _count(self, n: int) -> None:
+        self.spliced_bytes += n
 
     def _refuse(self, reason: str) -> None:
         self.refused[reason] += 1
@@ -317,7 +324,7 @@ class Relay:
                 writer.write(b"HTTP/1.1 504 Gateway Timeout\r\n\r\n")
                 return
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            self.spliced_bytes += await splice(reader, writer, back_reader, back_writer, self.bucket)
+            await splice(reader, writer, back_reader, back_writer, self.bucket, self._count)
         finally:
             self._waiting.pop(circuit_id, None)
             self.circuits -= 1

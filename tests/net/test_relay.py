@@ -104,7 +104,7 @@ def test_the_relay_sees_no_plaintext_and_the_callee_must_prove_its_peer_id(make_
     seen = bytearray()
     original = relay_mod.splice
 
-    async def tapped(ar, aw, br, bw, bucket=None):  # records what the relay carries, for this test only
+    async def tapped(ar, aw, br, bw, bucket=None, count=None):  # records what the relay carries, for this test only
         class Tap:
             def __init__(self, reader):
                 self.reader = reader
@@ -114,7 +114,7 @@ def test_the_relay_sees_no_plaintext_and_the_callee_must_prove_its_peer_id(make_
                 seen.extend(data)
                 return data
 
-        return await original(Tap(ar), aw, Tap(br), bw, bucket)
+        return await original(Tap(ar), aw, Tap(br), bw, bucket, count)
 
     relay_mod.splice = tapped
     try:

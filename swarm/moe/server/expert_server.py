@@ -39,6 +39,7 @@ from swarm.moe.server.hosted import GraphGone, HostedExpert
 from swarm.moe.server.runtime import Runtime
 from swarm.moe.server.task_pool import PoolStats
 from swarm.moe.uids import expand_pattern
+from swarm.net.nat import NatTraversal
 from swarm.net.server import CallContext
 from swarm.net.streaming import tensors_to_messages
 from swarm.proto import moe_pb2
@@ -183,7 +184,7 @@ class ExpertServer(GroupCallHandlers):
             self.declarer = ExpertDeclarer(self.peer.dht, list(self.experts), _public_addr(self.peer.addrs),
                                            self.config.declare_ttl)
             await self.declarer.astart()
-            nat = getattr(self.peer, "nat", None)  # a swarm.Peer behind NAT: its relays may change (docs/relay.md)
+            nat = self.peer.services.get(NatTraversal)  # behind NAT, its relays may change (docs/relay.md)
             if nat is not None:
                 declarer = self.declarer
                 nat.on_addrs_changed.append(lambda addrs: declarer.readdress(_public_addr(addrs)))
