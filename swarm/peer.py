@@ -141,6 +141,8 @@ class Peer:
     async def _start_dht(self) -> None:
         self.dht = await DHT.create(self, self._dht_config)
         self._components.append(self.dht)
+        if self.nat is not None and not self.dht.node.client_mode:
+            self.nat.on_addrs_changed.append(self.dht.node.protocol.readdress)  # relays changed (docs/relay.md)
 
     def _known_peers(self) -> list[Multiaddr]:
         """Peers to ask for dial-backs and relays: the initial peers, then the DHT's contacts."""

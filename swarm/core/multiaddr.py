@@ -96,6 +96,11 @@ class Multiaddr:
         return self.protocol in ("ip4", "ip6") and ipaddress.ip_address(self.host).is_unspecified
 
 
+def is_relayed(addr: str) -> bool:
+    """Whether a multiaddr's text is a relayed address (`.../p2p-circuit/...`), without parsing it."""
+    return "/p2p-circuit" in addr
+
+
 def _check_peer_id(peer_id: str, text: str) -> str:
     try:
         peer_id_to_public_key(peer_id)
