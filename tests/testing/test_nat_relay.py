@@ -19,6 +19,7 @@ from swarm.testing import HostSpec, Lab
 
 PY = sys.executable
 CLIENT = str(Path(__file__).with_name("nat_client.py"))
+AVERAGER = str(Path(__file__).with_name("nat_averager.py"))
 HIDDEN = 16
 
 
@@ -91,3 +92,36 @@ def test_an_expert_server_behind_nat_serves_a_trainer_and_survives_its_relay_kil
         # meanwhile the mixture went on with the experts it could reach: no tick without a forward
         assert all(t["mixture"] for t in ticks + after), [t for t in ticks + after if not t["mixture"]][:3]
         print(f"NAT'd expert reachable again {back['t'] - killed_at:.1f} s after its relay was killed")
+
+
+def test_two_peers_behind_nat_and_two_public_ones_average_exactly_and_hand_over_state(needs_lab) -> None:
+    hosts = [HostSpec("pub1"), HostSpec("pub2"), HostSpec("nat1", nat=True), HostSpec("nat2", nat=True),
+             HostSpec("new", nat=True)]
+    with Lab(hosts) as lab:
+        procs, addrs = [], []
+        for index, host in enumerate(("pub1", "pub2", "nat1", "nat2")):
+            proc = lab.spawn(host, [PY, AVERAGER, "peer", lab.address(host), addrs[0] if addrs else "", str(index)],
+                             stdin=subprocess.PIPE)
+            lines = Lines(proc)
+            ready = json.loads(lines.next(90))
+            procs.append((proc, lines))
+            addrs.append(ready["addr"])
+            # the first peer has nobody to ask; the others find out, and the NAT'd ones go through relays
+            assert ready["reachability"] == ("unknown" if index == 0 else "public" if index < 2 else "private")
+            assert (Multiaddr.parse(ready["addr"]).relay_id is not None) == (index >= 2), ready
+        for proc, _ in procs:
+            assert proc.stdin is not None
+            proc.stdin.write((json.dumps({"addrs": addrs}) + "\n").encode())
+            proc.stdin.flush()
+        results = [json.loads(lines.next(90)) for _, lines in procs]
+        assert all(r["ok"] for r in results), results
+        assert all(r["max_err"] <= 1e-5 for r in results), results
+        assert len({tuple(r["contributors"]) for r in results}) == 1 and len(results[0]["contributors"]) == 4
+        # a newcomer, itself behind NAT, downloads the state of a peer behind another NAT, through its relay
+        done = lab.exec("new", [PY, AVERAGER, "newcomer", lab.address("new"), addrs[2]], timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        assert got["equal"] and got["sources"] == [Multiaddr.parse(addrs[2]).peer_id]
+        for proc, _ in procs:
+            proc.stdin.write(b"stop\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
