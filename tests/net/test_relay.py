@@ -221,3 +221,57 @@ def test_a_relay_refuses_an_abuser_beyond_its_limits_and_keeps_serving_others(ma
     finally:
         for w in writers + [w for _, w in circuits]:
             w.close()
+
+
+def test_a_relay_answers_bad_input_clearly_and_loses_nothing(make_peer):
+    a = make_peer(nat=NatConfig(relay="on", relay_limits=RelayConfig(handshake_timeout=1.0)))
+    b = make_peer(initial_peers=a.addrs, nat=PRIVATE)
+    relay: Relay = a.nat.relay
+    relay_addr = Multiaddr.parse(a.nat.relay_addr)
+
+    async def exchange(first: bytes, then: bytes = b"") -> bytes:
+        reader, writer = await asyncio.open_connection(relay_addr.host, relay_addr.port)
+        writer.write(first)
+        if then:
+            await reader.readline()  # the nonce
+            writer.write(then)
+        answer = await asyncio.wait_for(reader.read(200), 5)
+        writer.close()
+        return answer
+
+    async def go():
+        return [
+            await exchange(b"HELLO\n"),  # not a request: closed without an answer
+            await exchange(b"RESERVE\n", f"{b.peer_id} {'00' * 64}\n".encode()),  # a signature that is not b's
+            await exchange(b"RESERVE\n", b"nonsense\n"),
+            await exchange(f"CONNECT {Identity.generate().peer_id}:1 HTTP/1.1\r\n\r\n".encode()),
+            await exchange(f"CONNECT {b.peer_id}:notaport HTTP/1.1\r\n\r\n".encode()),
+            await exchange(b"ACCEPT 00ff\n"),  # no such circuit
+            await exchange(b"CONNECT " + b"x" * 5000 + b"\n"),  # a line longer than the relay reads
+        ]
+
+    answers = a.run(go())
+    assert answers[0] == b"" and answers[5] == b"" and answers[6] == b""
+    assert answers[1] == answers[2] == b"NO bad signature\n"
+    assert answers[3].startswith(b"HTTP/1.1 404") and answers[4].startswith(b"HTTP/1.1 404")
+    assert relay.refused["bad request"] == 1 and relay.refused["bad signature"] == 2
+    assert relay.refused["unknown circuit"] == 1 and relay.refused["no reservation"] == 2
+    assert b.peer_id in relay.reservations  # the peer that did reserve lost nothing
+
+    async def info():
+        return await b.pool.get(b.addrs[0]).info()  # b through its own relay: still served
+
+    assert b.run(info()).peer_id == b.peer_id
+
+
+def test_relay_and_nat_settings_are_checked():
+    from swarm.core.errors import ConfigError
+
+    for bad in ({"max_reservations": 0}, {"max_bytes_per_s": -1.0}, {"accept_timeout": 0}):
+        with pytest.raises(ConfigError):
+            RelayConfig(**bad)
+    for bad in ({"reachability": "maybe"}, {"relay": "sometimes"}, {"relay_port": 70000}):
+        with pytest.raises(ConfigError):
+            NatConfig(**bad)
+    with pytest.raises(ConfigError):
+        ReservationsConfig(target=0)
