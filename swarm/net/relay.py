@@ -504,6 +504,7 @@ class Reservations:
         self._tasks: set[asyncio.Task[None]] = set()
         self._keeper: asyncio.Task[None] | None = None
         self._published: list[str] = []
+        self._closing = False
 
     def local_port(self, port: int) -> int | None:
         return self.ports.get(port)
@@ -532,6 +533,8 @@ class Reservations:
         task.add_done_callback(self._tasks.discard)
 
     def changed(self) -> None:
+        if self._closing:
+            return  # shutting down: nothing to announce
         addresses = self.addresses
         if addresses != self._published:
             self._published = addresses
@@ -568,6 +571,7 @@ class Reservations:
                 await asyncio.wait_for(self._wake.wait(), 2.0)
 
     async def close(self) -> None:
+        self._closing = True
         tasks = [r.task for r in self.held.values()] + list(self._tasks)
         if self._keeper is not None:
             tasks.append(self._keeper)
