@@ -99,15 +99,19 @@ class TokenBucket:
         self.tokens = self.capacity
         self.stamp = time.monotonic()
 
-    async def take(self, n: int) -> None:
+    def debit(self, n: int, now: float) -> float:
+        """Takes n bytes at time `now`; returns the seconds to wait before sending them."""
         if not self.rate:
-            return
-        now = time.monotonic()
+            return 0.0
         self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
         self.tokens -= n
-        if self.tokens < 0:
-            await asyncio.sleep(-self.tokens / self.rate)  # pacing: the debt's worth of time
+        return -self.tokens / self.rate if self.tokens < 0 else 0.0
+
+    async def take(self, n: int) -> None:
+        wait = self.debit(n, time.monotonic())
+        if wait:
+            await asyncio.sleep(wait)  # pacing: the debt's worth of time
 
 
 async def splice(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter, b_reader: asyncio.StreamReader,

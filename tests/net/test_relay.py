@@ -275,3 +275,14 @@ def test_relay_and_nat_settings_are_checked():
             NatConfig(**bad)
     with pytest.raises(ConfigError):
         ReservationsConfig(target=0)
+
+
+def test_the_bandwidth_share_paces_every_circuit_together():
+    bucket = relay_mod.TokenBucket(rate=1_000_000)  # 1 MB/s, a burst of one 256 KiB chunk
+    start = bucket.stamp
+    assert bucket.debit(bucket.capacity, start) == 0.0  # the burst goes at once
+    assert bucket.debit(500_000, start) == pytest.approx(0.5)  # then each byte waits its turn
+    assert bucket.debit(500_000, start + 0.5) == pytest.approx(0.5)  # two circuits share one rate
+    assert bucket.debit(1, start + 100) == 0.0  # idle time refills, up to the burst only
+    assert bucket.tokens == bucket.capacity - 1
+    assert relay_mod.TokenBucket(rate=None).debit(10**9, 0.0) == 0.0
