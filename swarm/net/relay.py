@@ -419,14 +419,20 @@ class Reservation:
             self.owner.changed()
             ping_every = max(0.5, min(cfg.ping_interval, ttl / 3))
             last_heard = time.monotonic()
+            next_ping = last_heard + ping_every
             while True:
+                # PINGs go on their own clock: a relay busy sending CIRCUITs still hears from us
                 try:
-                    line = await asyncio.wait_for(reader.readline(), ping_every)
+                    line = await asyncio.wait_for(reader.readline(), max(0.0, next_ping - time.monotonic()))
                 except TimeoutError:
+                    line = None
+                if time.monotonic() >= next_ping:
                     if time.monotonic() - last_heard > 2 * ping_every + cfg.connect_timeout:
-                        raise OSError("the relay stopped answering") from None
+                        raise OSError("the relay stopped answering")
                     writer.write(b"PING\n")
                     await writer.drain()
+                    next_ping = time.monotonic() + ping_every
+                if line is None:
                     continue
                 if not line:
                     raise OSError("the relay closed the reservation")
@@ -571,8 +577,8 @@ class Reservations:
                         continue
                     self.held[relay_id] = Reservation(self, relay)
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 2.0)
+            with contextlib.suppress(TimeoutError):  # a lost reservation wakes it at once
+                await asyncio.wait_for(self._wake.wait(), 10.0)
 
     async def close(self) -> None:
         self._closing = True

@@ -286,3 +286,25 @@ def test_the_bandwidth_share_paces_every_circuit_together():
     assert bucket.debit(1, start + 100) == 0.0  # idle time refills, up to the burst only
     assert bucket.tokens == bucket.capacity - 1
     assert relay_mod.TokenBucket(rate=None).debit(10**9, 0.0) == 0.0
+
+
+def test_a_reservation_busy_with_circuits_still_keeps_alive(make_peer):
+    a = make_peer(nat=NatConfig(relay="on", relay_limits=RelayConfig(reservation_ttl=1.5)))
+    b = make_peer(initial_peers=a.addrs, nat=PRIVATE)
+    relay: Relay = a.nat.relay
+    held = relay.reservations[b.peer_id]
+    relay_addr = Multiaddr.parse(a.nat.relay_addr)
+
+    async def busy() -> int:  # circuits to b, one after another, for twice the reservation's ttl
+        loop = asyncio.get_running_loop()
+        end, opened = loop.time() + 3.0, 0
+        while loop.time() < end and opened < 5000:
+            reader, writer = await asyncio.open_connection(relay_addr.host, relay_addr.port)
+            writer.write(f"CONNECT {b.peer_id}:{relay_mod.GRPC_PORT} HTTP/1.1\r\n\r\n".encode())
+            await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+            opened += 1
+        return opened
+
+    assert a.run(busy(), timeout=30) > 3
+    assert relay.reservations.get(b.peer_id) is held  # the same reservation: its PINGs kept coming
