@@ -402,15 +402,16 @@ class Reservation:
         cfg = self.owner.config
         writer: asyncio.StreamWriter | None = None
         try:
-            reader, writer = await asyncio.wait_for(
+            reader, stream = await asyncio.wait_for(
                 asyncio.open_connection(self.relay.host, self.relay.port, limit=_LINE_LIMIT), cfg.connect_timeout)
-            writer.write(b"RESERVE\n")
+            writer = stream
+            stream.write(b"RESERVE\n")
             line = await asyncio.wait_for(reader.readline(), cfg.connect_timeout)
             if not line.startswith(b"NONCE "):
                 raise OSError(f"not a relay: {line[:40]!r}")
             nonce = bytes.fromhex(line[6:].strip().decode())
             signature = self.owner.identity.sign(reserve_payload(nonce, self.relay.peer_id or ""))
-            writer.write(f"{self.owner.identity.peer_id} {signature.hex()}\n".encode())
+            stream.write(f"{self.owner.identity.peer_id} {signature.hex()}\n".encode())
             line = await asyncio.wait_for(reader.readline(), cfg.connect_timeout)
             if not line.startswith(b"OK "):
                 raise OSError(f"refused: {line.decode(errors='replace').strip() or 'closed'}")
@@ -422,23 +423,24 @@ class Reservation:
             next_ping = last_heard + ping_every
             while True:
                 # PINGs go on their own clock: a relay busy sending CIRCUITs still hears from us
+                received: bytes | None
                 try:
-                    line = await asyncio.wait_for(reader.readline(), max(0.0, next_ping - time.monotonic()))
+                    received = await asyncio.wait_for(reader.readline(), max(0.0, next_ping - time.monotonic()))
                 except TimeoutError:
-                    line = None
+                    received = None
                 if time.monotonic() >= next_ping:
                     if time.monotonic() - last_heard > 2 * ping_every + cfg.connect_timeout:
                         raise OSError("the relay stopped answering")
-                    writer.write(b"PING\n")
-                    await writer.drain()
+                    stream.write(b"PING\n")
+                    await stream.drain()
                     next_ping = time.monotonic() + ping_every
-                if line is None:
+                if received is None:
                     continue
-                if not line:
+                if not received:
                     raise OSError("the relay closed the reservation")
                 last_heard = time.monotonic()
-                if line.startswith(b"CIRCUIT "):
-                    _, circuit_id, port_text = line.decode(errors="replace").split()
+                if received.startswith(b"CIRCUIT "):
+                    _, circuit_id, port_text = received.decode(errors="replace").split()
                     self.owner.spawn(self._answer(circuit_id, int(port_text)))
         except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
             self.error = f"{type(e).__name__}: {e}"
