@@ -13,7 +13,7 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any, Self, TypeVar
 
-from swarm.core.errors import ConfigError
+from swarm.core.errors import ConfigError, MultiaddrError
 from swarm.core.identity import Identity, IdentityFile
 from swarm.core.loop import LoopThread
 from swarm.core.malloc import tune_malloc
@@ -24,6 +24,7 @@ from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
 from swarm.metrics.registry import Registry
 from swarm.net.channels import ChannelConfig, ChannelPool
+from swarm.net.nat import NatConfig, NatTraversal
 from swarm.net.peer_service import PeerService
 from swarm.net.server import RPCServer, ServerConfig, reachable_addrs
 from swarm.proto import peer_pb2
@@ -49,6 +50,10 @@ class Peer:
             by default each peer owns its loop.
         insecure: plaintext instead of TLS on every connection (`--insecure`; docs/security.md):
             sets `tls=False` in both configs. Such a peer talks only to peers that are insecure too.
+        nat: reachability detection and relays (docs/relay.md): by default a peer asks its
+            initial peers to dial it back, relays for others when reachable, and holds
+            reservations on relays (announcing relayed addresses) when it is not.
+        relay: shorthand for `nat.relay` ("auto", "on", "off"; True / False for on / off).
         start: start serving now; with False, call `await peer.astart()` from an event loop.
     """
 
@@ -68,6 +73,8 @@ class Peer:
         loop: LoopThread | None = None,
         start: bool = True,
         insecure: bool = False,
+        nat: NatConfig | None = None,
+        relay: str | bool | None = None,
     ) -> None:
         self.initial_peers = [Multiaddr.parse(a) for a in initial_peers]
         self.listen = Multiaddr.parse(listen)
@@ -98,6 +105,12 @@ class Peer:
         self.services = Services()
         """The per-peer state of the layers above (averaging RPCs, expert server, served states)."""
         self._dht_config = dht_config
+        nat = nat or NatConfig()
+        if relay is not None:
+            nat = dataclasses.replace(nat, relay={True: "on", False: "off"}.get(relay, relay))  # type: ignore[arg-type]
+        self._nat_config = nat
+        self.nat: NatTraversal | None = None
+        """Reachability and relays; None in client mode (docs/relay.md)."""
         self._components: list[Component] = []
         self._owns_loop = loop is None
         self.loop = loop or LoopThread(name=f"swarm-{self.peer_id[-6:]}")
@@ -119,12 +132,28 @@ class Peer:
             PeerService(self.server, self.describe)
             port = await self.server.start(self.listen)
             self.addrs = reachable_addrs(self.listen, port, self.peer_id, self.announce)
+            self.nat = self.services.add(NatTraversal(self.pool, self.server, self.listen, self.addrs,
+                                                      self._known_peers, self._nat_config))
+            await self.nat.start()
         await self._start_dht()
         logger.info("peer %s ready at %s", self.peer_id, ", ".join(self.addrs) or "(client mode)")
 
     async def _start_dht(self) -> None:
         self.dht = await DHT.create(self, self._dht_config)
         self._components.append(self.dht)
+        if self.nat is not None and not self.dht.node.client_mode:
+            self.nat.on_addrs_changed.append(self.dht.node.protocol.readdress)  # relays changed (docs/relay.md)
+
+    def _known_peers(self) -> list[Multiaddr]:
+        """Peers to ask for dial-backs and relays: the initial peers, then the DHT's contacts."""
+        known = list(self.initial_peers)
+        if self.dht is not None:
+            for node in self.dht.known_peers():
+                try:
+                    known.append(Multiaddr.parse(node.addr).with_peer_id(node.peer_id))
+                except MultiaddrError:
+                    continue
+        return known
 
     def attach(self, component: Component) -> None:
         """Registers a component to shut down (in reverse order) before the server stops."""
@@ -138,6 +167,8 @@ class Peer:
         return peer_pb2.PeerInfo(
             peer_id=self.peer_id, version=__version__, addrs=self.addrs, role=self.role,
             client_mode=self.client_mode, experts=self.served_experts,
+            reachability=self.nat.status if self.nat is not None else "",
+            relays=[r.relay_id or "" for r in map(Multiaddr.parse, self.addrs) if r.relay_id],
         )
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -154,6 +185,8 @@ class Peer:
             except Exception:
                 logger.exception("error while shutting down %r", component)
         self._components.clear()
+        if self.nat is not None:
+            await self.nat.close()
         if self.server is not None:
             await self.server.stop()
         await self.pool.close()

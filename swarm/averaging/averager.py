@@ -39,6 +39,7 @@ from swarm.averaging.verification import Verdict
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
 from swarm.core.loop import spawn
+from swarm.core.multiaddr import is_relayed
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.metrics import AVERAGING_ROUNDS
@@ -132,6 +133,18 @@ class AveragerConfig:
             raise ConfigError(f"unknown compression type {self.compression}") from None
         if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
             raise ConfigError("bandwidth must be finite and >= 0")
+
+
+RELAYED_BANDWIDTH = 0.25
+"""The share of its bandwidth a peer reached through a relay declares (docs/relay.md): its part of
+an all-reduce crosses the relay too, on the relay's bandwidth share, so parts go mostly to
+reducers that others reach directly."""
+
+
+def declared_bandwidth(addrs: Sequence[str], bandwidth: float) -> float:
+    """The bandwidth a member declares: `bandwidth`, or a `RELAYED_BANDWIDTH` share of it when the
+    address it declares (its first) is relayed."""
+    return bandwidth * RELAYED_BANDWIDTH if addrs and is_relayed(addrs[0]) else bandwidth
 
 
 def _with_group_sizes(config: AveragerConfig | None, target: int | None, minimum: int | None) -> AveragerConfig:
@@ -259,7 +272,7 @@ class Averager:
         if not isinstance(election, DHTElection):
             return False
         me = MemberInfo(self.peer.peer_id, self.peer.addrs[0] if self.peer.addrs else "",
-                        0.0 if self.auxiliary else 1.0, self.config.bandwidth, self.peer.server is None, self.auxiliary)
+                        0.0 if self.auxiliary else 1.0, declared_bandwidth(self.peer.addrs, self.config.bandwidth), self.peer.server is None, self.auxiliary)
         bound = self.matchmaking.config.max_wait
         now = get_dht_time()
         key = election.group_key if group_key is None else group_key
@@ -322,7 +335,7 @@ class Averager:
                 await self.faults.hit(FaultPoint.BEFORE_MATCHMAKING)
                 me = MemberInfo(
                     self.peer.peer_id, self.peer.addrs[0] if self.peer.addrs else "",
-                    0.0 if self.auxiliary else weight, self.config.bandwidth, self.peer.server is None, self.auxiliary,
+                    0.0 if self.auxiliary else weight, declared_bandwidth(self.peer.addrs, self.config.bandwidth), self.peer.server is None, self.auxiliary,
                 )
                 group = await self._form_group(me, timeout, expected_size)
                 self._formed = True

@@ -29,6 +29,9 @@ class PeerOptions:
     metrics_port: int | None = None
     bulk_port: str | None = None
     insecure: bool = False
+    reachability: str = "auto"
+    relay: str = "auto"
+    relay_port: int = 0
     log_level: str = "INFO"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -42,13 +45,19 @@ class PeerOptions:
             raise ConfigError(f"--bulk-port must be a TCP port or 'off', got {self.bulk_port!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.reachability not in ("auto", "public", "private"):
+            raise ConfigError(f"--reachability must be auto, public or private, got {self.reachability!r}")
+        if self.relay not in ("auto", "on", "off"):
+            raise ConfigError(f"--relay must be auto, on or off, got {self.relay!r}")
+        if not 0 <= self.relay_port <= 65535:
+            raise ConfigError(f"--relay-port must be a TCP port, got {self.relay_port}")
         if self.client_mode and self.experts:
             raise ConfigError("a client-mode peer cannot serve experts (it accepts no connections)")
 
 
 _LIST_OPTIONS = {"announce", "initial_peers"}
 _BOOL_OPTIONS = {"client_mode", "insecure"}
-_INT_OPTIONS = {"hidden_dim", "metrics_port"}
+_INT_OPTIONS = {"hidden_dim", "metrics_port", "relay_port"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure", action="store_const", const=True,
                         help="plaintext instead of TLS on every connection, for a closed cluster only: "
                              "talks only to peers that also run with --insecure (docs/security.md)")
+    parser.add_argument("--reachability", help="auto (default: ask initial peers to dial back), public, or "
+                                               "private (behind NAT: be reached through relays; docs/relay.md)")
+    parser.add_argument("--relay", help="auto (default: relay for peers behind NAT when publicly reachable), on or off")
+    parser.add_argument("--relay-port", type=int, help="TCP port of the relay service (default: any free port)")
     parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
 
 

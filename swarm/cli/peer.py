@@ -54,6 +54,7 @@ def _unsaved(server: Any) -> str | None:
 
 
 def run_daemon(options: PeerOptions) -> int:
+    from swarm.net.nat import NatConfig
     from swarm.net.server import ServerConfig
     from swarm.peer import Peer
 
@@ -81,6 +82,7 @@ def run_daemon(options: PeerOptions) -> int:
         server_config=ServerConfig(bulk=options.bulk_port != "off",
                                    bulk_port=int(options.bulk_port) if options.bulk_port not in (None, "off") else 0),
         insecure=options.insecure,
+        nat=NatConfig(reachability=options.reachability, relay=options.relay, relay_port=options.relay_port),
     )
     server = None
     try:
@@ -89,6 +91,8 @@ def run_daemon(options: PeerOptions) -> int:
             print(addr, flush=True)
         if options.client_mode:
             logger.info("client mode: peer %s dials out only", peer.peer_id)
+        elif peer.nat is not None:
+            logger.info("reachability: %s", peer.nat.plan())
         if options.insecure:
             logger.warning("--insecure: connections are plaintext (readable and forgeable on the path); "
                            "only peers started with --insecure can talk to this one")

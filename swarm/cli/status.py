@@ -84,6 +84,7 @@ class PeerReport:
     dialed: str
     source: str = "initial"  # "initial" (named on the command line) or "dht" (from the routing table)
     encrypted: bool = True  # the connection was TLS and the peer proved its PeerID in it (False: --insecure)
+    reachability: str = ""  # "public", "private" (reached through relays), "unknown"; "" from older peers
 
 
 @dataclass
@@ -123,7 +124,7 @@ async def call_info(pool: Any, addr: Multiaddr, timeout: float, source: str = "i
         peer_id=info.peer_id, role=info.role, version=info.version, client_mode=info.client_mode,
         addrs=list(info.addrs), experts=list(info.experts), rtt_ms=round(rtt * 1000, 3),
         clock_offset_s=round(info.time - (time.time() - rtt / 2), 3) if info.time else 0.0,
-        dialed=str(addr), source=source, encrypted=channel.encrypted,
+        dialed=str(addr), source=source, encrypted=channel.encrypted, reachability=info.reachability,
     )
 
 
@@ -211,7 +212,7 @@ def format_text(view: SwarmView, prefixes: Sequence[str], keys: Sequence[str]) -
     lines = [f"peers: {len(view.peers)} answered, {len(view.unreachable)} unreachable"
              + ("" if view.dht else " (no DHT in this version: only the peers named were asked)")]
     for p in view.peers:
-        flags = " client-mode" if p.client_mode else ""
+        flags = (" client-mode" if p.client_mode else "") + (f" {p.reachability}" if p.reachability else "")
         via = " (via DHT)" if p.source == "dht" else ""
         transport = "tls1.3" if p.encrypted else "PLAINTEXT (--insecure)"
         lines.append(f"  {p.peer_id}  {p.role or '?'}{flags}  v{p.version or '?'}  rtt {p.rtt_ms:.1f} ms  "

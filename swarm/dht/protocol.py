@@ -98,6 +98,10 @@ class DHTProtocol:
         self.round_trip = 0.005
         """Moving average of answered calls' round-trip times, in seconds (to time hedged requests)."""
 
+    def readdress(self, addrs: Sequence[str]) -> None:
+        """Advertises `addrs` from now on (a peer behind NAT that moved to another relay, docs/relay.md)."""
+        self._caller = dht_pb2.DHTCaller(addrs=[bare(a) for a in addrs])
+
     def register(self, server: RPCServer) -> None:
         """Serves Ping, Store, Find and Leave on the peer's server."""
         self.handlers.register(server)

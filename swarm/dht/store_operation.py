@@ -20,6 +20,7 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar, cast
 
+from swarm.core.multiaddr import is_relayed
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.batching import chunks
 from swarm.dht.buckets import NodeInfo
@@ -157,6 +158,12 @@ class StoreOperation:
                 self.sent[key_id].add(node_id)
                 for index in self.by_key[key_id]:
                     self.store_locally(self.records[index], self.ledger.outcomes[index])
+        if chosen and all(is_relayed(n.addr) for n in chosen):
+            # relayed nodes are never a record's only replicas while a direct one is known (docs/relay.md)
+            direct = next((n for n in self.node.routing_table.get_nearest_neighbors(key_id, self.config.bucket_size)
+                           if not is_relayed(n.addr)), None)
+            if direct is not None:
+                chosen = [*chosen, direct]
         return chosen
 
     def item(self, index: int) -> dht_pb2.DHTStoreItem:

@@ -84,7 +84,9 @@ def store_item(record: DHTRecord, in_cache: bool = False) -> dht_pb2.DHTStoreIte
 
 def bare(addr: str) -> str:
     """A multiaddr without its /p2p/<PeerID> part (the form addresses travel in)."""
-    cut = addr.find("/p2p/")
+    if addr.endswith("/p2p-circuit"):  # a relayed address, already bare (docs/relay.md)
+        return addr
+    cut = addr.rfind("/p2p/")  # the last: a relayed address names its relay with /p2p/ too
     return addr if cut < 0 else addr[:cut]
 
 

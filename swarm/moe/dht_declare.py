@@ -190,6 +190,7 @@ class ExpertDeclarer:
         """Completed declaration rounds."""
         self._task: asyncio.Task[None] | None = None
         self._round_done: asyncio.Condition | None = None
+        self._readdressed: asyncio.Task[None] | None = None
 
     async def astart(self) -> None:
         """Declares once, then keeps declaring.
@@ -228,9 +229,18 @@ class ExpertDeclarer:
             except Exception:
                 logger.warning("declaring experts in the DHT failed", exc_info=True)
 
+    def readdress(self, addr: str) -> None:
+        """Declares at once under a new address (a server behind NAT that moved to another relay)."""
+        if addr == self.addr or self._task is None:
+            return
+        self.addr = addr
+        if self._readdressed is None or self._readdressed.done():
+            self._readdressed = spawn(self._declare(), name="moe-declare-new-address")
+
     async def aclose(self) -> None:
         """Stops re-announcing (declarations expire on their own within `ttl`)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in (self._task, self._readdressed):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._readdressed = None

@@ -28,7 +28,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -227,25 +227,16 @@ async def _discard_until_closed(conn: FrameConnection) -> None:
 
 
 async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_bytes: int,
-                  peer_id: str, tls: bool = True, handshake_timeout: float = 5.0) -> FrameConnection:
+                  peer_id: str, tls: bool = True, handshake_timeout: float = 5.0,
+                  dial: Callable[[float], Awaitable[socket.socket]] | None = None) -> FrameConnection:
     """Dials the callee's bulk port and presents the token; `PeerUnreachable` if it cannot be reached
     within `timeout` (nothing was sent then: the caller may fall back to gRPC). With `tls`, the
     connection is TLS 1.3 and the callee must prove `peer_id` (`swarm.net.tls`) within
     `handshake_timeout` more seconds (a loaded host may take longer than a TCP connect) before the
-    token is sent."""
+    token is sent. `dial(timeout)`, if given, makes the connected socket instead (a relay's circuit,
+    docs/relay.md; it raises `PeerUnreachable` itself)."""
     loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await asyncio.wait_for(loop.sock_connect(sock, infos[0][4]), timeout)
-        except BaseException:
-            sock.close()
-            raise
-    except (OSError, TimeoutError) as e:
-        raise PeerUnreachable(f"bulk port {host}:{port} unreachable ({type(e).__name__}: {e})",
-                              peer_id=peer_id) from None
+    sock = await dial(timeout) if dial is not None else await _dial(loop, host, port, timeout, peer_id)
     try:
         if tls:
             conn = FrameConnection(max_frame_bytes)
@@ -271,6 +262,22 @@ async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_
                               peer_id=peer_id) from None
     conn.write_frame(DATA, token)
     return conn
+
+
+async def _dial(loop: asyncio.AbstractEventLoop, host: str, port: int, timeout: float, peer_id: str) -> socket.socket:
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, infos[0][4]), timeout)
+        except BaseException:
+            sock.close()
+            raise
+    except (OSError, TimeoutError) as e:
+        raise PeerUnreachable(f"bulk port {host}:{port} unreachable ({type(e).__name__}: {e})",
+                              peer_id=peer_id) from None
+    return sock
 
 
 async def exchange(

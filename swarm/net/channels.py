@@ -15,8 +15,9 @@ import asyncio
 import logging
 import math
 import os
+import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
 from swarm.net import bulk as bulk_channel
+from swarm.net import relay
 from swarm.net.auth import TicketSigner, check_handshake
 from swarm.net.calls import MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
 from swarm.net.errors import from_grpc_error
@@ -119,13 +121,17 @@ class PeerChannel:
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", 2_000),
             ]
+            target = self.addr.grpc_target
+            if self.addr.relay_id:  # through its relay, an HTTP CONNECT proxy for this channel (docs/relay.md)
+                options.append(("grpc.http_proxy", f"http://{target}"))
+                target = f"{self.peer_id}:{relay.GRPC_PORT}"  # what the CONNECT asks the relay for
             if cfg.tls:
                 # the only root is the dialed PeerID's key: nothing else can complete the handshake
                 credentials = grpc.ssl_channel_credentials(root_certificates=trust_anchor(self.peer_id))
                 options.append(("grpc.ssl_target_name_override", SERVER_NAME))
-                self._channel = grpc.aio.secure_channel(self.addr.grpc_target, credentials, options=options)
+                self._channel = grpc.aio.secure_channel(target, credentials, options=options)
             else:
-                self._channel = grpc.aio.insecure_channel(self.addr.grpc_target, options=options)
+                self._channel = grpc.aio.insecure_channel(target, options=options)
         return self._channel
 
     @property
@@ -202,6 +208,8 @@ class PeerChannel:
 
     async def _explain_failure(self, timeout: float) -> None:
         """Raises the reason the channel failed to connect; returns if the address looks fine now."""
+        if self.addr.relay_id:  # the relay answered the CONNECT, or not: nothing more to learn by probing
+            raise PeerUnreachable(f"cannot reach {self.addr} through its relay", peer_id=self.peer_id)
         found = await tls_probe(self.addr.host, self.addr.port or 0, timeout)
         if not found.reachable:
             raise PeerUnreachable(f"cannot reach {self.addr}: {found.error}", peer_id=self.peer_id)
@@ -370,7 +378,7 @@ class PeerChannel:
         try:
             conn = await bulk_channel.connect(self.addr.host, opened.port, opened.token, connect_timeout,
                                               self.pool.config.max_message_bytes, self.peer_id,
-                                              tls=self.pool.config.tls,
+                                              tls=self.pool.config.tls, dial=self._bulk_dial(opened.port),
                                               handshake_timeout=max(0.01, min(self.pool.config.handshake_timeout,
                                                                               deadline - loop.time())))
         except PeerUnreachable as e:
@@ -381,6 +389,13 @@ class PeerChannel:
             return None
         self.bulk_reachable, self._bulk_retry_after = True, self.pool.config.bulk_retry_after
         return conn, deadline
+
+    def _bulk_dial(self, port: int) -> Callable[[float], Awaitable[socket.socket]] | None:
+        """How a relayed peer's bulk port is dialed: a circuit through its relay (docs/relay.md)."""
+        if not self.addr.relay_id:
+            return None
+        addr = self.addr
+        return lambda timeout: relay.open_circuit(addr, port, timeout)
 
     async def stream_unary(
         self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None
@@ -440,7 +455,7 @@ class ChannelPool:
         if not addr.peer_id:
             raise ConfigError(f"{addr} does not name a peer: append /p2p/<PeerID> (or use dial_unknown)")
         channel = self._channels.get(addr.peer_id)
-        if channel is None or channel.addr.grpc_target != addr.grpc_target:
+        if channel is None or (channel.addr.grpc_target, channel.addr.relay_id) != (addr.grpc_target, addr.relay_id):
             if channel is not None:
                 asyncio.ensure_future(channel.close())
             channel = self._channels[addr.peer_id] = PeerChannel(self, addr)

@@ -10,7 +10,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "version", "addrs", "role", "client_mode", "time", "experts")
+    __slots__ = ("peer_id", "version", "addrs", "role", "client_mode", "time", "experts", "reachability", "relays")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ADDRS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class PeerInfo(_message.Message):
     CLIENT_MODE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     version: str
     addrs: _containers.RepeatedScalarFieldContainer[str]
@@ -25,7 +27,9 @@ class PeerInfo(_message.Message):
     client_mode: bool
     time: float
     experts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., client_mode: bool = ..., time: _Optional[float] = ..., experts: _Optional[_Iterable[str]] = ...) -> None: ...
+    reachability: str
+    relays: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., client_mode: bool = ..., time: _Optional[float] = ..., experts: _Optional[_Iterable[str]] = ..., reachability: _Optional[str] = ..., relays: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("challenge", "caller_peer_id")

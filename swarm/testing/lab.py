@@ -107,13 +107,19 @@ class HostSpec:
         name: lowercase letters and digits, at most 16 (it names the namespace).
         link: its access link.
         nat: behind a home router that masquerades: it can dial out, nobody can dial in.
+        nat_type: "masquerade" (keeps the source port where it can, so one mapping serves every
+            destination: a cone-like NAT) or "random" (`--random-fully`: a random port per
+            connection, a symmetric-like NAT).
     """
 
     name: str
     link: LinkProfile = field(default_factory=LinkProfile)
     nat: bool = False
+    nat_type: str = "masquerade"
 
     def __post_init__(self) -> None:
+        if self.nat_type not in ("masquerade", "random"):
+            raise ValueError(f"nat_type must be 'masquerade' or 'random', got {self.nat_type!r}")
         if not _NAME.match(self.name):
             raise ValueError(f"host name {self.name!r}: use 1-16 lowercase letters and digits, starting with a letter")
 
@@ -222,7 +228,10 @@ class Lab:
         ip_batch(home, ["link set lo up", f"addr add {lan}.2/24 dev eth0", "link set eth0 up",
                               f"route add default via {lan}.1"])
         sysctl(router.namespace, "net.ipv4.ip_forward", "1")
-        iptables_restore(router.namespace, _HOME_ROUTER_RULES)
+        rules = _HOME_ROUTER_RULES
+        if router.spec.nat_type == "random":
+            rules = rules.replace("-j MASQUERADE", "-j MASQUERADE --random-fully")
+        iptables_restore(router.namespace, rules)
 
     def _shape_bandwidth(self, node: _Node, link: LinkProfile) -> None:
         for namespace, dev, rate in ((node.namespace, "eth0", link.up_mbit), (self.bridge_ns, node.port, link.down_mbit)):

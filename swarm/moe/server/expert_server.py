@@ -39,6 +39,7 @@ from swarm.moe.server.hosted import GraphGone, HostedExpert
 from swarm.moe.server.runtime import Runtime
 from swarm.moe.server.task_pool import PoolStats
 from swarm.moe.uids import expand_pattern
+from swarm.net.nat import NatTraversal
 from swarm.net.server import CallContext
 from swarm.net.streaming import tensors_to_messages
 from swarm.proto import moe_pb2
@@ -183,6 +184,10 @@ class ExpertServer(GroupCallHandlers):
             self.declarer = ExpertDeclarer(self.peer.dht, list(self.experts), _public_addr(self.peer.addrs),
                                            self.config.declare_ttl)
             await self.declarer.astart()
+            nat = self.peer.services.get(NatTraversal)  # behind NAT, its relays may change (docs/relay.md)
+            if nat is not None:
+                declarer = self.declarer
+                nat.on_addrs_changed.append(lambda addrs: declarer.readdress(_public_addr(addrs)))
         elif self._declare:
             logger.info("peer has no DHT: %d experts served but not declared", len(self.experts))
         logger.info("serving %d experts (%s%s)", len(self.experts), next(iter(self.experts)),

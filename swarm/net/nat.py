@@ -1,0 +1,178 @@
+"""What a peer does about NAT at start (docs/relay.md): detect its reachability, then relay for
+others if it is reachable, or hold reservations on relays and announce relayed addresses if not.
+
+`NatTraversal` is the policy; `swarm.Peer` runs it between starting its server and joining the
+DHT, so the DHT and everything above it see the addresses others can actually dial.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from swarm.core.errors import ConfigError, MultiaddrError, RPCError
+from swarm.core.multiaddr import Multiaddr
+from swarm.net.channels import ChannelPool
+from swarm.net.reachability import (
+    PRIVATE,
+    PUBLIC,
+    UNKNOWN,
+    DialBackService,
+    Reachability,
+    call_dial_back,
+    detect,
+)
+from swarm.net.relay import GRPC_PORT, Relay, RelayConfig, Reservations, ReservationsConfig
+from swarm.net.server import RPCServer
+
+logger = logging.getLogger(__name__)
+
+_MODES = ("auto", PUBLIC, PRIVATE)
+
+
+@dataclass(frozen=True)
+class NatConfig:
+    """Attributes:
+        reachability: "auto" (ask peers to dial back), or "public" / "private" to skip asking.
+        relay: "auto" (relay when not private), "on" or "off".
+        relay_port: the relay's TCP port (0: any free port).
+        relay_limits: the relay's limits.
+        reservations: how many relays a private peer holds, and how.
+        detect_timeout: seconds for the dial-back round.
+        first_reservation_timeout: seconds a private peer waits at start for its first relay.
+    """
+
+    reachability: str = "auto"
+    relay: str = "auto"
+    relay_port: int = 0
+    relay_limits: RelayConfig = field(default_factory=RelayConfig)
+    reservations: ReservationsConfig = field(default_factory=ReservationsConfig)
+    detect_timeout: float = 3.0
+    first_reservation_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.reachability not in _MODES:
+            raise ConfigError(f"reachability must be one of {', '.join(_MODES)}, got {self.reachability!r}")
+        if self.relay not in ("auto", "on", "off"):
+            raise ConfigError(f"relay must be auto, on or off, got {self.relay!r}")
+        if not 0 <= self.relay_port <= 65535:
+            raise ConfigError(f"relay port must be a TCP port, got {self.relay_port}")
+
+
+class NatTraversal:
+    """Runs `NatConfig`'s policy for one peer.
+
+    Args:
+        pool: the peer's channels.
+        server: the peer's started server.
+        listen: its listen address (the relay listens on the same host).
+        addrs: its advertised addresses; replaced in place by relayed ones when it is private, so
+            whoever holds the list (the DHT, the expert server) announces the new ones.
+        known_peers: returns peers to ask for dial-backs and relays (initial peers, DHT contacts).
+    """
+
+    def __init__(self, pool: ChannelPool, server: RPCServer, listen: Multiaddr, addrs: list[str],
+                 known_peers: Callable[[], Sequence[Multiaddr]], config: NatConfig | None = None) -> None:
+        self.pool = pool
+        self.server = server
+        self.listen = listen
+        self.addrs = addrs
+        self.direct_addrs = list(addrs)
+        self.known_peers = known_peers
+        self.config = config or NatConfig()
+        self.reachability = Reachability()
+        self.relay: Relay | None = None
+        self.reservations: Reservations | None = None
+        self.relay_addr = ""
+        self.on_addrs_changed: list[Callable[[list[str]], None]] = []
+        DialBackService(server, lambda: self.relay_addr, tls=pool.config.tls)
+
+    @property
+    def status(self) -> str:
+        return self.reachability.status
+
+    def plan(self) -> str:
+        """What this peer does about its reachability, in one line for humans."""
+        parts = [self.reachability.summary()]
+        if self.relay is not None:
+            parts.append(f"relaying for peers behind NAT at {self.relay_addr}")
+        if self.reservations is not None:
+            held = self.reservations.addresses
+            parts.append(f"reachable through {len(held)} relay(s)" if held else
+                         "no relay reachable yet: others cannot dial this peer until one is found")
+        return "; ".join(parts)
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.reachability == "auto":
+            self.reachability = await detect(self.pool, list(self.known_peers()), self.direct_addrs,
+                                             timeout=cfg.detect_timeout)
+        else:
+            self.reachability = Reachability(status=cfg.reachability)
+        logger.info("reachability: %s", self.reachability.summary())
+        if cfg.relay == "on" or (cfg.relay == "auto" and self.status != PRIVATE):
+            await self._start_relay()
+        if self.status == PRIVATE:
+            await self._start_reservations()
+
+    async def _start_relay(self) -> None:
+        self.relay = Relay(self.server.identity, self.config.relay_limits)
+        host = "0.0.0.0" if self.listen.is_unspecified and self.listen.protocol == "ip4" else self.listen.host
+        port = await self.relay.start(host, self.config.relay_port)
+        direct = [Multiaddr.parse(a) for a in self.direct_addrs]
+        best = next((a for a in direct if not a.host.startswith("127.")), direct[0] if direct else None)
+        if best is not None:
+            self.relay_addr = str(best.with_port(port))
+
+    async def _start_reservations(self) -> None:
+        ports = {GRPC_PORT: self.server.port or 0}
+        bulk_port = self.server.bulk.port if self.server.bulk is not None else None
+        if bulk_port:
+            ports[bulk_port] = bulk_port
+        local = self.listen.host if not self.listen.is_unspecified else (
+            "127.0.0.1" if self.listen.protocol == "ip4" else "::1")
+        self.reservations = Reservations(self.server.identity, self._find_relays, ports, local, self._relayed,
+                                         self.config.reservations)
+        self.reservations.start()
+        if not await self.reservations.wait_ready(self.config.first_reservation_timeout):
+            logger.warning("behind NAT and no relay accepted a reservation yet: others cannot dial this peer "
+                           "(still trying; a peer that only trains can use --client-mode)")
+
+    async def _find_relays(self) -> list[Multiaddr]:
+        """Relays to reserve on: those the dial-back answers named, then ones other known peers name."""
+        found = {r.peer_id: r for r in self.reachability.relays}
+        if self.reservations is not None:
+            asked = [p for p in self.known_peers() if p.peer_id not in found][:8]
+            answers = await asyncio.gather(*(call_dial_back(self.pool, p, (), self.config.detect_timeout)
+                                             for p in asked), return_exceptions=True)
+            for answer in answers:
+                if isinstance(answer, BaseException):
+                    if isinstance(answer, RPCError | TimeoutError | MultiaddrError):
+                        continue
+                    raise answer
+                if not answer.relay:
+                    continue
+                with contextlib.suppress(MultiaddrError):
+                    relay = Multiaddr.parse(answer.relay)
+                    found.setdefault(relay.peer_id, relay)
+                    if relay not in self.reachability.relays:
+                        self.reachability.relays.append(relay)
+        return list(found.values())
+
+    def _relayed(self, addresses: list[str]) -> None:
+        self.addrs[:] = addresses or self.direct_addrs
+        logger.info("relayed addresses: %s", ", ".join(addresses) or "(none: no relay holds a reservation)")
+        for callback in self.on_addrs_changed:
+            callback(list(self.addrs))
+
+    async def close(self) -> None:
+        if self.reservations is not None:
+            await self.reservations.close()
+        if self.relay is not None:
+            await self.relay.stop()
+
+
+__all__ = ["PRIVATE", "PUBLIC", "UNKNOWN", "NatConfig", "NatTraversal"]
