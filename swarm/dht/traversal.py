@@ -282,7 +282,7 @@ class Traversal:
             return False
         return self._peek(query, worst) is None
 
-    def _send(self, node_id: DHTID, query: _Query, batch: list[DHTID]) -> None:
+    def _send(self, node_id: DHTID, query: _Query, batch: list[_Ref]) -> None:
         query.status[node_id] = _IN_FLIGHT
         claims = self._claims.get(query.id)
         if claims is not None:
