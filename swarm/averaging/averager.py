@@ -26,7 +26,7 @@ from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.buffers import ScratchPool
 from swarm.averaging.config import AllReduceConfig
 from swarm.averaging.election import DHTElection, Election, StaticElection
-from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
+from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo, MemberInfo
 from swarm.averaging.matchmaking import Matchmaking, MatchmakingConfig
 from swarm.averaging.partition import FlatTensors, schema_digest
@@ -35,6 +35,7 @@ from swarm.averaging.service import REPORT, AveragingService, RoundEntry
 from swarm.averaging.timing import clamp
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
+from swarm.core.faults import FaultInjected, FaultPlan
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle

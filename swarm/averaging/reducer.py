@@ -30,12 +30,13 @@ import torch
 
 from swarm.averaging.agreement import Decision, Report
 from swarm.averaging.config import AllReduceConfig
-from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
+from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.compression import Codec, CompressionError, has_nonfinite
 from swarm.compression.base import HEADER_SIZE, read_header
 from swarm.core.errors import InvalidRequest
+from swarm.core.faults import FaultInjected, FaultPlan
 from swarm.core.loop import spawn
 from swarm.net.bulk import Sink, Sunk
 from swarm.net.server import CallContext

@@ -16,10 +16,10 @@ and leaving), `coalescer` (bursts of single calls into batches), `dht` (the user
 
 from typing import Any
 
+from swarm.core.faults import FaultPlan, LinkFault
 from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
 from swarm.dht.expiring import ValueWithExpiration
-from swarm.dht.faults import FaultPlan, LinkFault
 from swarm.dht.node import DHTNode
 from swarm.dht.validation import (
     CompositeValidator,
