@@ -95,6 +95,44 @@ def test_imports_point_down_the_layers() -> None:
     assert sorted(upward) == []
 
 
+MOE_LAYERS: list[tuple[str, ...]] = [
+    ("swarm.moe.uids", "swarm.moe.schema", "swarm.moe.rows"),  # expert names, tensor schemas, row maps
+    ("swarm.moe.protocol", "swarm.moe.dht_declare", "swarm.moe.sources"),  # calls, DHT records, expert sources
+    ("swarm.moe.group_calls",),  # several experts of one server on one stream, both sides
+    ("swarm.moe.client", "swarm.moe.server"),  # side by side: neither imports the other
+    ("swarm.moe",),
+]
+"""Inside `swarm.moe`, bottom to top: what client and server share, then each of them."""
+
+
+def _moe_layer(name: str) -> tuple[int, str]:
+    best = (-1, "")
+    for index, group in enumerate(MOE_LAYERS):
+        for prefix in group:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > len(best[1]):
+                best = (index, prefix)
+    return best
+
+
+def test_every_moe_module_has_an_inner_layer() -> None:
+    assert [name for name in MODULES if name.startswith("swarm.moe") and _moe_layer(name)[0] < 0] == []
+
+
+def test_moe_imports_point_down_its_inner_layers() -> None:
+    upward = []
+    for name, targets in GRAPH.items():
+        if not name.startswith("swarm.moe"):
+            continue
+        layer, package = _moe_layer(name)
+        for target in targets:
+            if not target.startswith("swarm.moe"):
+                continue
+            target_layer, target_package = _moe_layer(target)
+            if target_layer > layer or (target_layer == layer and target_package != package):
+                upward.append(f"{name} -> {target}")
+    assert sorted(upward) == []
+
+
 def _cycles() -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     graph = {n: {t for t in ts if (n, t) not in KNOWN_EXCEPTIONS} for n, ts in GRAPH.items()}

@@ -15,10 +15,13 @@ operation it makes crosses the network. It reports, one line per figure:
   * join time of a new node (a full peer: server start, initial-peer ping, self-lookup), and of
     a new daemon process from launch to its address line;
   * memory per node: RSS of each DHT-only daemon after the run (and a check that none of them
-    loaded torch, read from /proc/<pid>/maps).
+    loaded torch, read from /proc/<pid>/maps);
+  * the cost of disjoint-path lookups (`DHTConfig.disjoint_paths`): two more client-mode peers,
+    one with one path and one with `--disjoint-paths` paths, take turns at the same gets (any
+    value, and `latest=True`) and node lookups; p50/p95 of each and the requests per operation.
 
 Usage: .venv/bin/python scripts/bench/bench_dht.py [--nodes 16] [--ops 1000] [--concurrent-ops 5000]
-       [--no-multiplex]
+       [--no-multiplex] [--disjoint-paths 3] [--disjoint-ops 300]
 """
 
 from __future__ import annotations
@@ -147,6 +150,52 @@ async def ping_floor(peer, addrs: list[str], calls: int, fan_out: int = 1) -> li
     return times
 
 
+async def timed(operation) -> float:
+    t0 = time.perf_counter()
+    await operation
+    return time.perf_counter() - t0
+
+
+def disjoint_cost(addrs: list[str], paths: int, ops: int, bucket_size: int) -> dict[str, dict[int, list[float]]]:
+    """Latencies (seconds) of gets, latest gets and node lookups from a one-path and a `paths`-path
+    client that take turns at the same operations; "requests" holds the Find requests of each latest get."""
+    from swarm.core.timeutil import get_dht_time
+    from swarm.dht import DHTConfig
+    from swarm.dht.ids import DHTID
+    from swarm.dht.protocol import FIND
+    from swarm.peer import Peer
+
+    clients = {d: Peer(initial_peers=addrs, client_mode=True, dht_config=DHTConfig(
+        cache_size=0, disjoint_paths=d, bucket_size=bucket_size, num_replicas=min(5, bucket_size)))
+               for d in (1, paths)}
+    figures: dict[str, dict[int, list[float]]] = {name: {d: [] for d in clients}
+                                                  for name in ("get", "get_latest", "lookup", "requests")}
+    try:
+        writer = clients[1]
+        expiration = get_dht_time() + 600
+
+        async def seed() -> None:
+            await asyncio.gather(*(writer.dht.astore(f"dj-{i}", i, expiration) for i in range(ops)))
+
+        writer.run(seed())
+        writer.run(writer.dht.node.wait_for_stores())
+        for peer in clients.values():
+            peer.run(peer.dht.aget_many([f"warm-{i}" for i in range(200)]))  # channels to every daemon
+        for i in range(ops):
+            for d, peer in clients.items():
+                node = peer.dht.node
+                figures["get"][d].append(peer.run(timed(peer.dht.aget(f"dj-{i}"))))
+                sent = node.protocol.calls_sent[FIND]
+                figures["get_latest"][d].append(peer.run(timed(peer.dht.aget(f"dj-{i}", latest=True))))
+                figures["requests"][d].append(float(node.protocol.calls_sent[FIND] - sent))
+                key = DHTID.generate()
+                figures["lookup"][d].append(peer.run(timed(node.find_nearest_nodes([key]))))
+    finally:
+        for peer in clients.values():
+            peer.shutdown()
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=16)
@@ -154,6 +203,11 @@ def main() -> None:
     parser.add_argument("--concurrent-ops", type=int, default=5000, help="stores, then gets, for throughput")
     parser.add_argument("--in-flight", type=int, default=500)
     parser.add_argument("--joins", type=int, default=5)
+    parser.add_argument("--disjoint-paths", type=int, default=3,
+                        help="paths of the disjoint-lookup client compared with a one-path client (0: skip)")
+    parser.add_argument("--disjoint-ops", type=int, default=300)
+    parser.add_argument("--disjoint-bucket-size", type=int, default=20,
+                        help="k of both disjoint-lookup clients (below the node count, lookups do not ask every node)")
     parser.add_argument("--no-multiplex", action="store_true",
                         help="the client sends every call as a gRPC unary call of its own (the transport before "
                              "swarm.net.calls), for comparison")
@@ -193,6 +247,8 @@ def main() -> None:
         late.terminate()
         late.wait(10)
 
+        disjoint = disjoint_cost(
+            addrs, args.disjoint_paths, args.disjoint_ops, args.disjoint_bucket_size) if args.disjoint_paths > 1 else None
         rss = [rss_mb(p.pid) for p in daemons]
         torch_loaded = [p.pid for p in daemons if loaded_torch(p.pid)]
     finally:
@@ -230,6 +286,16 @@ def main() -> None:
     print(f"memory per DHT-only daemon (RSS): median {statistics.median(rss):.1f} MB, max {max(rss):.1f} MB "
           f"(goal <= {GOALS['rss_mb']} MB; hivemind ~99 MB)")
     print(f"daemons that loaded torch: {len(torch_loaded)} of {len(daemons)} (must be 0)")
+    if disjoint is not None:
+        d = args.disjoint_paths
+        for name, label in (("get", "get (any value)"), ("get_latest", "get latest=True"), ("lookup", "node lookup")):
+            one, many = disjoint[name][1], disjoint[name][d]
+            print(f"disjoint paths (k = {args.disjoint_bucket_size}), {label}: 1 path p50 {percentile(one, .5) * ms:.3f} ms, p95 "
+                  f"{percentile(one, .95) * ms:.3f} ms; {d} paths p50 {percentile(many, .5) * ms:.3f} ms, p95 "
+                  f"{percentile(many, .95) * ms:.3f} ms (p50 ratio {percentile(many, .5) / percentile(one, .5):.2f}x)")
+        requests = disjoint["requests"]
+        print(f"disjoint paths, requests per get latest=True: 1 path {statistics.mean(requests[1]):.1f}, "
+              f"{d} paths {statistics.mean(requests[d]):.1f}")
 
 
 if __name__ == "__main__":

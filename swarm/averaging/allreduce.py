@@ -31,7 +31,7 @@ import torch
 
 from swarm.averaging.agreement import Decision
 from swarm.averaging.config import AllReduceConfig
-from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
+from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.averaging.parts import Part, PartState, RoundFailed, plan_parts, scratch_numel
@@ -40,6 +40,7 @@ from swarm.averaging.service import FETCH, REDUCE
 from swarm.compression import Codec, CompressionError, get_codec
 from swarm.compression.base import HEADER_SIZE
 from swarm.core.errors import InvalidRequest, NotFound
+from swarm.core.faults import FaultInjected, FaultPlan
 from swarm.core.loop import spawn
 from swarm.dht.handle import PeerHandle
 from swarm.metrics import REGISTRY

@@ -27,7 +27,7 @@ from swarm.averaging.audit import audit_round
 from swarm.averaging.buffers import ScratchPool
 from swarm.averaging.config import AllReduceConfig, fold_schema
 from swarm.averaging.election import DHTElection, Election, StaticElection
-from swarm.averaging.faults import FaultInjected, FaultPlan, FaultPoint
+from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo, MemberInfo
 from swarm.averaging.matchmaking import Matchmaking, MatchmakingConfig
 from swarm.averaging.partition import FlatTensors, schema_digest
@@ -38,6 +38,7 @@ from swarm.averaging.timing import clamp
 from swarm.averaging.verification import Verdict
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
+from swarm.core.faults import FaultInjected, FaultPlan
 from swarm.core.loop import spawn
 from swarm.core.multiaddr import is_relayed
 from swarm.core.timeutil import get_dht_time

@@ -5,8 +5,9 @@ Two elections:
 - `StaticElection`: a fixed list of peers' multiaddrs; the peer with the smallest PeerID that
   is not known to be down leads (useful for tests and benchmarks);
 - `DHTElection`: peers declare themselves under ``{prefix}.group.{group_key}`` (subkey: their
-  PeerID; expiration: when they give up waiting); the live declaration that expires first leads,
-  because that peer must start soonest (as in hivemind's matchmaking). A vanished leader is
+  `swarm.dht.owner_marker`, so a declaration is signed by its peer and no one else can overwrite
+  or forge it; readers ignore other subkeys; expiration: when they give up waiting); the live
+  declaration that expires first leads, because that peer must start soonest (as in hivemind's matchmaking). A vanished leader is
   skipped after one failed call; a leader that sees an earlier one appear steps down.
 
 Both say who else is coming (`declared`): a leader waits for those peers (see `matchmaking`).
@@ -27,6 +28,7 @@ from swarm.core.errors import ConfigError
 from swarm.core.multiaddr import Multiaddr
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import KeyValueStore
+from swarm.dht.validation import marker_owner, owner_marker
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +141,7 @@ class DHTElection:
         self._declared, self._leaders, self.started = {}, {}, {}
         self._began = get_dht_time()
         value = {"addr": me.addr, "client_mode": me.client_mode, "ready_at": self._began, "looking": True}
-        ok = await self.dht.astore(self.key, value, expiration_time=deadline_wall, subkey=me.peer_id)
+        ok = await self.dht.astore(self.key, value, expiration_time=deadline_wall, subkey=owner_marker(me.peer_id))
         if not ok:
             logger.debug("declaration under %s was not stored", self.key)
 
@@ -150,7 +152,7 @@ class DHTElection:
         to lead before its step declares it again (`begin`, which must expire later).
         """
         value = {"addr": me.addr, "client_mode": me.client_mode, "ready_at": ready_at, "looking": False}
-        return bool(await self.dht.astore(self.key, value, expiration_time=expiration, subkey=me.peer_id))
+        return bool(await self.dht.astore(self.key, value, expiration_time=expiration, subkey=owner_marker(me.peer_id)))
 
     async def leader(self, me: MemberInfo, down: set[str]) -> Candidate | None:
         await self.refresh(me)
@@ -173,9 +175,10 @@ class DHTElection:
         leaders: dict[str, tuple[float, str]] = {}
         if found is not None and isinstance(found.value, dict):
             for subkey, item in found.value.items():
+                peer_id = marker_owner(subkey)  # signed by that peer; other subkeys anyone may write
                 value = getattr(item, "value", None)
                 expiration = getattr(item, "expiration_time", 0.0)
-                if not isinstance(subkey, str) or not isinstance(value, dict) or expiration <= now:
+                if peer_id is None or not isinstance(value, dict) or expiration <= now:
                     continue
                 if value.get("done"):
                     at = value.get("at", 0.0)
@@ -183,14 +186,14 @@ class DHTElection:
                     # from step to step: only a group that started during this step
                     recent = self.names_round or (isinstance(at, (int, float)) and at >= self._began)
                     if isinstance(value.get("started"), str) and recent:
-                        self.started[subkey] = value["started"]
+                        self.started[peer_id] = value["started"]
                     continue
                 ready_at = value.get("ready_at", 0.0)
                 looking = value.get("looking", True) is not False
-                declared[subkey] = Declaration(
-                    subkey, float(ready_at) if isinstance(ready_at, (int, float)) else 0.0, looking)
+                declared[peer_id] = Declaration(
+                    peer_id, float(ready_at) if isinstance(ready_at, (int, float)) else 0.0, looking)
                 if looking and not value.get("client_mode") and value.get("addr"):
-                    leaders[subkey] = (float(expiration), str(value["addr"]))
+                    leaders[peer_id] = (float(expiration), str(value["addr"]))
         self._declared, self._leaders = declared, leaders
 
     async def end(self, me: MemberInfo, started: bytes | None = None) -> None:
@@ -200,6 +203,6 @@ class DHTElection:
         if started is not None:
             value["started"], value["at"] = started.hex(), get_dht_time()
         try:
-            await self.dht.astore(self.key, value, expiration_time=self._expiration + 0.001, subkey=me.peer_id)
+            await self.dht.astore(self.key, value, expiration_time=self._expiration + 0.001, subkey=owner_marker(me.peer_id))
         except Exception:  # best effort; it expires on its own anyway
             logger.debug("could not withdraw the declaration under %s", self.key, exc_info=True)

@@ -30,7 +30,7 @@ import torch
 
 from swarm.averaging.agreement import Decision, Report
 from swarm.averaging.config import AllReduceConfig
-from swarm.averaging.faults import Action, FaultInjected, FaultPlan, FaultPoint
+from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.averaging.robust import ClipOutcome, centered_clip
@@ -38,6 +38,7 @@ from swarm.averaging.verification import part_digest, sketch
 from swarm.compression import Codec, CompressionError, has_nonfinite
 from swarm.compression.base import HEADER_SIZE, read_header
 from swarm.core.errors import InvalidRequest
+from swarm.core.faults import Action, FaultInjected, FaultPlan
 from swarm.core.loop import spawn
 from swarm.net.bulk import Sink, Sunk
 from swarm.net.server import CallContext

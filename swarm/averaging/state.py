@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.faults import FaultPlan, FaultPoint
+from swarm.averaging.faults import FaultPoint
 from swarm.averaging.service import STATE, AveragingService
 from swarm.core.errors import AveragingError, ConfigError, InvalidRequest, ResourceExhausted, RPCError
+from swarm.core.faults import FaultPlan
 from swarm.core.serialization import pack, unpack
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle

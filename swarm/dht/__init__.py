@@ -16,12 +16,18 @@ and leaving), `coalescer` (bursts of single calls into batches), `dht` (the user
 
 from typing import Any
 
+from swarm.core.faults import FaultPlan, LinkFault
 from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
 from swarm.dht.expiring import ValueWithExpiration
-from swarm.dht.faults import FaultPlan, LinkFault
 from swarm.dht.node import DHTNode
-from swarm.dht.validation import CompositeValidator, RecordValidator, SignatureValidator, owner_marker
+from swarm.dht.validation import (
+    CompositeValidator,
+    RecordValidator,
+    SignatureValidator,
+    marker_owner,
+    owner_marker,
+)
 
 __all__ = [
     "DHT",
@@ -34,6 +40,7 @@ __all__ = [
     "SchemaValidator",
     "SignatureValidator",
     "ValueWithExpiration",
+    "marker_owner",
     "owner_marker",
 ]
 

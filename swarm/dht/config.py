@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from swarm.core.errors import ConfigError
+from swarm.core.faults import FaultPlan
 from swarm.core.serialization import MAX_VALUE_BYTES
-from swarm.dht.faults import FaultPlan
 from swarm.dht.validation import RecordValidator
 
 
@@ -23,7 +23,12 @@ class DHTConfig:
     Attributes:
         bucket_size: k, the most contacts per k-bucket and the number of nearest nodes a find
             returns and a `latest=True` get asks (§2.2, §2.3).
-        alpha: Requests in flight at once per key during a lookup (§2.3).
+        alpha: Requests in flight at once per key during a lookup (§2.3), on each path.
+        disjoint_paths: Paths sharing no node along which each lookup runs (S/Kademlia; see
+            `swarm.dht.traversal`): lying nodes that refer only to one another then capture the
+            paths that meet them, not the others. 1: plain Kademlia. Costs up to this many times
+            the requests of a `latest=True` get or a node lookup (a get of any value starts with
+            one request still); see BENCHMARKS.md.
         num_replicas: Nodes each record is stored on: the nearest to its key.
         depth_modulo: b of the relaxed bucket-splitting rule (§4.2).
         request_timeout: Deadline of each remote call, in seconds.
@@ -73,6 +78,7 @@ class DHTConfig:
 
     bucket_size: int = 20
     alpha: int = 3
+    disjoint_paths: int = 2
     num_replicas: int = 5
     depth_modulo: int = 5
     request_timeout: float = 3.0
@@ -110,7 +116,7 @@ class DHTConfig:
         return horizon
 
     def __post_init__(self) -> None:
-        for name in ("bucket_size", "alpha", "num_replicas", "depth_modulo", "max_keys_per_call"):
+        for name in ("bucket_size", "alpha", "disjoint_paths", "num_replicas", "depth_modulo", "max_keys_per_call"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"DHTConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout", "lookup_timeout", "refresh_interval", "republish_interval",

@@ -239,7 +239,7 @@ class DHTNode:
             self._initial(query_ids), ask, beam_size=beam_size, alpha=alpha or self.config.alpha,
             max_keys_per_call=self.config.max_keys_per_call, exclude=(self.node_id,),
             is_banned=self.blacklist.is_banned, on_finished=on_finished, hedge_after=hedge_after,
-            slow_after=slow_after,
+            slow_after=slow_after, disjoint_paths=self.config.disjoint_paths,
         )
 
     async def find_nearest_nodes(

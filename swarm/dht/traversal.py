@@ -15,13 +15,22 @@ deadline): ending without it would store records on, or look them up from, the w
 whenever the network is merely congested.
 
 With `hedge_after`, each key starts with a single request, to its nearest candidate, and widens
-to `alpha` once that request is answered or `hedge_after` seconds have passed (a hedged request,
+to `alpha` (on every path) once that request is answered or `hedge_after` seconds have passed (a hedged request,
 Dean & Barroso, "The Tail at Scale", CACM 2013): a get whose nearest node holds the value costs
 one request instead of alpha, while a slow or dead node delays it by `hedge_after` at most.
 
 Many keys are looked up together: the keys that want to ask the same node in the same round
 share one request, and a request to a node also carries the other keys that have room for a
 request and for which that node is a useful candidate (so one Find answers for many keys).
+
+With `disjoint_paths` = d > 1, each key is looked up along d paths that never share a node
+(S/Kademlia, Baumgart & Mies, ICPADS 2007, §4.4): the starting candidates are dealt out among the
+paths, nearest first, and a node that one path has asked is never asked by the others.
+Each path runs the lookup above with its own `alpha` and `beam_size`; the key's result is the
+`beam_size` nearest nodes that answered on any path. A set of lying nodes that answers only with
+one another captures the paths that meet it first, but not the paths that started elsewhere, so
+it cannot hide a key from a reader that knows one honest node off its paths. The price is up to d
+times the requests of one path (measured in BENCHMARKS.md, `scripts/bench/bench_dht.py`).
 
 The algorithm is pure: it talks to the network only through `ask`, so tests drive it with an
 in-memory network (tests/dht/test_traversal.py) and the simulation with the real protocol.
@@ -44,7 +53,10 @@ logger = logging.getLogger(__name__)
 AskFn = Callable[[NodeInfo, list[DHTID]], Awaitable[Mapping[DHTID, Sequence[NodeInfo]] | None]]
 """`ask(node, keys)`: the nodes `node` knows nearest to each key, or None if it did not answer."""
 
-_UNQUERIED, _IN_FLIGHT, _RESPONDED, _FAILED = range(4)
+_UNQUERIED, _IN_FLIGHT, _RESPONDED, _FAILED, _TAKEN = range(5)  # _TAKEN: asked by another path
+
+_Ref = tuple[DHTID, int]
+"""One path of one key's lookup: (key, path)."""
 
 
 @dataclass
@@ -68,10 +80,13 @@ class LookupResult:
 
 
 class _Query:
-    __slots__ = ("beam", "done", "early", "heap", "id", "in_flight", "requests", "slow", "status", "wide", "worth")
+    __slots__ = ("beam", "done", "early", "heap", "id", "in_flight", "path", "ref", "requests", "slow", "status",
+                 "wide", "worth")
 
-    def __init__(self, query_id: DHTID) -> None:
-        self.id = query_id
+    def __init__(self, query_id: DHTID, path: int) -> None:
+        self.id = query_id  # the key: distances are measured to it
+        self.path = path
+        self.ref: _Ref = (query_id, path)  # one path of one key
         self.status: dict[DHTID, int] = {}
         self.heap: list[tuple[int, DHTID]] = []  # (distance, node): candidates, lazily cleaned
         self.beam: list[tuple[int, DHTID]] = []  # (-distance, node): the nearest that answered
@@ -84,8 +99,10 @@ class _Query:
         self.worth: float | None = None  # cached Traversal._worth_asking; None when stale
 
     def limit(self, alpha: int) -> int:
-        """Requests this key may have in flight now."""
-        return alpha if self.wide else 1
+        """Requests this path may have in flight now (a hedged lookup starts on its first path)."""
+        if self.wide:
+            return alpha
+        return 1 if self.path == 0 else 0
 
 
 class Traversal:
@@ -106,6 +123,8 @@ class Traversal:
             answer or this many seconds (None: `alpha` requests from the start).
         slow_after: Seconds after which an unanswered request frees its place among the `alpha`
             in flight (None: requests hold it until they end).
+        disjoint_paths: Paths, sharing no node, along which each key is looked up (1: plain
+            Kademlia).
     """
 
     def __init__(
@@ -121,9 +140,10 @@ class Traversal:
         on_finished: Callable[[list[tuple[DHTID, LookupResult]]], None] | None = None,
         hedge_after: float | None = None,
         slow_after: float | None = None,
+        disjoint_paths: int = 1,
     ) -> None:
-        if beam_size < 1 or alpha < 1 or max_keys_per_call < 1:
-            raise ValueError("beam_size, alpha and max_keys_per_call must be >= 1")
+        if beam_size < 1 or alpha < 1 or max_keys_per_call < 1 or disjoint_paths < 1:
+            raise ValueError("beam_size, alpha, max_keys_per_call and disjoint_paths must be >= 1")
         self.beam_size = beam_size
         self.alpha = alpha
         self.max_keys_per_call = max_keys_per_call
@@ -137,17 +157,25 @@ class Traversal:
         self.nodes: dict[DHTID, NodeInfo] = {}
         self._hops: dict[DHTID, int] = {}
         self._failed: set[DHTID] = set()
-        self._waiting: dict[DHTID, set[DHTID]] = {}  # node -> keys for which it is an unasked candidate
-        self._queries: dict[DHTID, _Query] = {}
-        self._active: dict[DHTID, _Query] = {}
-        self._ended: list[_Query] = []
-        self._tasks: dict[asyncio.Task[Mapping[DHTID, Sequence[NodeInfo]] | None], tuple[DHTID, list[DHTID]]] = {}
+        self._waiting: dict[DHTID, set[_Ref]] = {}  # node -> key paths for which it is an unasked candidate
+        self._queries: dict[_Ref, _Query] = {}
+        self._active: dict[_Ref, _Query] = {}
+        self._paths: dict[DHTID, list[_Query]] = {}
+        self._claims: dict[DHTID, dict[DHTID, int]] = {}  # key -> node -> the path that took it
+        self._ended: list[DHTID] = []
+        self._tasks: dict[asyncio.Task[Mapping[DHTID, Sequence[NodeInfo]] | None], tuple[DHTID, list[_Ref]]] = {}
         self.results: dict[DHTID, LookupResult] = {}
         for query_id, nodes in initial.items():
-            query = self._queries[query_id] = self._active[query_id] = _Query(DHTID(query_id))
-            query.wide = hedge_after is None
-            for node in nodes:
-                self._add_candidate(query, node, 1)
+            key = DHTID(query_id)
+            paths = self._paths[key] = [_Query(key, path) for path in range(disjoint_paths)]
+            if disjoint_paths > 1:
+                self._claims[key] = {}
+            for query in paths:
+                self._queries[query.ref] = self._active[query.ref] = query
+                query.wide = hedge_after is None
+            starts = sorted(nodes, key=lambda node: node.node_id ^ key)
+            for position, node in enumerate(starts):  # dealt out nearest first
+                self._add_candidate(paths[position % disjoint_paths], node, 1)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -156,31 +184,36 @@ class Traversal:
         return self._hops.get(node_id, 0)
 
     def finish(self, query_id: DHTID) -> None:
-        """Ends the lookup of `query_id` now (its answers so far are its result)."""
-        query = self._active.get(query_id)
-        if query is not None:
-            query.early = True
-            self._end(query)
+        """Ends the lookup of `query_id` now, on every path (its answers so far are its result)."""
+        for query in self._paths.get(query_id, ()):
+            if not query.done:
+                query.early = True
+                self._end(query)
 
     def _end(self, query: _Query, timed_out: bool = False) -> None:
         if query.done:
             return
         query.done = True
-        del self._active[query.id]
+        del self._active[query.ref]
         for node_id, status in query.status.items():
             if status == _UNQUERIED:
                 waiting = self._waiting.get(node_id)
                 if waiting is not None:
-                    waiting.discard(query.id)
-        beam = sorted((-negative, node_id) for negative, node_id in query.beam)
+                    waiting.discard(query.ref)
+        paths = self._paths[query.id]
+        if not all(path.done for path in paths):
+            return
+        answered = heapq.nsmallest(
+            self.beam_size, {node_id: -negative for path in paths for negative, node_id in path.beam}.items(),
+            key=lambda item: item[1])
         self.results[query.id] = LookupResult(
-            nearest=[self.nodes[node_id] for _, node_id in beam],
-            hops=max((self._hops.get(node_id, 1) for _, node_id in beam), default=0),
-            requests=query.requests,
-            finished_early=query.early,
+            nearest=[self.nodes[node_id] for node_id, _ in answered],
+            hops=max((self._hops.get(node_id, 1) for node_id, _ in answered), default=0),
+            requests=sum(path.requests for path in paths),
+            finished_early=any(path.early for path in paths),
             timed_out=timed_out,
         )
-        self._ended.append(query)
+        self._ended.append(query.id)
 
     def _worst(self, query: _Query) -> float:
         """Distance of the farthest node in a full beam; infinity while the beam is not full."""
@@ -205,6 +238,8 @@ class Traversal:
         node_id = node.node_id
         if node_id in query.status or node_id in self._exclude or node_id in self._failed:
             return
+        if self._taken(query, node_id):
+            return
         if node_id not in self.nodes:
             self.nodes[node_id] = node
             self._hops[node_id] = hops
@@ -213,7 +248,12 @@ class Traversal:
         waiting = self._waiting.get(node_id)
         if waiting is None:
             waiting = self._waiting[node_id] = set()
-        waiting.add(query.id)
+        waiting.add(query.ref)
+
+    def _taken(self, query: _Query, node_id: DHTID) -> bool:
+        """Whether another path of the key asked `node_id` (disjoint paths: a node serves one path)."""
+        claims = self._claims.get(query.id)
+        return claims is not None and claims.get(node_id, query.path) != query.path
 
     def _peek(self, query: _Query, limit: float) -> tuple[int, DHTID] | None:
         """The nearest unasked candidate nearer than `limit` (cleaning the heap on the way), or None."""
@@ -226,6 +266,8 @@ class Traversal:
             if status == _UNQUERIED and self._is_banned is not None and self._is_banned(self.nodes[node_id].peer_id):
                 self._failed.add(node_id)
                 query.status[node_id] = status = _FAILED
+            if status == _UNQUERIED and self._taken(query, node_id):
+                query.status[node_id] = status = _TAKEN
             if status != _UNQUERIED:
                 heapq.heappop(heap)
                 continue
@@ -240,18 +282,21 @@ class Traversal:
             return False
         return self._peek(query, worst) is None
 
-    def _send(self, node_id: DHTID, query: _Query, batch: list[DHTID]) -> None:
+    def _send(self, node_id: DHTID, query: _Query, batch: list[_Ref]) -> None:
         query.status[node_id] = _IN_FLIGHT
+        claims = self._claims.get(query.id)
+        if claims is not None:
+            claims[node_id] = query.path
         query.in_flight.add(node_id)
         query.worth = None
         query.requests += 1
         waiting = self._waiting.get(node_id)
         if waiting is not None:
-            waiting.discard(query.id)
-        batch.append(query.id)
+            waiting.discard(query.ref)
+        batch.append(query.ref)
 
     def _schedule(self) -> None:
-        wanted: dict[DHTID, list[DHTID]] = {}
+        wanted: dict[DHTID, list[_Ref]] = {}
         query: _Query | None
         for query in list(self._active.values()):
             while len(query.in_flight) < query.limit(self.alpha):
@@ -267,32 +312,38 @@ class Traversal:
         for node_id, batch in wanted.items():
             # piggyback: other keys with room for a request, for which this node is a useful,
             # unasked candidate (if not their very nearest), ride along in the same request
-            for query_id in list(self._waiting.get(node_id, ())):
-                query = self._active.get(query_id)
+            for ref in list(self._waiting.get(node_id, ())):
+                query = self._active.get(ref)
                 if (
                     query is not None
                     and len(query.in_flight) < query.limit(self.alpha)
-                    and node_id ^ query_id < self._worth_asking(query)
+                    and node_id ^ query.id < self._worth_asking(query)
+                    and not self._taken(query, node_id)
                 ):
                     self._send(node_id, query, batch)
             node = self.nodes[node_id]
             for start in range(0, len(batch), self.max_keys_per_call):
-                keys = batch[start : start + self.max_keys_per_call]
-                task = asyncio.ensure_future(self._ask(node, keys))
-                self._tasks[task] = (node_id, keys)
+                refs = batch[start : start + self.max_keys_per_call]  # one path per key: a node is on one
+                task = asyncio.ensure_future(self._ask(node, [query_id for query_id, _ in refs]))
+                self._tasks[task] = (node_id, refs)
                 if self._slow_after is not None:
                     self._slow_at[task] = asyncio.get_running_loop().time() + self._slow_after
 
-    def _absorb(self, node_id: DHTID, keys: list[DHTID], answer: Mapping[DHTID, Sequence[NodeInfo]] | None) -> None:
+    def _absorb(
+        self, node_id: DHTID, refs: list[_Ref], answer: Mapping[DHTID, Sequence[NodeInfo]] | None
+    ) -> None:
         if answer is None:
             self._failed.add(node_id)
             self._waiting.pop(node_id, None)
         hops = self._hops.get(node_id, 1) + 1
-        for query_id in keys:
-            query = self._queries[query_id]
+        for ref in refs:
+            query = self._queries[ref]
+            query_id = query.id
             query.in_flight.discard(node_id)
             query.slow.discard(node_id)
-            query.wide = True
+            if not query.wide:  # a hedged lookup widens on its first answer, on every path
+                for path in self._paths[query_id]:
+                    path.wide = True
             query.worth = None
             if answer is None:
                 query.status[node_id] = _FAILED
@@ -308,22 +359,23 @@ class Traversal:
             for neighbor in answer.get(query_id, ()):
                 self._add_candidate(query, neighbor, hops)
 
-    def _mark_slow(self, now: float) -> set[DHTID]:
-        """Takes requests older than `slow_after` out of consideration; returns the keys affected."""
-        touched: set[DHTID] = set()
+    def _mark_slow(self, now: float) -> set[_Ref]:
+        """Takes requests older than `slow_after` out of consideration; returns the key paths affected."""
+        touched: set[_Ref] = set()
         for task, when in list(self._slow_at.items()):
             if when > now:
                 continue
             del self._slow_at[task]
-            node_id, keys = self._tasks[task]
-            for query_id in keys:
-                query = self._queries[query_id]
+            node_id, refs = self._tasks[task]
+            for ref in refs:
+                query = self._queries[ref]
                 if node_id in query.in_flight:
                     query.in_flight.discard(node_id)
                     query.worth = None
                     query.slow.add(node_id)
-                    query.wide = True
-                    touched.add(query_id)
+                    for path in self._paths[query.id]:
+                        path.wide = True
+                    touched.add(ref)
         return touched
 
     def _report(self) -> None:
@@ -331,7 +383,7 @@ class Traversal:
             return
         ended, self._ended = self._ended, []
         if self._on_finished is not None:
-            self._on_finished([(query.id, self.results[query.id]) for query in ended])
+            self._on_finished([(query_id, self.results[query_id]) for query_id in ended])
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -369,16 +421,16 @@ class Traversal:
                 touched = self._mark_slow(now) if self._slow_at else set()
                 for task in done:
                     self._slow_at.pop(task, None)
-                    node_id, keys = self._tasks.pop(task)
+                    node_id, refs = self._tasks.pop(task)
                     try:
                         answer = task.result()
                     except Exception:
                         logger.exception("DHT lookup request to %s failed", self.nodes[node_id].peer_id)
                         answer = None
-                    self._absorb(node_id, keys, answer)
-                    touched.update(keys)
-                for query_id in touched:
-                    query = self._active.get(query_id)
+                    self._absorb(node_id, refs, answer)
+                    touched.update(refs)
+                for ref in touched:
+                    query = self._active.get(ref)
                     if query is not None and self._is_done(query):
                         self._end(query)
                 self._schedule()

@@ -170,6 +170,23 @@ def owner_marker(peer_id: str) -> str:
     return f"[owner:{peer_id}]"
 
 
+_WHOLE_MARKER = re.compile(r"\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]")
+
+
+def marker_owner(subkey: Any) -> str | None:
+    """The PeerID of a subkey that is exactly one `owner_marker`, else None.
+
+    Records a peer makes about itself (progress reports, averaging sign-ups) use its marker as the
+    subkey: nodes then store them only with that peer's signature, and readers take the writer's
+    PeerID from the subkey with this, ignoring any entry under a subkey that is not a marker
+    (anyone may write those).
+    """
+    if not isinstance(subkey, str):
+        return None
+    match = _WHOLE_MARKER.fullmatch(subkey)
+    return match.group(1) if match is not None else None
+
+
 def signed_bytes(record: DHTRecord, payload: bytes) -> bytes:
     """What an owner signs: key, subkey, unwrapped value and expiration, as one msgpack array.
 

@@ -32,8 +32,7 @@ from typing import Any
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import KeyValueStore
-from swarm.moe.sources import Successors, successor_coord
-from swarm.moe.uids import is_valid_prefix, is_valid_uid, parse_uid, uid_prefixes
+from swarm.moe.uids import Successors, is_valid_prefix, is_valid_uid, parse_uid, successor_coord, uid_prefixes
 
 __all__ = ["DHTExpertSource", "ExpertDeclarer", "declarations", "declare_experts", "get_experts", "get_successors"]
 
@@ -155,7 +154,10 @@ async def get_experts(dht: KeyValueStore, uids: Sequence[str]) -> dict[str, str]
 
 
 class DHTExpertSource:
-    """An `swarm.moe.sources.ExpertSource` backed by the DHT (`peer.dht`)."""
+    """An `swarm.moe.sources.ExpertSource` backed by the DHT (`peer.dht`).
+
+    It meets that protocol by its methods; this module does not import `swarm.moe.sources` (the
+    DHT records are shared by servers and clients, the sources are the client's view of them)."""
 
     def __init__(self, dht: KeyValueStore) -> None:
         if dht is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -193,9 +192,6 @@ the server's accounting of closed streams lags under load, streams are refused (
 REFUSED_STREAM) and, with transparent retries off, surface as errors. Queueing in the client keeps
 a burst from one caller orderly; the server's own limits (`swarm.moe.server.admission`) still apply."""
 
-_slots: weakref.WeakKeyDictionary[PeerChannel, asyncio.Semaphore] = weakref.WeakKeyDictionary()
-
-
 @contextlib.asynccontextmanager
 async def stream_slot(channel: PeerChannel, what: str, timeout: float | None) -> AsyncIterator[float]:
     """Holds one of the `MAX_STREAMS_PER_PEER` stream slots to `channel`'s peer; yields the seconds
@@ -207,9 +203,7 @@ async def stream_slot(channel: PeerChannel, what: str, timeout: float | None) ->
     timeout = timeout or channel.pool.config.default_timeout
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    slots = _slots.get(channel)
-    if slots is None:
-        slots = _slots[channel] = asyncio.Semaphore(MAX_STREAMS_PER_PEER)
+    slots = channel.limit("moe.streams", MAX_STREAMS_PER_PEER)
     try:
         await asyncio.wait_for(slots.acquire(), timeout)
     except TimeoutError:

@@ -11,13 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from swarm.moe.uids import UID_DELIMITER, parse_uid, uid_prefixes
+from swarm.moe.uids import Successors, parse_uid, successor_coord, uid_prefixes
 
-__all__ = ["ExpertSource", "StaticExpertSource", "Successors", "successor_coord"]
-
-Successors = dict[int, tuple[str, str]]
-"""Live successors of one prefix: next coordinate -> (a UID under it, that expert's address)."""
-
+__all__ = ["ExpertSource", "StaticExpertSource"]
 
 class ExpertSource(Protocol):
     """Tells which experts are alive and where. Every method runs on the peer's event loop."""
@@ -32,18 +28,6 @@ class ExpertSource(Protocol):
     async def get_experts(self, uids: Sequence[str]) -> dict[str, str]:
         """The address of each live expert among `uids` (dead or unknown ones are left out)."""
         ...
-
-
-def successor_coord(prefix: str, uid: str) -> int | None:
-    """The coordinate that follows `prefix` in `uid`, or None if `uid` is not under `prefix`."""
-    try:
-        _, coords = parse_uid(uid)
-        prefixes = uid_prefixes(uid)
-    except (TypeError, ValueError):
-        return None
-    if prefix not in prefixes:
-        return None
-    return coords[prefix.count(UID_DELIMITER) - 1]
 
 
 class StaticExpertSource:

@@ -175,3 +175,19 @@ def expand_pattern(pattern: str, max_experts: int = MAX_EXPANSION) -> list[str]:
             f"expert pattern {pattern!r} names {total} experts, more than the limit of {max_experts}"
         )
     return [UID_DELIMITER.join([prefix, *map(str, coords)]) for coords in itertools.product(*axes)]
+
+
+Successors = dict[int, tuple[str, str]]
+"""Live successors of one prefix: next coordinate -> (a UID under it, that expert's address)."""
+
+
+def successor_coord(prefix: str, uid: str) -> int | None:
+    """The coordinate that follows `prefix` in `uid`, or None if `uid` is not under `prefix`."""
+    try:
+        _, coords = parse_uid(uid)
+        prefixes = uid_prefixes(uid)
+    except (TypeError, ValueError):
+        return None
+    if prefix not in prefixes:
+        return None
+    return coords[prefix.count(UID_DELIMITER) - 1]

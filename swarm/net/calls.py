@@ -1,10 +1,8 @@
 """Unary calls multiplexed on one long-lived gRPC stream per caller and callee.
 
-On this kind of machine a small unary call costs grpc.aio ~0.5 ms and ~0.25 ms of CPU on each
-side, while a message on a stream that is already open takes about half of that (measured with
-plain grpc.aio; swarm's calls on a stream take about two thirds of a unary call's round trip,
-BENCHMARKS.md): a unary call sets up and tears down an HTTP/2 stream, its headers and a task on
-both sides every time. So a caller opens `/swarm.Peer/Calls` once per callee (authenticated by its
+A message on a stream that is already open costs much less than a small unary call (figures in
+BENCHMARKS.md, "Multiplexed calls"): a unary call sets up and tears down an HTTP/2 stream, its
+headers and a task on both sides every time. So a caller opens `/swarm.Peer/Calls` once per callee (authenticated by its
 ticket, like any call) and sends each small unary call on it as a `CallRequest`; the callee runs
 the handler registered for that method, exactly as for a unary call (same decoding, same
 `CallContext`, same errors), and answers with a `CallResponse` carrying the request's id, so calls

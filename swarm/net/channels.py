@@ -107,6 +107,15 @@ class PeerChannel:
         self._calls: CallStream | None = None  # small unary calls, multiplexed (swarm.net.calls)
         self.calls_supported = pool.config.multiplex  # False: unary calls of their own (or an older peer)
         self._calls_refused_until = 0.0  # loop time until which calls skip the stream (it was refused)
+        self._limits: dict[str, asyncio.Semaphore] = {}
+
+    def limit(self, name: str, size: int) -> asyncio.Semaphore:
+        """The semaphore `name` of this channel, made with `size` places on first use: how an upper
+        layer bounds its own calls in flight to this peer (e.g. expert streams, `swarm.moe.protocol`)."""
+        semaphore = self._limits.get(name)
+        if semaphore is None:
+            semaphore = self._limits[name] = asyncio.Semaphore(size)
+        return semaphore
 
     @property
     def channel(self) -> grpc.aio.Channel:

@@ -7,11 +7,19 @@ Services register plain coroutine handlers by method path (`/swarm.DHT/Find`); t
 each one once with what every call needs: the caller's PeerID from its ticket, decoding of the
 request with a clear INVALID_ARGUMENT on garbage, and translation of swarm errors into statuses.
 Handlers may be added after the server started (dispatch looks them up per call).
+
+Identities cost nothing, so limits per caller (PeerID) do not hold back one host that brings many.
+Every call therefore also names its *source*: the network prefix it came from (`source_of`: the
+caller's IPv4 /24 or IPv6 /64 by default), which services limit too (the expert server's
+`max_inflight_per_source`). Sources in `ServerConfig.source_exempt` (loopback by default, so local
+tests and one-host setups behave as before) are named "" and limited by nothing but the totals.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import ipaddress
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -55,6 +63,10 @@ class ServerConfig:
         tls: serve TLS 1.3 on both ports with a certificate issued by the peer's libp2p key
             (`swarm.net.tls`, docs/security.md). False (`--insecure`) serves plaintext, which only
             callers that are also insecure can talk to: for a closed cluster.
+        source_prefix_v4: bits of an IPv4 caller's address that name its source (24: a /24).
+        source_prefix_v6: bits of an IPv6 caller's address that name its source (64: a /64).
+        source_exempt: networks whose callers have no source (no limits per source): loopback by
+            default; () limits every caller, e.g. a peer that relays others' traffic.
     """
 
     max_message_bytes: int = 8 << 20
@@ -65,12 +77,51 @@ class ServerConfig:
     bulk_port: int = 0
     max_call_streams: int = 0
     tls: bool = True
+    source_prefix_v4: int = 24
+    source_prefix_v6: int = 64
+    source_exempt: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < (1 << 20) + 4096:
             raise ConfigError("max_message_bytes must hold a 1 MiB chunk")
         if self.max_concurrent_rpcs < 1 or self.max_concurrent_streams < 1:
             raise ConfigError("concurrency limits must be positive")
+        if not (0 <= self.source_prefix_v4 <= 32 and 0 <= self.source_prefix_v6 <= 128):
+            raise ConfigError("source_prefix_v4 must be in 0..32 and source_prefix_v6 in 0..128")
+        try:
+            _networks(tuple(self.source_exempt))
+        except ValueError as e:
+            raise ConfigError(f"source_exempt: {e}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _networks(nets: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    return tuple(ipaddress.ip_network(net, strict=False) for net in nets)
+
+
+def source_of(peer: str, config: ServerConfig) -> str:
+    """The source of a call from grpc's `context.peer()` ("ipv4:10.1.2.3:5000", "ipv6:[2001:db8::1]:5000"):
+    the network it came from, e.g. "10.1.2.0/24"; "" for an exempt or unknown one (a Unix socket).
+
+    IPv4 callers seen through an IPv6 socket (``::ffff:a.b.c.d``) count as IPv4.
+    """
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        host = rest.rpartition(":")[0]
+    elif kind == "ipv6":
+        host = rest.rpartition(":")[0].strip("[]")
+    else:
+        return ""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return ""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if any(address.version == net.version and address in net for net in _networks(tuple(config.source_exempt))):
+        return ""
+    bits = config.source_prefix_v4 if address.version == 4 else config.source_prefix_v6
+    return str(ipaddress.ip_network(f"{address}/{bits}", strict=False))
 
 
 @dataclass(frozen=True)
@@ -83,6 +134,7 @@ class CallContext:
     grpc_context: grpc.aio.ServicerContext | None
     deadline: float | None = None
     connection: Any = None  # the bulk side channel's connection, if the call came over it
+    source: str = ""  # the network the call came from (`source_of`); "" when exempt or unknown
 
     def receive_into(self, sink: Any) -> bool:
         """Lets a `swarm.net.bulk.Sink` place the payloads of the later request messages (the first
@@ -180,6 +232,9 @@ class RPCServer:
 
     # -- registration -------------------------------------------------------------------------
 
+    def _source(self, context: grpc.aio.ServicerContext) -> str:
+        return source_of(context.peer() or "", self.config)
+
     def _caller(self, context: grpc.aio.ServicerContext, authenticated: bool) -> str:
         if not authenticated:
             return ""
@@ -191,7 +246,8 @@ class RPCServer:
     ) -> bytes:
         """One response for one call: authenticate, run the handler, map failures to statuses."""
         try:
-            return await _handle(stats, lambda: CallContext(self._caller(context, authenticated), context), invoke)
+            return await _handle(stats, lambda: CallContext(self._caller(context, authenticated), context,
+                                                            source=self._source(context)), invoke)
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a dead server
@@ -225,11 +281,13 @@ class RPCServer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit} call streams are open already")
         await context.send_initial_metadata((ACCEPTED,))  # the caller may write now (swarm.net.calls)
         unary = self._unary
+        origin = self._source(context)
 
         async def invoke(path: str, payload: bytes, stream: Any, deadline: float | None) -> bytes:
             handler, request_type, authenticated, stats = unary[path]
             stats.received.value += len(payload)  # metrics
-            return await _handle(stats, lambda: CallContext(caller if authenticated else "", stream, deadline),
+            return await _handle(stats, lambda: CallContext(caller if authenticated else "", stream, deadline,
+                                                            source=origin),
                                  lambda ctx: handler(_decode(request_type, payload), ctx))
 
         await serve_calls(context, invoke, unary.__contains__, self._calls_admission,
@@ -264,7 +322,7 @@ class RPCServer:
             try:
                 caller = self._caller(context, True)
                 source = _counted(requests, stats) if request_streaming else _single(requests, stats)
-                async for response in handler(source, CallContext(caller, context)):
+                async for response in handler(source, CallContext(caller, context, source=self._source(context))):
                     data = _serialize(response)
                     stats.sent.value += len(data)  # metrics
                     yield data

@@ -1,7 +1,8 @@
 """Training progress: what each peer reports in the DHT, and what the swarm's reports add up to.
 
 Pure logic, no networking. Every peer stores one record under `<run_id>.progress`, subkey =
-its PeerID: its epoch, the samples it accumulated towards the next step, its throughput and
+its `swarm.dht.owner_marker` (so DHT nodes store it only with that peer's signature, and no one
+else can overwrite or forge it; readers ignore other subkeys): its epoch, the samples it accumulated towards the next step, its throughput and
 the time of the report. Any peer reading the dictionary can then tell the global epoch (the
 highest any live peer reached), how many samples the swarm holds towards the next step, and
 when it expects the target batch to be reached, so it reads the DHT again at that moment
@@ -42,7 +43,7 @@ class PeerProgress:
     digest: str = ""
 
     def to_record(self) -> dict[str, Any]:
-        """The msgpack-able value stored in the DHT (the PeerID is the subkey)."""
+        """The msgpack-able value stored in the DHT (the subkey names the PeerID)."""
         return {"epoch": self.epoch, "samples": self.samples, "sps": float(self.samples_per_second),
                 "time": float(self.time), "client": self.client_mode, "addr": self.addr,
                 "digest": self.digest}

@@ -20,6 +20,7 @@ from swarm.core.errors import DHTError, SwarmError
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
+from swarm.dht.validation import marker_owner, owner_marker
 from swarm.optim.config import CollaborationConfig
 from swarm.optim.progress import PeerProgress, SwarmProgress, summarize
 
@@ -27,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 def progress_key(run_id: str) -> str:
-    """The DHT key under which the peers of a run report their progress (subkey: PeerID)."""
+    """The DHT key under which the peers of a run report their progress (subkey: the reporter's
+    `owner_marker`, so only it can write its report)."""
     return f"{run_id}.progress"
 
 
@@ -198,7 +200,8 @@ class ProgressTracker:
         try:
             if self.peer.dht is None:
                 raise DHTError("this peer has no DHT to report progress to")
-            ok = await self.peer.dht.astore(self.key, local.to_record(), expiration, subkey=local.peer_id)
+            ok = await self.peer.dht.astore(self.key, local.to_record(), expiration,
+                                            subkey=owner_marker(local.peer_id))
         except (TimeoutError, SwarmError, OSError) as e:
             ok = False
             logger.debug("progress report failed: %s", e)
@@ -226,11 +229,14 @@ class ProgressTracker:
         value = getattr(found, "value", None)
         if isinstance(value, dict):
             for subkey, item in value.items():
+                peer_id = marker_owner(subkey)  # signed by that peer; other subkeys anyone may write
                 record = getattr(item, "value", None)
-                if isinstance(record, dict) and record.get("left"):
-                    left.add(subkey)
+                if peer_id is None:
                     continue
-                report = PeerProgress.from_record(subkey, record)
+                if isinstance(record, dict) and record.get("left"):
+                    left.add(peer_id)
+                    continue
+                report = PeerProgress.from_record(peer_id, record)
                 if report is not None:
                     reports[report.peer_id] = report
         now = self.clock()
@@ -262,7 +268,8 @@ class ProgressTracker:
         if self._last_expiration and self.peer.dht is not None:
             try:
                 await asyncio.wait_for(self.peer.dht.astore(
-                    self.key, {"left": True}, self._last_expiration + 1e-3, subkey=self.peer.peer_id), 2.0)
+                    self.key, {"left": True}, self._last_expiration + 1e-3, subkey=owner_marker(self.peer.peer_id)),
+                    2.0)
             except (TimeoutError, SwarmError, OSError):
                 pass  # the record expires by itself
 

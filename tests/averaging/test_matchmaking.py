@@ -17,6 +17,7 @@ from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig
 from swarm.averaging.moshpit import moshpit_group_key, moshpit_next_coords
 from swarm.core.errors import AveragingError
 from swarm.core.timeutil import get_dht_time
+from swarm.dht import owner_marker
 from swarm.peer import Peer
 
 
@@ -101,7 +102,7 @@ def test_dht_matchmaking_skips_a_dead_leader_and_starts_with_min_group_size():
         dead_addr, dead_id = dead.addrs[0], dead.peer_id
         dead.shutdown()
         asyncio.run(dht.astore("mm.group.0", {"addr": dead_addr, "client_mode": False},
-                               expiration_time=get_dht_time() + 1.0, subkey=dead_id))
+                               expiration_time=get_dht_time() + 1.0, subkey=owner_marker(dead_id)))
         tensors = [[torch.full((10,), float(i))] for i in range(3)]
         config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.2))
         avgs = [Averager(p, t, prefix="mm", target_group_size=5, min_group_size=3, config=config)

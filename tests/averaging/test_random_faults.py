@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from swarm.averaging import Action, AllReduceConfig, Averager, AveragerConfig, FaultPoint, MatchmakingConfig
-from swarm.averaging.faults import Fault
 from swarm.core.errors import AveragingError
+from swarm.core.faults import Fault
 from swarm.peer import Peer
 
 ROUNDS = int(os.environ.get("SWARM_FAULT_ROUNDS", "200"))

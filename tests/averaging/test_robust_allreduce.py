@@ -17,7 +17,7 @@ import torch
 from avg_harness import run_steps
 
 from swarm.averaging import AllReduceConfig, Averager, AveragerConfig, MatchmakingConfig
-from swarm.averaging.faults import Action, FaultPlan, FaultPoint
+from swarm.averaging import Action, FaultPlan, FaultPoint
 from swarm.averaging.reputation import Reputation, ReputationConfig
 from swarm.averaging.verification import ReducerLied
 from swarm.compression import CompressionType

@@ -1,4 +1,4 @@
-"""Tests for swarm.dht.faults: the link faults a simulation injects into the protocol's calls."""
+"""Tests for swarm.core.faults (link faults): the link faults a simulation injects into the protocol's calls."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from swarm.core.errors import DeadlineExceeded, PeerUnreachable
-from swarm.dht.faults import FaultPlan, LinkFault
+from swarm.core.faults import FaultPlan, LinkFault
 
 
 def test_a_healthy_plan_adds_nothing() -> None:

@@ -244,3 +244,54 @@ def test_a_slow_node_frees_its_place_but_the_lookup_still_waits_for_it() -> None
     assert results[key].timed_out and results[key].requests > 5
     assert [n.node_id for n in results[key].nearest] == [
         i for i in net.nearest(key, 8) if i != start_node.node_id][:5]
+
+
+def test_disjoint_paths_find_the_true_nearest_and_ask_no_node_twice() -> None:
+    net = Network(400, seed=16)
+    rng = random.Random(17)
+    keys = [DHTID.generate(rng=rng) for _ in range(10)]
+    start = net.nodes[0]
+    results = run(net.traversal(start, keys, disjoint_paths=3).run(timeout=10))
+    for key in keys:
+        expected = [i for i in net.nearest(key, 21) if i != start.node_id][:20]
+        assert [n.node_id for n in results[key].nearest] == expected
+        asked = [node for node, asked_keys in net.calls if key in asked_keys]
+        assert len(asked) == len(set(asked)) == results[key].requests  # each node on one path only
+
+
+def _colluding_liars(net: Network, key: DHTID, start: NodeInfo, count: int) -> set[DHTID]:
+    """Makes the `count` nodes nearest to `key` liars known to `start` only through one of them:
+    they answer every Find with one another (and never with an honest node); honest nodes do not
+    know them."""
+    liars = set(net.nearest(key, count))
+    liar_infos = [n for n in net.nodes if n.node_id in liars]
+    for node_id, table in net.tables.items():
+        for liar in liars:
+            if liar in table and node_id not in liars:
+                table.remove(liar)
+    first = min(liars, key=lambda i: i ^ key)
+    net.tables[start.node_id].add_or_update(first, *next((n.peer_id, n.addr) for n in liar_infos if n.node_id == first))
+    honest_ask = net.ask
+
+    async def ask(node: NodeInfo, keys: list[DHTID]) -> Mapping[DHTID, Sequence[NodeInfo]] | None:
+        if node.node_id in liars:
+            net.calls.append((node.node_id, list(keys)))
+            return {k: liar_infos for k in keys}
+        return await honest_ask(node, keys)
+
+    net.ask = ask  # type: ignore[method-assign]
+    return liars
+
+
+@pytest.mark.parametrize(("paths", "hidden"), [(1, True), (3, False)])
+def test_liars_that_refer_only_to_one_another_hide_a_key_from_one_path_only(paths: int, hidden: bool) -> None:
+    net = Network(300, seed=18)
+    key = DHTID.generate(rng=random.Random(19))
+    start = max(net.nodes, key=lambda n: n.node_id ^ key)
+    liars = _colluding_liars(net, key, start, 20)
+    holders = [i for i in net.nearest(key, 40) if i not in liars][:5]  # where the key's replicas live
+    # alpha = 1: one request at a time per path, so which nodes a path meets first is fixed
+    result = run(net.traversal(start, [key], alpha=1, disjoint_paths=paths).run(timeout=10))[key]
+    asked = {node for node, asked_keys in net.calls if key in asked_keys}
+    assert bool(asked & set(holders)) is not hidden
+    assert not result.timed_out

@@ -13,6 +13,7 @@ import torch
 from optim_task import DATA_SIZE, adam, loss_on, make_data, make_model, reference_params, replay_delayed
 
 from swarm.averaging import Action, Averager, FaultPlan, FaultPoint
+from swarm.dht import owner_marker
 from swarm.optim import CollaborationConfig, Optimizer
 from swarm.optim.group_averaging import SwarmAverager
 
@@ -287,7 +288,7 @@ def test_peer_looking_for_a_group_stops_when_the_swarm_moves_past_its_epoch(make
 
 def _declared(peer, key: str, peer_id: str) -> bool:
     found = peer.dht.get(key, latest=True)
-    item = found.value.get(peer_id) if found is not None and isinstance(found.value, dict) else None
+    item = found.value.get(owner_marker(peer_id)) if found is not None and isinstance(found.value, dict) else None
     return item is not None and isinstance(item.value, dict) and not item.value.get("done")
 
 

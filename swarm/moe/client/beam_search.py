@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.moe.sources import ExpertSource, Successors
-from swarm.moe.uids import UID_DELIMITER, is_valid_prefix
+from swarm.moe.sources import ExpertSource
+from swarm.moe.uids import UID_DELIMITER, Successors, is_valid_prefix
 
 __all__ = ["ExpertChoice", "MoEBeamSearcher"]
 

@@ -133,16 +133,24 @@ class Admission:
         max_requests: the most requests in flight at once.
         max_bytes: the most tensor bytes held by requests in flight at once.
         max_per_caller: the most requests in flight at once for one caller (None: `max_requests`).
+        max_per_source: the most requests in flight at once from one source, the network a call
+            came from (`swarm.net.server.source_of`), whatever identities it uses (None:
+            `max_requests`). Calls with no source (loopback, by default) are not counted.
     """
 
-    def __init__(self, max_requests: int, max_bytes: int, max_per_caller: int | None = None) -> None:
-        if max_requests < 1 or max_bytes < 1 or (max_per_caller is not None and max_per_caller < 1):
+    def __init__(self, max_requests: int, max_bytes: int, max_per_caller: int | None = None,
+                 max_per_source: int | None = None) -> None:
+        if max_requests < 1 or max_bytes < 1 or (max_per_caller is not None and max_per_caller < 1) \
+                or (max_per_source is not None and max_per_source < 1):
             raise ValueError("admission limits must be positive")
         self.max_requests = max_requests
         self.max_bytes = max_bytes
         self.max_per_caller = min(max_requests, max_per_caller or max_requests)
+        self.max_per_source = min(max_requests, max_per_source or max_requests)
         self.by_caller: dict[str, int] = {}
         """Requests in flight per caller (callers with none are left out)."""
+        self.by_source: dict[str, int] = {}
+        """Requests in flight per source (sources with none, and calls with no source, are left out)."""
         self.requests = 0
         self.bytes = 0
         self.admitted = 0
@@ -159,8 +167,8 @@ class Admission:
             await self._idle.wait()
 
     @contextlib.contextmanager
-    def request(self, what: str, caller: str = "") -> Iterator[None]:
-        """Holds one request slot (of the server's and of `caller`'s) for the duration of the block."""
+    def request(self, what: str, caller: str = "", source: str = "") -> Iterator[None]:
+        """Holds one request slot (of the server's, `caller`'s and `source`'s) for the duration of the block."""
         if self.requests >= self.max_requests:
             self.refused += 1
             raise ResourceExhausted(
@@ -172,18 +180,25 @@ class Admission:
             raise ResourceExhausted(
                 f"{what}: this caller has {held} requests in flight, the server's limit per caller; retry later"
             )
+        from_source = self.by_source.get(source, 0) if source else 0
+        if source and from_source >= self.max_per_source:
+            self.refused += 1
+            raise ResourceExhausted(
+                f"{what}: {from_source} requests from this caller's network ({source}) are in flight, "
+                f"the server's limit per source address; retry later"
+            )
         self.by_caller[caller] = held + 1
+        if source:
+            self.by_source[source] = from_source + 1
         self.requests += 1
         self.admitted += 1
         try:
             yield
         finally:
             self.requests -= 1
-            left = self.by_caller[caller] - 1
-            if left:
-                self.by_caller[caller] = left
-            else:
-                del self.by_caller[caller]
+            _release(self.by_caller, caller)
+            if source:
+                _release(self.by_source, source)
             if not self.requests and self._idle is not None:
                 self._idle.set()
 
@@ -201,3 +216,11 @@ class Admission:
             yield
         finally:
             self.bytes -= nbytes
+
+
+def _release(counts: dict[str, int], key: str) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]

@@ -22,11 +22,21 @@ class ExpertServerConfig:
         max_inflight_per_caller: Forward/Backward calls handled at once for one caller (PeerID),
             so that one identity cannot take every slot; past it, RESOURCE_EXHAUSTED at once.
             The limit in force is the smaller of this and `max_inflight_requests`.
+        max_inflight_per_source: Forward/Backward calls handled at once from one source (the
+            caller's /24 or /64, `swarm.net.server.source_of`), however many identities it uses;
+            past it, RESOURCE_EXHAUSTED at once. Sources exempt in `ServerConfig.source_exempt`
+            (loopback by default) are not counted.
         header_timeout: seconds a call may take to send its first message (the header naming the
             expert and its tensors); a call that stalls longer is refused (DEADLINE_EXCEEDED).
             No slot is held while the header is awaited.
         body_timeout: seconds a call may take to send its tensors once admitted; a call that
             stalls longer loses its slot and its bytes (DEADLINE_EXCEEDED).
+        min_body_rate: bytes per second a call must keep up while it sends its tensors, after
+            `body_grace`: by t seconds after admission it must have sent
+            `min_body_rate * (t - body_grace)` bytes, else it loses its slot and its bytes
+            (DEADLINE_EXCEEDED), so a sender that trickles a large body holds them for
+            `body_grace` plus the time its bytes paid for, not for all of `body_timeout`.
+        body_grace: seconds after admission during which no rate is asked of a call.
         check_finite: refuse inputs and gradients holding NaN or Inf.
         declare_ttl: seconds a DHT declaration lives; re-announced every third of it.
         checkpoint_interval: seconds between periodic checkpoints (None: only at shutdown).
@@ -48,8 +58,11 @@ class ExpertServerConfig:
     max_inflight_requests: int = 256
     max_inflight_bytes: int = 1 << 30
     max_inflight_per_caller: int = 64
+    max_inflight_per_source: int = 128
     header_timeout: float = 10.0
     body_timeout: float = 60.0
+    min_body_rate: float = 256 << 10
+    body_grace: float = 5.0
     check_finite: bool = True
     declare_ttl: float = 60.0
     checkpoint_interval: float | None = 300.0
@@ -62,9 +75,9 @@ class ExpertServerConfig:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_inflight_requests < 1 or self.max_inflight_bytes < 1:
             raise ConfigError("max_batch_size and in-flight limits must be positive")
-        if self.max_inflight_per_caller < 1:
-            raise ConfigError("max_inflight_per_caller must be positive")
-        for name in ("header_timeout", "body_timeout", "max_drain_seconds"):
+        if self.max_inflight_per_caller < 1 or self.max_inflight_per_source < 1:
+            raise ConfigError("max_inflight_per_caller and max_inflight_per_source must be positive")
+        for name in ("header_timeout", "body_timeout", "min_body_rate", "body_grace", "max_drain_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive")
         if not self.declare_ttl > 0:

@@ -116,7 +116,7 @@ class ExpertServer(GroupCallHandlers):
             self.config.compute_workers or threads,
         )
         self.admission = Admission(self.config.max_inflight_requests, self.config.max_inflight_bytes,
-                                   self.config.max_inflight_per_caller)
+                                   self.config.max_inflight_per_caller, self.config.max_inflight_per_source)
         self.declarer: ExpertDeclarer | None = None
         self._declare = declare
         self._started = False
@@ -234,7 +234,7 @@ class ExpertServer(GroupCallHandlers):
         what = "backward" if backward else "forward"
         header_bytes = await receive_header(stream, self.config.header_timeout, what)
         call, header = parse_call_header(header_bytes)
-        held.enter_context(self.admission.request(what, ctx.peer_id or ""))
+        held.enter_context(self.admission.request(what, ctx.peer_id or "", ctx.source))
         hosted = self._hosted(call.uid, what)
         backend = hosted.backend
         what = f"{what} of {call.uid}"

@@ -136,16 +136,29 @@ class GroupCallHandlers:
         request's tensors into it; a stream that ends early or says more than it declared is refused."""
         held.enter_context(self.admission.reserve(nbytes, what))
         receiver = TensorReceiver(header_bytes, max_bytes=nbytes)
-        timeout = self.config.body_timeout
-        try:
-            async with asyncio.timeout(timeout):
-                while not receiver.complete:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + cfg.body_timeout
+        received = 0
+        while not receiver.complete:
+            # the bytes received so far pay for waiting until `paid`: the grace plus their worth at the minimum rate
+            paid = start + cfg.body_grace + received / cfg.min_body_rate
+            try:
+                async with asyncio.timeout_at(min(deadline, paid)):
                     chunk = await anext(stream, None)
-                    if chunk is None:
-                        break
-                    receiver.feed(chunk)
-        except TimeoutError:
-            raise DeadlineExceeded(f"{what}: the request's tensors did not arrive within {timeout:g} s") from None
+            except TimeoutError:
+                if paid < deadline:
+                    raise DeadlineExceeded(
+                        f"{what}: the request's tensors arrive too slowly ({received} of {nbytes} bytes in "
+                        f"{loop.time() - start:.3g} s; at least {cfg.min_body_rate:g} bytes/s are required after "
+                        f"{cfg.body_grace:g} s)") from None
+                raise DeadlineExceeded(
+                    f"{what}: the request's tensors did not arrive within {cfg.body_timeout:g} s") from None
+            if chunk is None:
+                break
+            received += len(chunk)
+            receiver.feed(chunk)
         return receiver.result()
 
     def _group_request(self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool) -> Any:
@@ -158,7 +171,7 @@ class GroupCallHandlers:
         what = "backward group" if backward else "forward group"
         header_bytes = await receive_header(stream, self.config.header_timeout, what)
         request = parse_group_header(header_bytes)
-        held.enter_context(self.admission.request(what, ctx.peer_id or ""))
+        held.enter_context(self.admission.request(what, ctx.peer_id or "", ctx.source))
         if self._closing:
             raise PeerUnreachable(f"expert server {self.peer.peer_id} is shutting down")
         hosted, refused = self._resolve(request, what, backward)
