@@ -16,8 +16,15 @@ import pytest
 import torch
 from avg_harness import run_steps
 
-from swarm.averaging import AllReduceConfig, Averager, AveragerConfig, MatchmakingConfig
-from swarm.averaging import Action, FaultPlan, FaultPoint
+from swarm.averaging import (
+    Action,
+    AllReduceConfig,
+    Averager,
+    AveragerConfig,
+    FaultPlan,
+    FaultPoint,
+    MatchmakingConfig,
+)
 from swarm.averaging.reputation import Reputation, ReputationConfig
 from swarm.averaging.verification import ReducerLied
 from swarm.compression import CompressionType
