@@ -6,7 +6,8 @@ What a node does with the protocol (`protocol.py`) and the lookup (`traversal.py
   than its nearest neighbour; fail with `DHTError` when no initial peer answers;
 - store: put records on the `num_replicas` nodes nearest to their keys (`replication.py`);
 - get: find values, the first valid one or the freshest, and cache them (`retrieval.py`);
-- keep up (§2.3, §2.5): refresh buckets nobody touched for `refresh_interval`, republish
+- keep up (§2.3, §2.5): refresh buckets nobody touched for `refresh_interval` (a far bucket by
+  a lookup that ends once `alpha` nodes answered, the node's own bucket by a full one), republish
   records nobody re-stored for `republish_interval`, plus those this node wrote itself, and hand
   records over to new nodes that are now among the nearest to their keys (`handoff.py`);
 - leave: a node that shuts down cleanly tells the nodes in its routing table, so that they drop
