@@ -11,9 +11,7 @@ first chunk, through its fault plan). Two settings run in the same invocation:
   a learned bound, "group started" answers, round timeouts from measured rounds); each peer
   announces its next round with its expected readiness, as `swarm.Optimizer` does;
 - fixed: `MatchmakingConfig(adaptive=False)`, the fixed-constant behaviour before it (0.3 s
-  join window; the round's timeout is what the step has left), no announcements;
-- floor1: adaptive with the fixed 1 s floor of the round timeout before the floor followed
-  measurements (`MatchmakingConfig(min_round_timeout=1.0)`), to compare in one invocation.
+  join window; the round's timeout is what the step has left), no announcements.
 
 Figures per (N, setting):
 - left out: (peer, round) pairs where a live peer that was ready for the round (it called `step`
@@ -69,9 +67,8 @@ def worker(cfg: dict[str, Any]) -> None:
     plan = FaultPlan()
     if cfg.get("kill_round") is not None:
         plan.add(FaultPoint.AFTER_CHUNKS_SENT, Action.KILL, after=1, rounds={cfg["kill_round"]})
-    adaptive = cfg["mode"] in ("adaptive", "floor1")
-    floor = {"min_round_timeout": 1.0} if cfg["mode"] == "floor1" else {}
-    config = AveragerConfig(matchmaking=MatchmakingConfig(adaptive=adaptive, **floor))
+    adaptive = cfg["mode"] == "adaptive"
+    config = AveragerConfig(matchmaking=MatchmakingConfig(adaptive=adaptive))
     tensor = torch.zeros(cfg["numel"])
     avg = Averager(peer, [tensor], prefix="bench", target_group_size=cfg["n"], min_group_size=2,
                    config=config, faults=plan)
@@ -240,7 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--modes", nargs="+", default=["adaptive", "fixed"], choices=["adaptive", "fixed", "floor1"])
+    parser.add_argument("--modes", nargs="+", default=["adaptive", "fixed"], choices=["adaptive", "fixed"])
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--kill-round", type=int, default=25)
     parser.add_argument("--spread", type=float, default=2.0, help="start times spread up to this many seconds")

@@ -87,9 +87,7 @@ class MatchmakingConfig:
         max_wait: cap of the learned wait bound, and the bound before any arrival was seen: a
             declared peer that never comes costs at most this.
         round_timeout_multiple: the round's timeout is this many times its expected duration.
-        min_round_timeout: absolute floor of that timeout, seconds (the step's remaining time is its
-            cap); above it the floor follows measurements: 1.5x the slowest recent round and
-            ten round trips (`timing.RoundTiming`).
+        min_round_timeout: floor of that timeout, seconds (the step's remaining time is its cap).
     """
 
     target_group_size: int = 4
@@ -103,7 +101,7 @@ class MatchmakingConfig:
     min_wait: float = 0.05
     max_wait: float = 5.0
     round_timeout_multiple: float = 4.0
-    min_round_timeout: float = 0.25
+    min_round_timeout: float = 1.0
 
     def __post_init__(self) -> None:
         if self.min_group_size < 1 or self.target_group_size < self.min_group_size:
@@ -494,7 +492,7 @@ class Matchmaking:
             # butterfly: each link carries one part (1/n of the vector, raw float32 at most) each
             # way, all links at once; the measured throughput is per link (`allreduce`)
             estimate = self._link.expected_time(None, int(2 * self.numel * 4 / size))
-        return self.timing.timeout(cap, estimate, self._link.rtt())
+        return self.timing.timeout(cap, estimate)
 
     def _report_start(self, group: GroupInfo, why: str, waited: float, bound: float,
                       outstanding: dict[str, float], cap: float) -> None:

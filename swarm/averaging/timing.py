@@ -12,11 +12,7 @@ Pure logic, no networking (unit-tested without sockets):
   a fixed share of the step's timeout. The expected time is the longer of the window's median and
   the last three rounds' median. A round that failed doubles the next timeout, as TCP backs
   off its retransmission timer (RFC 6298 §5.5), so a link that became slower is followed rather
-  than failed on forever; a success resets it. The timeout's floor follows the measurements too:
-  never below `longest_multiple` times the slowest round of the window (no round this peer saw
-  succeed would have timed out), nor below a few round trips, nor below a small absolute `floor`
-  (timer and scheduling noise), so fast rounds on a fast network get a short deadline instead of
-  a fixed second (issue #14: a dead member of a 4-peer group cost 3.3x the median interval).
+  than failed on forever; a success resets it.
 """
 
 from __future__ import annotations
@@ -80,17 +76,13 @@ class RoundTiming:
 
     Attributes:
         multiple: the timeout is this many times the expected round time.
-        floor: smallest timeout, seconds, whatever was measured.
-        longest_multiple: the timeout is at least this many times the slowest round in the window.
-        rtt_multiple: ... and at least this many round trips (a round is a few exchanges deep).
+        floor: smallest timeout, seconds.
         window: how many recent rounds count (their median is the expected time).
         max_backoff: largest factor failed rounds multiply the timeout by.
     """
 
     multiple: float = 4.0
-    floor: float = 0.25
-    longest_multiple: float = 1.5
-    rtt_multiple: float = 10.0
+    floor: float = 1.0
     window: int = 16
     max_backoff: float = 64.0
     durations: deque[float] = field(default_factory=deque)
@@ -115,15 +107,9 @@ class RoundTiming:
         known = [x for x in (measured, estimate) if x is not None]
         return max(known) if known else None
 
-    def floor_for(self, rtt: float | None = None) -> float:
-        """The smallest timeout the measurements allow (see the module docstring)."""
-        longest = max(self.durations, default=0.0)
-        return max(self.floor, self.longest_multiple * longest, self.rtt_multiple * (rtt or 0.0))
-
-    def timeout(self, cap: float, estimate: float | None = None, rtt: float | None = None) -> float:
-        """The round timeout to write into a group: `multiple` x expected x backoff, at least
-        `floor_for(rtt)` x backoff, at most `cap`."""
+    def timeout(self, cap: float, estimate: float | None = None) -> float:
+        """The round timeout to write into a group: `multiple` x expected x backoff, in [floor, cap]."""
         expected = self.expected(estimate)
         if expected is None:
             return cap
-        return clamp(self.backoff * max(self.multiple * expected, self.floor_for(rtt)), self.floor, cap)
+        return clamp(self.multiple * expected * self.backoff, self.floor, cap)
