@@ -105,7 +105,8 @@ class AveragingSimulation:
         config = AveragerConfig(
             allreduce=AllReduceConfig(chunk_bytes=max(4096, self.args.numel * 4)),
             matchmaking=MatchmakingConfig(target_group_size=group_size, min_group_size=2,
-                                          join_window=self.args.join_window),
+                                          join_window=self.args.join_window,
+                                          leader_misses=10**9 if self.args.no_leader_checks else 3),
         )
         for old in self.averagers.values():
             old.matchmaking.close()
@@ -255,6 +256,8 @@ def main() -> None:
     parser.add_argument("--all-to-all", action="store_true", help="also average once in one group of all peers")
     parser.add_argument("--full-refresh", action="store_true",
                         help="DHT bucket refreshes as full lookups (the refresh before issue #20's fix)")
+    parser.add_argument("--no-leader-checks", action="store_true",
+                        help="followers never give up a silent leader (the behaviour before the fix)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
