@@ -18,10 +18,13 @@ during the churn (everything but the measured gets: refreshes, pings, republishe
 goodbyes, and the joins of the newcomers) in messages and payload bytes per live node per minute;
 the payload a node sent and answered while the network was built, per node (the cost of a join);
 memory per node (the process's RSS growth while the network was built, divided by N); and the
-wall time. Payload bytes are the protobuf messages; gRPC/HTTP/2/TCP framing comes on top.
+wall time. Payload bytes are the protobuf messages; gRPC/HTTP/2/TCP framing comes on top. The
+upkeep is also split by the activity that sent it (join, join far-bucket refresh, periodic refresh,
+republish, hand-off, stale-contact pings, goodbyes). `--compare-refresh` runs every size twice:
+bucket refreshes as full lookups (before issue #20's fix), then as they are now.
 
 Usage: .venv/bin/python scripts/bench/sim_dht.py [--sizes 100,250,500,1000] [--minutes 30]
-       [--churn 0.3] [--lookups 1000] [--keys 200] [--loss 0.02] [--seed 0] [--json FILE]
+       [--churn 0.3] [--lookups 1000] [--keys 200] [--loss 0.02] [--seed 0] [--compare-refresh] [--json FILE]
 """
 
 from __future__ import annotations
