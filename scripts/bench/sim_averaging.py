@@ -105,7 +105,8 @@ class AveragingSimulation:
         config = AveragerConfig(
             allreduce=AllReduceConfig(chunk_bytes=max(4096, self.args.numel * 4)),
             matchmaking=MatchmakingConfig(target_group_size=group_size, min_group_size=2,
-                                          join_window=self.args.join_window),
+                                          join_window=self.args.join_window,
+                                          leader_misses=10**9 if self.args.no_leader_checks else 3),
         )
         for old in self.averagers.values():
             old.matchmaking.close()
@@ -253,6 +254,10 @@ def main() -> None:
     parser.add_argument("--join-window", type=float, default=2.0,
                         help="MatchmakingConfig.join_window: a leader with enough members waits this long for one more")
     parser.add_argument("--all-to-all", action="store_true", help="also average once in one group of all peers")
+    parser.add_argument("--full-refresh", action="store_true",
+                        help="DHT bucket refreshes as full lookups (the refresh before issue #20's fix)")
+    parser.add_argument("--no-leader-checks", action="store_true",
+                        help="followers never give up a silent leader (the behaviour before the fix)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -263,6 +268,10 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
+    if args.full_refresh:
+        from swarm.dht.node import DHTNode
+
+        DHTNode._refresh_lookup = DHTNode.find_nearest_nodes
     out = simnet.run(AveragingSimulation(args).run())
     vector_kib = args.numel * 4 / 1024
     print(f"{args.peers} peers on a {' x '.join(map(str, out['grid']))} Moshpit grid, groups of {args.group}; "

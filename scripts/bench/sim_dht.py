@@ -18,10 +18,13 @@ during the churn (everything but the measured gets: refreshes, pings, republishe
 goodbyes, and the joins of the newcomers) in messages and payload bytes per live node per minute;
 the payload a node sent and answered while the network was built, per node (the cost of a join);
 memory per node (the process's RSS growth while the network was built, divided by N); and the
-wall time. Payload bytes are the protobuf messages; gRPC/HTTP/2/TCP framing comes on top.
+wall time. Payload bytes are the protobuf messages; gRPC/HTTP/2/TCP framing comes on top. The
+upkeep is also split by the activity that sent it (join, join far-bucket refresh, periodic refresh,
+republish, hand-off, stale-contact pings, goodbyes). `--compare-refresh` runs every size twice:
+bucket refreshes as full lookups (before issue #20's fix), then as they are now.
 
 Usage: .venv/bin/python scripts/bench/sim_dht.py [--sizes 100,250,500,1000] [--minutes 30]
-       [--churn 0.3] [--lookups 1000] [--keys 200] [--loss 0.02] [--seed 0] [--json FILE]
+       [--churn 0.3] [--lookups 1000] [--keys 200] [--loss 0.02] [--seed 0] [--compare-refresh] [--json FILE]
 """
 
 from __future__ import annotations
@@ -44,6 +47,20 @@ import simnet
 
 simnet.install_virtual_time()  # before swarm is imported: some of it binds time.time as a default
 simnet.share_parsing()
+
+
+def attribute_upkeep() -> None:
+    """Counts each node activity's traffic under its own name (the upkeep split by origin)."""
+    from swarm.dht.contacts import Contacts
+    from swarm.dht.handoff import Handoff
+    from swarm.dht.node import DHTNode
+
+    for cls, name, origin in (
+        (DHTNode, "bootstrap", "join"), (DHTNode, "_refresh_far_buckets", "join-refresh"),
+        (DHTNode, "refresh", "refresh"), (DHTNode, "republish", "republish"),
+        (DHTNode, "_say_goodbye", "goodbye"), (Handoff, "_run", "handoff"), (Contacts, "_check_stale", "ping-stale"),
+    ):
+        simnet.attribute(cls, name, origin)
 
 
 class Simulation:
@@ -161,6 +178,7 @@ class Simulation:
         start = simnet.CLOCK.now
         before = dict(self.net.traffic.bytes), dict(self.net.traffic.messages)
         methods_before = Counter(self.net.traffic.by_tag_method)
+        origins_before = Counter(self.net.traffic.by_origin), Counter(self.net.traffic.messages_by_origin)
         live_area = 0.0  # integral of live nodes over time
         last = start
         tasks: set[asyncio.Task[Any]] = set()
@@ -197,8 +215,19 @@ class Simulation:
         methods = Counter(self.net.traffic.by_tag_method)
         methods.subtract(methods_before)
         breakdown = {m.rsplit("/", 1)[-1]: round(b / node_minutes) for (t, m), b in methods.items() if t == "upkeep"}
+        by_origin: dict[str, list[float]] = {}
+        for counter, before_counter, slot in ((traffic.by_origin, origins_before[0], 0),
+                                              (traffic.messages_by_origin, origins_before[1], 1)):
+            for (t, origin, m), n in counter.items():
+                if t == "upkeep":
+                    entry = by_origin.setdefault(f"{origin}:{m.rsplit('/', 1)[-1]}", [0.0, 0.0])
+                    entry[slot] += (n - before_counter.get((t, origin, m), 0)) / node_minutes
+        nodes = list(self.live.values())
         return {
             "upkeep_by_method": breakdown,
+            "upkeep_by_origin": {k: [round(b), round(m, 2)] for k, (b, m) in by_origin.items() if b > 0},
+            "buckets_per_node": statistics.mean(len(n.dht.node.routing_table.buckets) for n in nodes),
+            "contacts_per_node": statistics.mean(len(n.dht.node.routing_table) for n in nodes),
             "minutes": minutes,
             "upkeep_bytes_per_node_min": upkeep_bytes / node_minutes,
             "upkeep_msgs_per_node_min": upkeep_messages / node_minutes,
@@ -241,6 +270,22 @@ class Simulation:
         }
 
 
+def print_result(r: dict[str, Any], show_policy: bool) -> None:
+    ok = round(r["success"] * r["lookups"])
+    print(f"{r['n']:5d} {r['log2n']:5.1f} {ok:>4}/{r['lookups']:<4} {r['hops_mean']:5.2f} {r['hops_p95']:3.0f} "
+          f"{r['hops_max']:3d} {r['requests']:7.1f} {r['latency_p50_ms']:7.0f} {r['latency_p95_ms']:7.0f} "
+          f"{r['upkeep_bytes_per_node_min']:17.0f} {r['upkeep_msgs_per_node_min']:13.1f} "
+          f"{r['join_kib_per_node']:8.1f} {r['memory_per_node_kib']:8.0f} {r['wall_s']:6.0f}"
+          + (f"  (refresh: {r['refresh']})" if show_policy else ""), flush=True)
+    print("      upkeep B/node/min by method: " + ", ".join(
+        f"{m} {b}" for m, b in sorted(r["upkeep_by_method"].items(), key=lambda kv: -kv[1])), flush=True)
+    print("      upkeep B (msgs)/node/min by origin: " + ", ".join(
+        f"{o} {b} ({m:g})" for o, (b, m) in sorted(r["upkeep_by_origin"].items(), key=lambda kv: -kv[1][0])),
+        flush=True)
+    print(f"      routing table per node: {r['buckets_per_node']:.1f} buckets, {r['contacts_per_node']:.0f} contacts",
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="100,250,500,1000")
@@ -254,6 +299,8 @@ def main() -> None:
     parser.add_argument("--lookup-timeout", type=float, default=10.0)
     parser.add_argument("--join-wave", type=int, default=25, help="nodes joining at once while the network is built")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-refresh", action="store_true",
+                        help="run every size twice: bucket refreshes as full lookups (before issue #20's fix), then cheap")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
@@ -261,6 +308,7 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
+    attribute_upkeep()
     print(f"links: access RTT log-normal, median 60 ms, clipped to 10-300 ms; loss {args.loss:.0%} per message; "
           f"request timeout {args.request_timeout} s; k = {args.bucket_size}; no caches; "
           f"{args.minutes:g} virtual minutes of churn: {args.churn:.0%} of N leave (half goodbye, half crash) "
@@ -268,24 +316,28 @@ def main() -> None:
     header = (f"{'N':>5} {'log2N':>5} {'success':>9} {'hops':>5} {'p95':>3} {'max':>3} {'req/get':>7} "
               f"{'p50 ms':>7} {'p95 ms':>7} {'upkeep B/node/min':>17} {'msgs/node/min':>13} {'join KiB':>8} {'KiB/node':>8} {'wall s':>6}")
     print(header, flush=True)
+    from swarm.dht.node import DHTNode
+
+    cheap_refresh = DHTNode._refresh_lookup
+    policies = ["full", "cheap"] if args.compare_refresh else ["cheap"]
     results = []
     for i, size in enumerate(sizes):
-        r = simnet.run(Simulation(args, size, args.seed + 1000 * i).run())
-        results.append(r)
-        ok = round(r["success"] * r["lookups"])
-        print(f"{r['n']:5d} {r['log2n']:5.1f} {ok:>4}/{r['lookups']:<4} {r['hops_mean']:5.2f} {r['hops_p95']:3.0f} "
-              f"{r['hops_max']:3d} {r['requests']:7.1f} {r['latency_p50_ms']:7.0f} {r['latency_p95_ms']:7.0f} "
-              f"{r['upkeep_bytes_per_node_min']:17.0f} {r['upkeep_msgs_per_node_min']:13.1f} "
-              f"{r['join_kib_per_node']:8.1f} {r['memory_per_node_kib']:8.0f} {r['wall_s']:6.0f}", flush=True)
-        print("      upkeep B/node/min by method: " + ", ".join(
-            f"{m} {b}" for m, b in sorted(r["upkeep_by_method"].items(), key=lambda kv: -kv[1])), flush=True)
-    if len(results) > 1:
-        a, b = results[0], results[-1]
-        print(f"from N={a['n']} to N={b['n']} (x{b['n'] / a['n']:.0f}, log2N x{b['log2n'] / a['log2n']:.2f}): "
-              f"hops x{b['hops_mean'] / a['hops_mean']:.2f}, upkeep bytes/node/min "
-              f"x{b['upkeep_bytes_per_node_min'] / a['upkeep_bytes_per_node_min']:.2f}, "
-              f"latency p50 x{b['latency_p50_ms'] / a['latency_p50_ms']:.2f}, memory/node "
-              f"x{b['memory_per_node_kib'] / max(a['memory_per_node_kib'], 1e-9):.2f}", flush=True)
+        for policy in policies:
+            # "full": the refresh before issue #20's fix, a full lookup (k nodes must answer) per stale bucket
+            DHTNode._refresh_lookup = cheap_refresh if policy == "cheap" else DHTNode.find_nearest_nodes
+            r = simnet.run(Simulation(args, size, args.seed + 1000 * i).run())
+            r["refresh"] = policy
+            results.append(r)
+            print_result(r, len(policies) > 1)
+    for policy in policies:
+        runs = [r for r in results if r["refresh"] == policy]
+        if len(runs) > 1:
+            a, b = runs[0], runs[-1]
+            print(f"refresh {policy}: from N={a['n']} to N={b['n']} (x{b['n'] / a['n']:.0f}, "
+                  f"log2N x{b['log2n'] / a['log2n']:.2f}): hops x{b['hops_mean'] / a['hops_mean']:.2f}, "
+                  f"upkeep bytes/node/min x{b['upkeep_bytes_per_node_min'] / a['upkeep_bytes_per_node_min']:.2f}, "
+                  f"latency p50 x{b['latency_p50_ms'] / a['latency_p50_ms']:.2f}, memory/node "
+                  f"x{b['memory_per_node_kib'] / max(a['memory_per_node_kib'], 1e-9):.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -41,6 +41,27 @@ EPOCH = 1_800_000_000.0
 TAG: contextvars.ContextVar[str] = contextvars.ContextVar("sim_tag", default="upkeep")
 """What the traffic sent from the current context is counted as."""
 
+ORIGIN: contextvars.ContextVar[str] = contextvars.ContextVar("sim_origin", default="other")
+"""Which of a node's activities sent the traffic of the current context (`attribute`)."""
+
+
+def attribute(cls: type, name: str, origin: str) -> None:
+    """Counts the traffic of every call of the coroutine method `cls.name` (and of the tasks it
+    starts) as `origin`, so that a simulation can say which activity its upkeep comes from."""
+    import functools
+
+    method = getattr(cls, name)
+
+    @functools.wraps(method)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        token = ORIGIN.set(origin)
+        try:
+            return await method(*args, **kwargs)
+        finally:
+            ORIGIN.reset(token)
+
+    setattr(cls, name, wrapper)
+
 
 class _Clock:
     now = 0.0
@@ -125,6 +146,9 @@ class Traffic:
     bytes: Counter[str] = field(default_factory=Counter)
     by_method: Counter[str] = field(default_factory=Counter)
     by_tag_method: Counter[tuple[str, str]] = field(default_factory=Counter)
+    by_origin: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    """Bytes per (tag, origin, method)."""
+    messages_by_origin: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     lost: int = 0
 
     def add(self, nbytes: int, method: str = "") -> None:
@@ -133,6 +157,9 @@ class Traffic:
         self.bytes[tag] += nbytes
         self.by_method[method] += nbytes
         self.by_tag_method[tag, method] += nbytes
+        origin = ORIGIN.get()
+        self.by_origin[tag, origin, method] += nbytes
+        self.messages_by_origin[tag, origin, method] += 1
 
 
 class SimNetwork:

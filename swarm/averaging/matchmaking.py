@@ -7,7 +7,9 @@ met it waits a short `join_window` for peers it knows nothing of, and for the pe
 says are coming (declared for this group, with their announced readiness) up to a bound learned
 from how late earlier joiners were (`timing`); it starts when they are in or past it. With
 `adaptive=False` it waits the `join_window` only.
-A joiner whose call is gone (it died or gave up) is left out. A peer that asks after its group
+A joiner whose call is gone (it died or gave up) is left out. A follower whose
+leader stops answering its checks (`leader_misses` in a row, every `poll_interval`) while the join
+waits takes it for gone and looks for another leader. A peer that asks after its group
 started is told so at once ("group started"), looks for another group of the same round, and
 raises saying why when nobody else is coming. The round's timeout, which the leader writes into
 the group, is a multiple of what measured rounds took, so a dead member costs that multiple.
@@ -71,7 +73,13 @@ class MatchmakingConfig:
         matchmaking_share: at most this share of a step's timeout goes to forming a group when
             `min_group_size` is met (the rest is for the all-reduce).
         retry_interval: pause before a follower asks again after a leader refused it.
-        poll_interval: how often a waiting DHT leader checks that it still leads.
+        poll_interval: how often a waiting DHT leader checks that it still leads, and how often a
+            follower whose join is pending checks that its leader still answers.
+        leader_misses: checks in a row that a follower's leader leaves unanswered before the
+            follower takes it for gone and looks for another leader (a host that vanished never
+            answers the join, a long poll). Each waits up to `poll_interval`, and the last is
+            followed by one more wait for the join's answer, so a leader that is merely slow, or
+            that formed the group just then, keeps its follower.
         adaptive: wait for the peers declared for this group (up to a bound learned from how late
             joiners arrived), tell late joiners at once that the group started, and derive the
             round's timeout from measured round times. False: the fixed `join_window` and the
@@ -89,6 +97,7 @@ class MatchmakingConfig:
     matchmaking_share: float = 0.5
     retry_interval: float = 0.05
     poll_interval: float = 0.5
+    leader_misses: int = 3
     adaptive: bool = True
     min_wait: float = 0.05
     max_wait: float = 5.0
@@ -102,6 +111,8 @@ class MatchmakingConfig:
             raise ConfigError("need join_window >= 0 and 0 < matchmaking_share < 1")
         if self.retry_interval <= 0 or self.poll_interval <= 0:
             raise ConfigError("retry_interval and poll_interval must be > 0")
+        if self.leader_misses < 1:
+            raise ConfigError("leader_misses must be >= 1")
         if not 0 <= self.min_wait <= self.max_wait:
             raise ConfigError("need 0 <= min_wait <= max_wait")
         if self.round_timeout_multiple < 1 or self.min_round_timeout <= 0:
@@ -229,10 +240,21 @@ class Matchmaking:
         request = averaging_pb2.JoinRequest(
             prefix=self.prefix, schema=self.schema, numel=self.numel, member=me.to_proto(), timeout=remaining,
         )
+        channel = self.peer.pool.get(leader.addr)
+        join = asyncio.ensure_future(channel.unary(JOIN, request, averaging_pb2.JoinResponse, timeout=max(0.01, remaining)))
         try:
-            response = await self.peer.pool.get(leader.addr).unary(
-                JOIN, request, averaging_pb2.JoinResponse, timeout=max(0.01, remaining)
-            )
+            vanished = await self._leader_vanished(leader, channel, join)
+        finally:
+            if not join.done():
+                join.cancel()
+                await asyncio.gather(join, return_exceptions=True)
+        if vanished:
+            logger.debug("leader %s left %d check(s) in a row unanswered: taking it for gone",
+                         leader.peer_id[-8:], self.config.leader_misses)
+            self._down.add(leader.peer_id)
+            return None
+        try:
+            response = join.result()
         except PeerUnreachable as e:
             logger.debug("leader %s is down: %s", leader.peer_id[-8:], e)
             self._down.add(leader.peer_id)
@@ -263,6 +285,47 @@ class Matchmaking:
             raise AveragingError(f"leader {leader.peer_id} averages other tensors: {response.reason}")
         await asyncio.sleep(self.config.retry_interval * (1 + random.random()))
         return None
+
+    async def _leader_vanished(self, leader: Candidate, channel: Any, join: asyncio.Future[Any]) -> bool:
+        """Waits for the join's answer; True if the leader stopped answering first.
+
+        Every `poll_interval` the follower asks the leader's Info over the channel the join
+        uses. A refused connection means nobody listens there any more; otherwise the leader
+        counts as gone after `leader_misses` unanswered checks in a row and one more check's
+        wait for the join itself (an answer sent as the last check failed still arrives). A
+        check whose deadline fired late (this process was starved: an overloaded machine starves
+        the leader too) does not count.
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        misses = 0
+        while True:
+            done, _ = await asyncio.wait({join}, timeout=cfg.poll_interval)
+            if done:
+                return False
+            timeout = self._link.deadline(leader.peer_id, 0, multiple=4, floor=cfg.poll_interval / 2,
+                                          cap=cfg.poll_interval)
+            sent = loop.time()
+            probe = asyncio.ensure_future(channel.info(timeout=timeout))
+            done, _ = await asyncio.wait({join, probe}, return_when=asyncio.FIRST_COMPLETED)
+            if join in done:
+                probe.cancel()
+                await asyncio.gather(probe, return_exceptions=True)
+                return False
+            error = probe.exception()
+            if error is None:
+                misses = 0
+                continue
+            if isinstance(error, PeerUnreachable):
+                return True
+            if not isinstance(error, RPCError | TimeoutError):
+                raise error
+            if loop.time() - sent > 2 * timeout:
+                continue  # this process was starved itself (its timer fired late): the check says nothing
+            misses += 1
+            if misses >= cfg.leader_misses:
+                done, _ = await asyncio.wait({join}, timeout=timeout)
+                return not done
 
     # -- leader side -------------------------------------------------------------------------
 

@@ -63,8 +63,10 @@ class ReducerLied(RoundFailed):
 
 def part_digest(values: torch.Tensor) -> bytes:
     """blake2b-16 of a float32 part's bytes."""
-    data = values.detach().contiguous().view(torch.uint8).numpy() if values.numel() else b""
-    return hashlib.blake2b(data, digest_size=16).digest()
+    h = hashlib.blake2b(digest_size=16)
+    if values.numel():
+        h.update(memoryview(values.detach().contiguous().view(torch.uint8).numpy()))
+    return h.digest()
 
 
 def _seed(round_id: bytes, part: int, digest: bytes) -> int:

@@ -151,6 +151,10 @@ class RoutingTable:
         candidates = (node for node in self._nodes.values() if node.node_id not in excluded)
         return heapq.nsmallest(k, candidates, key=lambda node: node.node_id ^ query)
 
+    def bucket_of(self, node_id: int) -> KBucket:
+        """The bucket whose range holds `node_id`."""
+        return self.buckets[self._bucket_index(node_id)]
+
     def buckets_to_refresh(
         self, now: float, interval: float, rng: random.Random | None = None
     ) -> list[DHTID]:

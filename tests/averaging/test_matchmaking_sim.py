@@ -5,9 +5,11 @@ the same group splitting into a 3 and a 13 at WAN latencies: followers reach the
 over a few round trips (their DHT declarations and lookups), and the leader started its group
 `join_window` after it first had `min_group_size` members, however many were still arriving.
 
-Followers of a leader that vanished while they wait for its answer miss the round: the simulation
+Followers of a leader that vanished while they wait for its answer missed the round: the simulation
 found the 14 survivors of a group whose leader crashed all failing their step (a join is a long
-poll, and a vanished host never answers it). Not fixed yet: the test below is a strict xfail.
+poll, and a vanished host never answers it). Now a waiting follower checks its leader every
+`poll_interval` and gives it up after `leader_misses` unanswered checks and one more check's wait
+for the join's answer, so a leader that forms the group just then keeps its follower.
 
 The real `Matchmaking` runs here on simulated links and virtual time (scripts/bench/simnet.py),
 so the arrival times are exact and the test takes milliseconds.
@@ -19,8 +21,6 @@ import asyncio
 import random
 import sys
 from pathlib import Path
-
-import pytest
 
 from swarm.averaging import MatchmakingConfig, MemberInfo
 from swarm.averaging.election import StaticElection
@@ -89,9 +89,6 @@ def test_a_follower_later_than_the_window_is_left_for_the_next_group() -> None:
     assert isinstance(sizes[3], AveragingError)
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue #20): a follower waits out its whole step on a "
-                   "leader whose host vanished; checking the leader's liveness while waiting (tried) "
-                   "let a follower leave a group its leader had just formed")
 def test_followers_of_a_leader_that_vanishes_form_a_group_without_it() -> None:
     """Three followers wait on the leader (target size 8, a long join window); the leader's host
     vanishes at 1 s. Within a leader check they take it for down, and the next smallest PeerID
@@ -118,3 +115,32 @@ def test_followers_of_a_leader_that_vanishes_form_a_group_without_it() -> None:
         assert not isinstance(group, BaseException), group
         assert set(group.peer_ids) == survivors
     assert end < 10.0  # today: the followers' 20 s step, and no group
+
+
+def test_a_follower_keeps_a_leader_that_forms_the_group_as_its_last_check_fails(monkeypatch) -> None:
+    """The leader is alive but never answers the followers' checks (they are lost on its link);
+    follower A joins at once, B only at 3.2 s, completing the target size of 3. A's third check
+    fails at 3 s (a check 0.5 s after the last, each waiting 0.5 s: the link was never measured),
+    but A waits one more check's time for its join: the group the leader formed at 3.2 s still
+    reaches it, and all three are in."""
+    from swarm.core.errors import DeadlineExceeded
+
+    peers = _peers(3)
+    leader = peers[0].peer_id
+    original = simnet.SimChannel.info
+
+    async def lost_on_the_leaders_link(self, timeout=None):
+        if self.peer_id != leader:
+            return await original(self, timeout)
+        await asyncio.sleep(timeout)
+        raise DeadlineExceeded(f"no answer from {leader} in time (Info)", peer_id=leader)
+
+    monkeypatch.setattr(simnet.SimChannel, "info", lost_on_the_leaders_link)
+    config = MatchmakingConfig(target_group_size=3, min_group_size=3, join_window=0.3, poll_interval=0.5,
+                               leader_misses=3, adaptive=False)
+
+    async def main() -> list[object]:
+        return await _form_groups(peers, [0.0, 0.0, 3.2], config)
+
+    assert simnet.run(main()) == [3, 3, 3]
+

@@ -123,6 +123,11 @@ def test_a_small_dht_under_churn_finds_every_key_in_few_hops() -> None:
     assert result["success"] == 1.0
     assert result["hops_mean"] <= math.log2(50) / 2
     assert result["upkeep_bytes_per_node_min"] > 0 and result["failed_joins"] == 0
+    # the upkeep split by origin accounts for all of it: the newcomers' joins are in it
+    by_origin = result["upkeep_by_origin"]
+    assert {"join:Find", "join-refresh:Find"} <= set(by_origin)
+    split = sum(b for b, _ in by_origin.values())
+    assert split == pytest.approx(result["upkeep_bytes_per_node_min"], rel=0.01)
 
 
 def test_a_small_moshpit_run_converges_despite_a_crash() -> None:
@@ -134,3 +139,14 @@ def test_a_small_moshpit_run_converges_despite_a_crash() -> None:
     assert rounds["start"]["err_max"] > 0.1
     assert rounds[1]["err_max"] < 1e-5  # 2 rounds on a full 4 x 4 grid: exact
     assert rounds[3]["live"] == 15 and rounds[3]["err_max"] < 1e-5
+
+
+def test_a_cheap_bucket_refresh_costs_less_than_a_full_lookup_and_still_finds_every_key() -> None:
+    """Issue #20: refreshing a far bucket needs some live nodes in its range to answer, not the k
+    nearest to a random ID. The same 60 nodes built twice (fixed seeds): with the refresh of today
+    a join sends less than with full-lookup refreshes, and every get still succeeds."""
+    full, cheap = _run_script("sim_dht.py", "--sizes", "60", "--minutes", "2", "--lookups", "50", "--keys", "20",
+                              "--compare-refresh", timeout=150)
+    assert (full["refresh"], cheap["refresh"]) == ("full", "cheap")
+    assert cheap["join_kib_per_node"] < 0.8 * full["join_kib_per_node"]
+    assert cheap["success"] == 1.0 and cheap["hops_mean"] <= math.log2(60) / 2
