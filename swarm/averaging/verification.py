@@ -65,7 +65,7 @@ def part_digest(values: torch.Tensor) -> bytes:
     """blake2b-16 of a float32 part's bytes."""
     h = hashlib.blake2b(digest_size=16)
     if values.numel():
-        h.update(memoryview(values.detach().contiguous().view(torch.uint8).numpy()))
+        h.update(values.detach().contiguous().view(torch.uint8).numpy().data)
     return h.digest()
 
 

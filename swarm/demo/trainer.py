@@ -316,7 +316,9 @@ class Trainer:
             opt.zero_grad()
             if cfg.json_events and opt.epoch != digest_epoch:  # the network lab compares these (docs/network-lab.md)
                 digest_epoch = opt.epoch
-                shared = b"".join(p.detach().numpy().tobytes() for p in self.model.dense_parameters())
+                # the optimizer's shared tensors: the parameters (large-batch), or DiLoCo's outer
+                # parameters (its local ones drift apart between rounds by design)
+                shared = b"".join(t.detach().numpy().tobytes() for t in opt.mode.shared_tensors)
                 print(json.dumps({"kind": "digest", "name": cfg.name, "epoch": opt.epoch,
                                   "sha256": hashlib.sha256(shared).hexdigest()}), flush=True)
             step += 1

@@ -10,7 +10,9 @@ PeerID. Its answer also says whether it relays, so the same round trips find the
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,13 +87,18 @@ class DialBackService:
         except MultiaddrError as e:
             result.error = str(e)
             return result
+        host = addr.host
+        if not addr.relay_id and observed and not _is_ip(host):
+            # a name (`/dns4/expert/...`, a container's or a host's): dialed only if it names the
+            # address the request came from, so a name never points the dial at a third party
+            host = observed if observed in await self._resolve(host, addr.port) else host
         if addr.relay_id:
             result.error = "a relayed address"
-        elif addr.host != observed:
+        elif host != observed:
             # never dial a third party; a peer whose address is not the one it comes from is behind NAT
             result.error = f"your connection comes from {observed or 'an unknown address'}, not {addr.host}"
         else:
-            found = await tls_probe(addr.host, addr.port, self.timeout)
+            found = await tls_probe(host, addr.port, self.timeout)
             if not found.reachable:
                 result.error = f"cannot connect: {found.error}"
             elif self.tls and found.peer_id != caller:
@@ -99,6 +106,22 @@ class DialBackService:
             else:
                 result.reachable = True
         return result
+
+    async def _resolve(self, name: str, port: int) -> set[str]:
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM), self.timeout)
+        except (OSError, TimeoutError, UnicodeError):
+            return set()
+        return {str(info[4][0]) for info in infos}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
