@@ -213,8 +213,12 @@ class ButterflyAllReduce:
                     # counted from the decision at the earliest: no reducer sends a result before
                     # it, so a reduce-scatter longer than sender_timeout (a slow link) would
                     # otherwise have every member fetch every part a second time.
+                    # The limit also leaves the holders half the time from the decision to the
+                    # deadline: a round whose adaptive timeout is short must still ask them in
+                    # time, or this member fails a round the others apply.
                     since = max(p.last_progress, self._decided_at)
-                    limit = self.silence.get(p.reducer, self.config.sender_timeout)
+                    limit = min(self.silence.get(p.reducer, self.config.sender_timeout),
+                                max(0.0, (self.deadline - self._decided_at) / 2))
                     if now - since >= limit:
                         PART_FETCHES.labels(why="stalled").inc()
                         p.fetch = spawn(fetch_part(self, p), name=f"avg-fetch-{self.round_tag}-p{p.index}")
