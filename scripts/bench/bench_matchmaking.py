@@ -11,7 +11,14 @@ first chunk, through its fault plan). Two settings run in the same invocation:
   a learned bound, "group started" answers, round timeouts from measured rounds); each peer
   announces its next round with its expected readiness, as `swarm.Optimizer` does;
 - fixed: `MatchmakingConfig(adaptive=False)`, the fixed-constant behaviour before it (0.3 s
-  join window; the round's timeout is what the step has left), no announcements.
+  join window; the round's timeout is what the step has left), no announcements;
+- noprobe (only with `--modes noprobe`): adaptive, but no member probes a peer whose stream
+  broke (`liveness.refuses_connections` answers False), so a dead sender is waited for until its
+  silence limit or the report time, and a dead reducer's report until the decide deadline, as
+  before those probes existed.
+
+`--log-dir DIR` writes each worker's debug log of `swarm.averaging` (the kill round's timeline:
+reports, probes, the decision, fetches) to DIR/<mode>-<N>-<index>.log.
 
 Figures per (N, setting):
 - left out: (peer, round) pairs where a live peer that was ready for the round (it called `step`
@@ -62,12 +69,25 @@ def worker(cfg: dict[str, Any]) -> None:
     from swarm.peer import Peer
 
     torch.set_num_threads(1)
+    if cfg.get("log"):
+        import logging
+
+        logging.basicConfig(filename=cfg["log"], level=logging.WARNING,
+                            format="%(created).3f %(name)s %(message)s")
+        logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
+    if cfg["mode"] == "noprobe":
+        from swarm.averaging import liveness
+
+        async def never_gone(addr: str) -> bool:
+            return False
+
+        liveness.refuses_connections = never_gone  # type: ignore[assignment]
     rng = random.Random(cfg["seed"] * 7919 + cfg["index"])
     peer = Peer(initial_peers=cfg["initial_peers"], listen=cfg["listen"])
     plan = FaultPlan()
     if cfg.get("kill_round") is not None:
         plan.add(FaultPoint.AFTER_CHUNKS_SENT, Action.KILL, after=1, rounds={cfg["kill_round"]})
-    adaptive = cfg["mode"] == "adaptive"
+    adaptive = cfg["mode"] != "fixed"
     config = AveragerConfig(matchmaking=MatchmakingConfig(adaptive=adaptive))
     tensor = torch.zeros(cfg["numel"])
     avg = Averager(peer, [tensor], prefix="bench", target_group_size=cfg["n"], min_group_size=2,
@@ -164,11 +184,14 @@ def run_config(n: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     def listen(i: int) -> str:
         return args.listen.format(index=i, host=i + 1)
 
-    procs = [Proc({**base, "index": 0, "initial_peers": [], "listen": listen(0)}, args.wrap)]
+    def log(i: int) -> str:
+        return os.path.join(args.log_dir, f"{mode}-{n}-{i}.log") if args.log_dir else ""
+
+    procs = [Proc({**base, "index": 0, "initial_peers": [], "listen": listen(0), "log": log(0)}, args.wrap)]
     try:
         procs[0].ready.wait(120)
         first = procs[0].events[0]["addr"]
-        procs += [Proc({**base, "index": i, "initial_peers": [first], "listen": listen(i),
+        procs += [Proc({**base, "index": i, "initial_peers": [first], "listen": listen(i), "log": log(i),
                         "kill_round": args.kill_round if i == victim else None}, args.wrap) for i in range(1, n)]
         for p in procs:
             if not p.ready.wait(180):
@@ -237,7 +260,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--modes", nargs="+", default=["adaptive", "fixed"], choices=["adaptive", "fixed"])
+    parser.add_argument("--modes", nargs="+", default=["adaptive", "fixed"], choices=["adaptive", "fixed", "noprobe"])
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--kill-round", type=int, default=25)
     parser.add_argument("--spread", type=float, default=2.0, help="start times spread up to this many seconds")
@@ -246,9 +269,12 @@ def main() -> None:
     parser.add_argument("--step-timeout", type=float, default=30.0)
     parser.add_argument("--budget", type=float, default=300.0, help="wall seconds per (N, setting) at most")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--log-dir", default="", help="write each worker's swarm.averaging debug log here")
     parser.add_argument("--wrap", default="", help="prefix of each worker's command ({index}, {host})")
     parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="listen multiaddr ({index}, {host})")
     args = parser.parse_args()
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
     if args.worker:
         worker(json.loads(args.worker))
         return

@@ -4,6 +4,11 @@ Each reducer reports which senders' part arrived complete and finite (`Report`).
 (`Coordinator`) waits for every reducer's report or its deadline, then makes the round's single
 `Decision`: the contributor set C is the intersection of the reported sets, or the round aborts
 (a reducer did not report: its part cannot be averaged; no contributor with weight is left).
+A reducer that a report names as broken (its stream to that reporter broke) and that has not
+reported itself is probed (`Coordinator.probe`, e.g. a TCP connect to its address): when its
+address refuses the connection, its process is gone and can never report, so the leader decides
+(abort) at once instead of waiting for the report deadline. A probe that does not answer (a stalled
+peer, a lost host) changes nothing: the deadline still decides.
 The decision travels as exact bytes with every averaged part, so a member can check that all
 parts it holds were reduced under the same decision; a member applies a round only when it holds
 every part, so every member that applies applies the mean over the same C (docs/architecture.md, "Life of an averaging step").
@@ -12,12 +17,18 @@ every part, so every member that applies applies the mean over the same C (docs/
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.proto import averaging_pb2
+
+logger = logging.getLogger(__name__)
+
+# reasons a reducer gives for a sender whose stream broke (`reducer.PartCollector._read`)
+BROKEN_REASONS = ("stream broken", "stream ended early", "gone")
 
 
 @dataclass(frozen=True)
@@ -89,12 +100,13 @@ class Decision:
         )
 
 
-def decide(group: GroupInfo, reports: dict[int, Report]) -> Decision:
+def decide(group: GroupInfo, reports: dict[int, Report], gone: frozenset[int] = frozenset()) -> Decision:
     """The leader's rule: C = senders every reducer received complete and finite, with weight > 0.
 
     Args:
         group: the round's group.
         reports: part index -> that reducer's report (missing parts: the reducer did not report).
+        gone: member indices known dead (their address refused a connection), named in the reason.
 
     Returns:
         A commit decision over C, or an abort when a part has no report or C carries no weight.
@@ -103,7 +115,9 @@ def decide(group: GroupInfo, reports: dict[int, Report]) -> Decision:
     missing = [p for p in range(n_parts) if p not in reports]
     if missing:
         who = ", ".join(group.members[group.reducers[p]].peer_id[-8:] for p in missing)
-        return Decision(group.round_id, abort=True, reason=f"reducer(s) {who} did not report (parts {missing})")
+        dead = [group.members[i].peer_id[-8:] for i in sorted(gone)]
+        why = f"; gone: {', '.join(dead)} refused connections" if dead else ""
+        return Decision(group.round_id, abort=True, reason=f"reducer(s) {who} did not report (parts {missing}){why}")
     senders = [i for i in group.senders if group.members[i].weight > 0]
     excluded: dict[int, str] = {}
     contributors: list[int] = []
@@ -137,6 +151,12 @@ class Coordinator:
         self._decider: asyncio.Task[None] | None = None
         self.faults_hit: Callable[[FaultPoint], Awaitable[None]] | None = None
         """Set by the owner to `FaultPlan.hit` (fault injection in tests)."""
+        self.probe: Callable[[int], Awaitable[bool]] | None = None
+        """Set by the owner: True when member `i` is known gone (its address refuses connections)."""
+        self.gone: set[int] = set()
+        self._probed: set[int] = set()
+        self._probes: set[asyncio.Task[None]] = set()
+        self._t0 = asyncio.get_running_loop().time()
 
     @property
     def decision(self) -> Decision | None:
@@ -155,7 +175,37 @@ class Coordinator:
             self.reports.setdefault(report.part, report)
             if len(self.reports) == len(self.group.reducers):
                 self._all_reported.set()
+            else:
+                self._probe_broken(report)
         return await asyncio.shield(self._decided)
+
+    def _probe_broken(self, report: Report) -> None:
+        """Probes the reducers this report names as broken that have not reported yet."""
+        if self.probe is None:
+            return
+        reported = {self.group.reducers[p] for p in self.reports}
+        for i, reason in report.failed.items():
+            if (i in self._probed or i in reported or i not in self.group.reducers
+                    or not reason.startswith(BROKEN_REASONS)):
+                continue
+            self._probed.add(i)
+            task = asyncio.ensure_future(self._run_probe(i))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _run_probe(self, i: int) -> None:
+        assert self.probe is not None
+        loop = asyncio.get_running_loop()
+        try:
+            gone = await asyncio.wait_for(self.probe(i), max(0.0, self.report_deadline - loop.time()))
+        except (TimeoutError, OSError):
+            return
+        who = self.group.members[i].peer_id[-8:]
+        logger.debug("round %s: probed reducer %s %.3f s after the start: %s", self.group.round_id.hex()[:8],
+                     who, loop.time() - self._t0, "gone (connection refused): deciding now" if gone else "reachable")
+        if gone and not self._decided.done():
+            self.gone.add(i)
+            self._all_reported.set()  # its report can never come: decide without waiting for the deadline
 
     async def _decide_when_ready(self) -> None:
         loop = asyncio.get_running_loop()
@@ -168,15 +218,19 @@ class Coordinator:
                 from swarm.averaging.faults import FaultPoint
 
                 await self.faults_hit(FaultPoint.BEFORE_DECISION)
-            decision = decide(self.group, dict(self.reports))
+            decision = decide(self.group, dict(self.reports), frozenset(self.gone))
         except Exception as e:  # noqa: BLE001 - an injected fault or a bug: the round aborts
             decision = Decision(self.group.round_id, abort=True, reason=f"leader failed to decide: {e}")
         if not self._decided.done():
+            logger.debug("round %s: decided %.3f s after the start: %s", self.group.round_id.hex()[:8],
+                         loop.time() - self._t0, decision.reason or "commit")
             self._decided.set_result(decision)
 
     def close(self) -> None:
         if self._decider is not None:
             self._decider.cancel()
+        for task in list(self._probes):
+            task.cancel()
         if not self._decided.done():
             self._decided.set_result(Decision(self.group.round_id, abort=True, reason="leader shut down"))
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from swarm.averaging import liveness
 from swarm.averaging.agreement import Decision
 from swarm.averaging.config import AllReduceConfig
 from swarm.averaging.faults import FaultPoint
@@ -123,11 +124,15 @@ class ButterflyAllReduce:
                      {group.members[i].peer_id[-6:]: round(v, 2) for i, v in self.silence.items()},
                      config.sender_timeout)
         self.finished = asyncio.Event()   # this member is done with the round (its streams may close)
+        # a part of this round will never be averaged (its reducer aborted it): no member can apply
+        # the round, so no one will fetch its results from us (the round's buffer may go at once)
+        self.doomed = asyncio.Event()
         self.sent_chunks = 0
         self.received_chunks = 0
         self._changed = asyncio.Event()
         self._decided_at: float | None = None  # loop time this member first learned the round's decision
         self._tasks: list[asyncio.Task[Any]] = []
+        self._probed: set[int] = set()  # members whose address this member probed (`_suspect`)
 
     @property
     def round_tag(self) -> str:
@@ -278,6 +283,7 @@ class ButterflyAllReduce:
             return
         if self.reducer.aborted or self.reducer.decision is None:
             self.resolve(p, PartState.ABORTED, self.reducer.abort_reason)
+            self.doomed.set()
         else:
             self.resolve(p, PartState.COMPLETE, decision=self.reducer.decision.to_bytes())
 
@@ -344,6 +350,32 @@ class ButterflyAllReduce:
         except Exception as e:  # noqa: BLE001 - a reducer that died or stalled is an expected event
             logger.debug("part %d stream from %s failed: %s", p.index, reducer.peer_id[-8:], e)
             self.resolve(p, PartState.FAILED, f"stream from reducer {reducer.peer_id[-8:]} broke ({e})")
+            self._suspect(p.reducer)
+
+    def _suspect(self, index: int) -> None:
+        """The stream to member `index` broke: probe its address once, and when it refuses the
+        connection (the process is gone), this member's reducer stops waiting for its part at
+        once instead of after a silence limit (a sender killed before it connected to us would
+        otherwise hold our report until the report time)."""
+        if index in self._probed or self.reducer is None or index not in self.reducer.senders:
+            return
+        self._probed.add(index)
+        member = self.group.members[index]
+
+        async def probe() -> None:
+            loop = asyncio.get_running_loop()
+            try:
+                gone = await asyncio.wait_for(liveness.refuses_connections(member.addr),
+                                              max(0.01, self.deadline - loop.time()))
+            except (TimeoutError, OSError):
+                return
+            logger.debug("round %s: member %s %s, %.3f s after the start", self.round_tag, member.peer_id[-8:],
+                         "is gone (connection refused)" if gone else "still accepts connections",
+                         loop.time() - self.t0)
+            if gone and self.reducer is not None:
+                self.reducer.sender_gone(index)
+
+        self._tasks.append(spawn(probe(), name=f"avg-probe-{self.round_tag}-m{index}"))
 
     def _chooser(self, p: Part) -> Any:
         """Where result messages of part `p` go on the bulk channel: straight into `p.values` (after a
@@ -377,6 +409,7 @@ class ButterflyAllReduce:
                     self._changed.set()
                 if header.abort:
                     self.resolve(p, PartState.ABORTED, header.reason)
+                    self.doomed.set()
                     return
                 if header.compression != self.codec.kind:
                     raise InvalidRequest("reducer answered with another codec")

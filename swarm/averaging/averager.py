@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from swarm.averaging import liveness
 from swarm.averaging.agreement import Coordinator, Decision
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.audit import audit_round
@@ -389,6 +390,7 @@ class Averager:
         if my_index == 0:
             coordinator = Coordinator(group, t0 + cfg.decide_at * timeout)
             coordinator.faults_hit = self.faults.hit
+            coordinator.probe = lambda i: liveness.refuses_connections(group.members[i].addr)
             coordinator.start()
             report = coordinator.submit
         else:
@@ -466,11 +468,16 @@ class Averager:
         loop = asyncio.get_running_loop()
         try:
             if allreduce.reducer is not None:
-                # a sender that has not connected yet (late, or dead) holds the round until `until`
+                # a sender that has not connected yet (late, or dead) holds the round until `until`,
+                # unless the round is doomed (a part was aborted: no one applies it, no one fetches)
+                closed = asyncio.ensure_future(allreduce.reducer.streams_closed.wait())
+                doomed = asyncio.ensure_future(allreduce.doomed.wait())
                 try:
-                    await asyncio.wait_for(allreduce.reducer.streams_closed.wait(), max(0.0, until - loop.time()))
-                except TimeoutError:
-                    pass
+                    await asyncio.wait({closed, doomed}, timeout=max(0.0, until - loop.time()),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    closed.cancel()
+                    doomed.cancel()
             if coordinator is not None and coordinator.decision is None:
                 await asyncio.sleep(max(0.0, until - loop.time()))
         finally:
@@ -479,3 +486,4 @@ class Averager:
             if coordinator is not None:
                 coordinator.close()
             self._scratch.release(scratch)
+

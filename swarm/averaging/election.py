@@ -18,6 +18,7 @@ training progress says when it will be ready) without making it a candidate to l
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,6 +130,7 @@ class DHTElection:
         self._leaders: dict[str, tuple[float, str]] = {}
         self.started: dict[str, str] = {}
         """PeerID -> round id (hex) of peers whose declaration says they started a group."""
+        self._withdrawal: asyncio.Task[None] | None = None  # `end`'s store, still running
         self.names_round = False
         """Whether `group_key` names one round (e.g. an epoch) rather than being reused by every step."""
 
@@ -137,6 +139,8 @@ class DHTElection:
         return f"{self.prefix}.group.{self.group_key}"
 
     async def begin(self, me: MemberInfo, deadline_wall: float) -> None:
+        if self._withdrawal is not None:  # the last step's withdrawal lands before this declaration
+            await asyncio.gather(self._withdrawal, return_exceptions=True)
         self._expiration = deadline_wall
         self._declared, self._leaders, self.started = {}, {}, {}
         self._began = get_dht_time()
@@ -197,12 +201,21 @@ class DHTElection:
         self._declared, self._leaders = declared, leaders
 
     async def end(self, me: MemberInfo, started: bytes | None = None) -> None:
-        # withdraw: a later expiration replaces our declaration with one that says we stopped looking
-        # (and, when we are in a group, which round: a peer that missed it learns so from here)
+        """Withdraws the declaration: a later expiration replaces it with one that says this peer
+        stopped looking (and, when it is in a group, which round: a peer that missed it learns so
+        from here). The store runs in the background: the round must not wait on it (a dead
+        node among the key's closest would hold every member's start); the next `begin` waits for it."""
         value: dict[str, Any] = {"addr": me.addr, "client_mode": me.client_mode, "done": True}
         if started is not None:
             value["started"], value["at"] = started.hex(), get_dht_time()
-        try:
-            await self.dht.astore(self.key, value, expiration_time=self._expiration + 0.001, subkey=owner_marker(me.peer_id))
-        except Exception:  # best effort; it expires on its own anyway
-            logger.debug("could not withdraw the declaration under %s", self.key, exc_info=True)
+        key, expiration = self.key, self._expiration + 0.001
+
+        async def withdraw() -> None:
+            started_at = get_dht_time()
+            try:
+                await self.dht.astore(key, value, expiration_time=expiration, subkey=owner_marker(me.peer_id))
+            except Exception:  # best effort; it expires on its own anyway
+                logger.debug("could not withdraw the declaration under %s", key, exc_info=True)
+            logger.debug("withdrew the declaration under %s in %.3f s", key, get_dht_time() - started_at)
+
+        self._withdrawal = asyncio.ensure_future(withdraw())

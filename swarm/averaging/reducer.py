@@ -127,6 +127,13 @@ class PartCollector:
             except TimeoutError:
                 pass
 
+    def sender_gone(self, index: int) -> None:
+        """Sender `index` is known dead (its address refused a connection): stop waiting for it."""
+        sender = self.senders.get(index)
+        if sender is not None and not sender.done and not self.frozen:
+            sender.failed = "gone (connection refused)"
+            self._changed.set()
+
     def _silence_limit(self, sender: _Sender) -> float:
         if not sender.streaming:  # connecting takes round trips of its own: the round-wide limit
             return self.config.sender_timeout

@@ -160,3 +160,30 @@ def test_a_streaming_peer_may_stay_silent_a_multiple_of_its_own_links_chunk_time
     assert wan == pytest.approx(expected_wan) and SILENCE_FLOOR < wan < 5.0
     assert modem == 5.0  # a chunk takes ~10 s there: the round's limit caps it
     assert silence_limit(est, "wan", chunk, cap=0.5) == 0.5  # the cap wins over the floor
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_reducer_is_found_gone_from_its_refused_port_instead_of_waited_for():
+    """A follower SIGKILLed mid reduce-scatter leaves its port closed: the member whose stream to it
+    broke probes the address, gets a refusal, and its reducer reports at once; the leader, told of
+    the broken stream, probes too and decides without the dead reducer's report instead of waiting
+    for the decide deadline (the round's timeout is 8 s here, so without the probes the reason
+    would be a plain "did not report"). Every survivor fails alike with the reason, untouched, and
+    the survivors then average."""
+    from avg_harness import ProcessGroup, check_agreement
+
+    cfgs = [{"index": i, "seed": 7, "numel": 20_000, "chunk_bytes": 4096, "sender_timeout": 5.0,
+             "min_round_timeout": 8.0} for i in range(4)]
+    with ProcessGroup(cfgs, min_size=2) as group:
+        assert check_agreement(group.round(0, timeout=30), 30) == "ok"
+        servers = [w.index for w in sorted(group.workers, key=lambda w: w.peer_id)]  # the first leads
+        victim = servers[-1]
+        group.workers[victim].send({"cmd": "arm", "faults": [{"point": "after_chunks_sent", "action": "kill",
+                                                              "after": 1}]})
+        results = group.round(1, timeout=30)
+        assert results[victim] is None, "the victim should have died"
+        assert check_agreement(results, 30) == "failed", results
+        for index, result in results.items():
+            if index != victim:
+                assert result is not None and "refused connections" in result["message"], result
+        assert check_agreement(group.round(2, timeout=30), 30) == "ok"

@@ -76,7 +76,8 @@ def main() -> None:
     config = AveragerConfig(
         allreduce=AllReduceConfig(sender_timeout=cfg.get("sender_timeout", 1.0), chunk_bytes=cfg.get("chunk_bytes", 1 << 20)),
         # a loaded test machine may start a peer's step late: wait for it rather than go without it
-        matchmaking=MatchmakingConfig(join_window=cfg.get("join_window", 1.0)),
+        matchmaking=MatchmakingConfig(join_window=cfg.get("join_window", 1.0),
+                                      min_round_timeout=cfg.get("min_round_timeout", MatchmakingConfig.min_round_timeout)),
         compression=cfg.get("compression", 0),
     )
     if "serve_state" in cfg:
