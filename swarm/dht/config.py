@@ -31,7 +31,15 @@ class DHTConfig:
             one request still); see BENCHMARKS.md.
         num_replicas: Nodes each record is stored on: the nearest to its key.
         depth_modulo: b of the relaxed bucket-splitting rule (§4.2).
-        request_timeout: Deadline of each remote call, in seconds.
+        request_timeout: Deadline of each remote call, in seconds: the cap. A node whose link this
+            peer measured gets `request_timeout_multiple` times its RFC 6298 retransmission
+            timeout (SRTT + 4 RTTVAR, from the round trips of its answered DHT calls, as the
+            caller sees them), within [`min_request_timeout`, `request_timeout`]; a node never
+            measured gets `request_timeout`. A dead node on a fast link so costs a small
+            multiple of its round trip, and a slow one is not given up on early.
+        min_request_timeout: Floor of a measured node's request timeout, seconds; `request_timeout`
+            wins where it is smaller (set it to `request_timeout` or more for the fixed timeout).
+        request_timeout_multiple: See `request_timeout`.
         lookup_timeout: Deadline of a whole store or get, in seconds.
         refresh_interval: Buckets not touched for this long are refreshed by a lookup of a random
             ID in their range (§2.3); the refresh runs this often.
@@ -82,6 +90,8 @@ class DHTConfig:
     num_replicas: int = 5
     depth_modulo: int = 5
     request_timeout: float = 3.0
+    min_request_timeout: float = 1.0
+    request_timeout_multiple: float = 4.0
     lookup_timeout: float = 10.0
     refresh_interval: float = 600.0
     republish_interval: float = 600.0
@@ -123,6 +133,8 @@ class DHTConfig:
                      "blacklist_base_time"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"DHTConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not (self.min_request_timeout > 0 and self.request_timeout_multiple >= 1):
+            raise ConfigError("DHTConfig needs min_request_timeout > 0 and request_timeout_multiple >= 1")
         if self.blacklist_max_time < self.blacklist_base_time:
             raise ConfigError("DHTConfig.blacklist_max_time must be >= blacklist_base_time")
         if not self.leave_timeout >= 0:

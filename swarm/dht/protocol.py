@@ -96,6 +96,7 @@ class DHTProtocol:
         self.calls_sent: Counter[str] = Counter()
         """Requests this node sent, by method path (for monitoring and tests)."""
         self.round_trip = 0.005
+        pool.estimates.exclude(PING, STORE, FIND)  # `_send` measures these, link delays included
         """Moving average of answered calls' round-trip times, in seconds (to time hedged requests)."""
 
     def readdress(self, addrs: Sequence[str]) -> None:
@@ -128,7 +129,7 @@ class DHTProtocol:
 
         With `resend_lost` (for requests that are safe to repeat), see `_send_or_resend`.
         """
-        timeout = self.config.request_timeout
+        timeout = self.request_timeout_for(node)
         self.calls_sent[method] += 1
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -154,12 +155,30 @@ class DHTProtocol:
         self.contacts.answered(node)
         return response
 
+    def request_timeout_for(self, node: NodeInfo) -> float:
+        """The deadline of one request to `node` (see `DHTConfig.request_timeout`)."""
+        cfg = self.config
+        link = self.pool.estimates.get(node.peer_id)
+        rto = link.rto() if link is not None else None
+        if rto is None:
+            return cfg.request_timeout
+        floor = min(cfg.min_request_timeout, cfg.request_timeout)
+        return max(floor, min(cfg.request_timeout, cfg.request_timeout_multiple * rto))
+
     async def _send(self, node: NodeInfo, method: str, request: Message, response_type: type[Message],
                     timeout: float) -> Any:
+        loop = asyncio.get_running_loop()
+        channel = self._channel(node)
+        await channel.verify()  # a first call's handshake is no round trip of the link
+        started = loop.time()
         plan = self.config.fault_plan
         if plan is not None:
             timeout -= await plan.apply(self.peer_id, node.peer_id, timeout)
-        return await self._channel(node).unary(method, request, response_type, timeout=timeout)
+        response = await channel.unary(method, request, response_type, timeout=timeout)
+        # the round trip as this caller saw it, a delay on the link included (the channel leaves
+        # the DHT's methods to us: `__init__`); it sets the next request timeouts to this node
+        self.pool.estimates.observe_rtt(node.peer_id, loop.time() - started)
+        return response
 
     async def _send_or_resend(self, node: NodeInfo, method: str, request: Message, response_type: type[Message],
                               timeout: float) -> Any:

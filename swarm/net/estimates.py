@@ -12,7 +12,8 @@ are then derived from it instead of fixed constants:
   one takes, and a link never measured keeps the cap.
 
 Long polls (a call that is answered when something happens, not when it arrives) are not round
-trips; methods registered with `exclude` are left out of the RTT.
+trips; methods registered with `exclude` are left out of the RTT, as are methods whose caller
+feeds its own measurement (the DHT's, timed from before a delay on the link to the answer).
 """
 
 from __future__ import annotations
