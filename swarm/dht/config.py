@@ -38,7 +38,10 @@ class DHTConfig:
             measured gets `request_timeout`. A dead node on a fast link so costs a small
             multiple of its round trip, and a slow one is not given up on early.
         min_request_timeout: Floor of a measured node's request timeout, seconds; `request_timeout`
-            wins where it is smaller (set it to `request_timeout` or more for the fixed timeout).
+            wins where it is smaller. The default (3 s, the default `request_timeout`) keeps the
+            fixed timeout: a link that became much slower after it was measured (a 1 ms link
+            turned 1.5 s, `tests/dht/test_replication.py`) would be timed out at the floor until
+            a backoff on timeouts (RFC 6298 §5.5) exists; set it lower (e.g. 0.5) to adapt.
         request_timeout_multiple: See `request_timeout`.
         lookup_timeout: Deadline of a whole store or get, in seconds.
         refresh_interval: Buckets not touched for this long are refreshed by a lookup of a random
@@ -90,7 +93,7 @@ class DHTConfig:
     num_replicas: int = 5
     depth_modulo: int = 5
     request_timeout: float = 3.0
-    min_request_timeout: float = 1.0
+    min_request_timeout: float = 3.0
     request_timeout_multiple: float = 4.0
     lookup_timeout: float = 10.0
     refresh_interval: float = 600.0

@@ -197,7 +197,8 @@ class DHTProtocol:
             # the RFC 6298 timeout of this link as measured by the channel layer (issue #14)
             resend_after = self.pool.estimates.retransmit_after(
                 node.peer_id, floor=0.02, cap=timeout / 2, default=5 * self.round_trip)
-            logger.debug("DHT %s to %s: resend after %.3f s", method.rsplit("/", 1)[-1], node.peer_id, resend_after)
+            logger.debug("DHT %s to %s: resend after %.3f s, timeout %.3f s (RTT %s)", method.rsplit("/", 1)[-1],
+                         node.peer_id, resend_after, timeout, self.pool.estimates.rtt(node.peer_id))
             done, _ = await asyncio.wait(attempts, timeout=resend_after)
             if not done:
                 self.calls_sent[method] += 1
