@@ -13,7 +13,7 @@ first chunk, through its fault plan). Two settings run in the same invocation:
 - fixed: `MatchmakingConfig(adaptive=False)`, the fixed-constant behaviour before it (0.3 s
   join window; the round's timeout is what the step has left), no announcements;
 - noprobe (only with `--modes noprobe`): adaptive, but no member probes a peer whose stream
-  broke (`liveness.refuses_connections` answers False), so a dead sender is waited for until its
+  broke (`refuses_connections` answers False where allreduce and averager call it), so a dead sender is waited for until its
   silence limit or the report time, and a dead reducer's report until the decide deadline, as
   before those probes existed.
 
@@ -76,12 +76,14 @@ def worker(cfg: dict[str, Any]) -> None:
                             format="%(created).3f %(name)s %(message)s")
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
     if cfg["mode"] == "noprobe":
-        from swarm.averaging import liveness
+        from swarm.averaging import allreduce as allreduce_module
+        from swarm.averaging import averager as averager_module
 
         async def never_gone(addr: str) -> bool:
             return False
 
-        liveness.refuses_connections = never_gone  # type: ignore[assignment]
+        allreduce_module.refuses_connections = never_gone  # type: ignore[assignment]
+        averager_module.refuses_connections = never_gone  # type: ignore[assignment]
     rng = random.Random(cfg["seed"] * 7919 + cfg["index"])
     peer = Peer(initial_peers=cfg["initial_peers"], listen=cfg["listen"])
     plan = FaultPlan()

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from swarm.averaging import liveness
 from swarm.averaging.agreement import Decision
 from swarm.averaging.config import AllReduceConfig
 from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
+from swarm.averaging.liveness import refuses_connections
 from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.averaging.parts import Part, PartState, RoundFailed, plan_parts, scratch_numel
 from swarm.averaging.reducer import PartReducer, encode_failure_message, is_raw_float32
@@ -365,7 +365,7 @@ class ButterflyAllReduce:
         async def probe() -> None:
             loop = asyncio.get_running_loop()
             try:
-                gone = await asyncio.wait_for(liveness.refuses_connections(member.addr),
+                gone = await asyncio.wait_for(refuses_connections(member.addr),
                                               max(0.01, self.deadline - loop.time()))
             except (TimeoutError, OSError):
                 return

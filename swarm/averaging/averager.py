@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from swarm.averaging import liveness
 from swarm.averaging.agreement import Coordinator, Decision
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.audit import audit_round
@@ -30,6 +29,7 @@ from swarm.averaging.config import AllReduceConfig, fold_schema
 from swarm.averaging.election import DHTElection, Election, StaticElection
 from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo, MemberInfo
+from swarm.averaging.liveness import refuses_connections
 from swarm.averaging.matchmaking import Matchmaking, MatchmakingConfig
 from swarm.averaging.partition import FlatTensors, schema_digest
 from swarm.averaging.parts import RoundFailed, scratch_numel
@@ -390,7 +390,7 @@ class Averager:
         if my_index == 0:
             coordinator = Coordinator(group, t0 + cfg.decide_at * timeout)
             coordinator.faults_hit = self.faults.hit
-            coordinator.probe = lambda i: liveness.refuses_connections(group.members[i].addr)
+            coordinator.probe = lambda i: refuses_connections(group.members[i].addr)
             coordinator.start()
             report = coordinator.submit
         else:
