@@ -76,6 +76,7 @@ class DHTNode:
         quota = StorageQuota(
             max_bytes=config.storage_bytes, max_key_bytes=config.max_key_bytes, max_subkeys=config.max_subkeys,
             max_writer_bytes=config.max_writer_bytes, max_writer_records=config.max_writer_records,
+            max_source_bytes=config.max_source_bytes, max_source_records=config.max_source_records,
         )
         self.storage = DHTLocalStorage(max_size=config.storage_size, quota=quota)
         self.cache = CacheStorage(max_size=config.cache_size, quota=quota) if config.cache_size else None
