@@ -8,11 +8,12 @@ records republished every 10 minutes instead of hourly (§2.3, §2.5), and recor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.core.errors import ConfigError
 from swarm.core.faults import FaultPlan
 from swarm.core.serialization import MAX_VALUE_BYTES
+from swarm.dht.diversity import PrefixDiversity
 from swarm.dht.validation import RecordValidator
 
 
@@ -62,6 +63,9 @@ class DHTConfig:
             twice that pass); past it its stores are refused with RESOURCE_EXHAUSTED.
         source_find_rate: Find requests one source network may send per second, likewise.
         max_inflight_per_source: Store and Find requests handled at once from one source network.
+        diversity: Sybil defence (`swarm.dht.diversity`): at most so many routing-table contacts
+            per network prefix (per common ID prefix length and in all) and replicas of a record
+            per prefix; loopback and private networks are exempt by default. None: no limit.
         max_expiration_ahead: How far ahead of now, in seconds, a record may expire; a store
             expiring later is refused, and a value found on the network that expires later is
             dropped (so a writer cannot make a record outlive its purpose, or win every
@@ -107,6 +111,7 @@ class DHTConfig:
     source_store_rate: float = 1000.0
     source_find_rate: float = 4000.0
     max_inflight_per_source: int = 256
+    diversity: PrefixDiversity | None = field(default_factory=PrefixDiversity)
     max_expiration_ahead: float = 86_400.0
     expiration_horizons: tuple[tuple[str, float], ...] = ()
     max_contacts_per_answer: int = 0
@@ -172,5 +177,7 @@ class DHTConfig:
             if not isinstance(validator, RecordValidator):
                 raise ConfigError(f"DHTConfig.validators holds {validator!r}, not a RecordValidator")
         object.__setattr__(self, "validators", validators)
+        if self.diversity is not None and not isinstance(self.diversity, PrefixDiversity):
+            raise ConfigError(f"DHTConfig.diversity must be a PrefixDiversity or None, got {self.diversity!r}")
         if self.fault_plan is not None and not isinstance(self.fault_plan, FaultPlan):
             raise ConfigError(f"DHTConfig.fault_plan must be a FaultPlan, got {self.fault_plan!r}")
