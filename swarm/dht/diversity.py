@@ -69,15 +69,22 @@ class PrefixDiversity:
         """The network of a node's multiaddr ("10.1.2.0/24", "dns:example.org"); "" if exempt or unknown."""
         return _prefix(addr, self.prefix_v4, self.prefix_v6, self.exempt)
 
-    def pick(self, nodes: Iterable[NodeInfo], count: int) -> list[NodeInfo]:
-        """The first `count` of `nodes` (nearest first) with at most `per_key` of one prefix."""
+    def pick(self, nodes: Iterable[NodeInfo], count: int, prior: Iterable[NodeInfo] = ()) -> list[NodeInfo]:
+        """The first `count` of `nodes` (nearest first) with at most `per_key` of one prefix,
+        counting the `prior` choices (nodes sent the record already) towards each prefix's share."""
         chosen: list[NodeInfo] = []
         taken: dict[str, int] = {}
+        before = set()
+        for node in prior:
+            before.add(node.node_id)
+            prefix = self.prefix_of(node.addr)
+            if prefix:
+                taken[prefix] = taken.get(prefix, 0) + 1
         for node in nodes:
             if len(chosen) >= count:
                 break
             prefix = self.prefix_of(node.addr)
-            if prefix:
+            if prefix and node.node_id not in before:
                 if taken.get(prefix, 0) >= self.per_key:
                     continue
                 taken[prefix] = taken.get(prefix, 0) + 1

@@ -144,7 +144,10 @@ class RoutingTable:
         self.buckets[index : index + 1] = [left, right]
         self._lowers[index : index + 1] = [left.lower, right.lower]
         for child in (left, right):
-            for node in child.nodes.values():  # a split may promote cached nodes
+            for node in list(child.nodes.values()):  # a split may promote cached nodes
+                if node.node_id not in self._nodes and self._too_many_from(node):
+                    del child.nodes[node.node_id]  # its network got its share while it waited
+                    continue
                 self._index(node)
 
     def remove(self, node_id: int) -> NodeInfo | None:
@@ -155,7 +158,14 @@ class RoutingTable:
         """
         node_id = DHTID(node_id)
         self._unindex(node_id)
-        promoted = self.buckets[self._bucket_index(node_id)].remove(node_id)
+        bucket = self.buckets[self._bucket_index(node_id)]
+        promoted = bucket.remove(node_id)
+        while promoted is not None and self._too_many_from(promoted):  # its network got its share meanwhile
+            del bucket.nodes[promoted.node_id]
+            promoted = None
+            if bucket.replacements:  # the next freshest cached node, as `KBucket.remove` would (§4.1)
+                _, promoted = bucket.replacements.popitem(last=True)
+                bucket.nodes[promoted.node_id] = promoted
         if promoted is not None:
             self._index(promoted)
         return promoted

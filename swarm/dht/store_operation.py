@@ -159,13 +159,14 @@ class StoreOperation:
         if diversity is None:
             chosen = nearest[:replicas]
         else:
-            chosen = diversity.pick(nearest, replicas)
+            prior = self.first_targets.get(key_id, {}).values()
+            chosen = diversity.pick(nearest, replicas, prior)
             if len(chosen) < min(replicas, len(nearest)):
                 known = self.node.routing_table.get_nearest_neighbors(key_id, self.config.bucket_size)
                 seen = {node.node_id for node in nearest}
                 pool = sorted([*nearest, *(n for n in known if n.node_id not in seen)],
                               key=lambda node: node.node_id ^ key_id)
-                chosen = diversity.pick(pool, replicas)
+                chosen = diversity.pick(pool, replicas, prior)
         node_id = self.node_id
         if not self.node.client_mode and (len(chosen) < replicas or node_id ^ key_id < chosen[-1].node_id ^ key_id):
             chosen = chosen[: replicas - 1]

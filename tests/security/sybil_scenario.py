@@ -28,19 +28,22 @@ def main() -> None:
     from swarm.dht.diversity import PrefixDiversity
     from swarm.dht.ids import DHTID
     from swarm.dht.keys import hash_serialized_key, serialize_key
+    from swarm.net.nat import NatConfig
     from swarm.peer import Peer
 
+    public = NatConfig(reachability="public", relay="off")  # no dial-back rounds: every address is direct
     diverse = DHTConfig(diversity=PrefixDiversity(exempt=()))  # in the namespace every address counts
     peers: list[Peer] = []
     try:
-        victim = Peer(listen=f"/ip4/{VICTIM_HOST}/tcp/0", dht_config=diverse)
+        victim = Peer(listen=f"/ip4/{VICTIM_HOST}/tcp/0", dht_config=diverse, nat=public)
         peers.append(victim)
         sybils = []
         for _ in range(SYBILS):  # the attacker's nodes know no limit
             sybils.append(Peer(listen=f"/ip4/{SYBIL_HOST}/tcp/0", initial_peers=victim.addrs,
-                               dht_config=DHTConfig(diversity=None)))
+                               dht_config=DHTConfig(diversity=None), nat=public))
         peers += sybils
-        honest = [Peer(listen=f"/ip4/{host}/tcp/0", initial_peers=victim.addrs, dht_config=diverse) for host in HONEST]
+        honest = [Peer(listen=f"/ip4/{host}/tcp/0", initial_peers=victim.addrs, dht_config=diverse, nat=public)
+                  for host in HONEST]
         peers += honest
         table = list(victim.dht.node.routing_table)
         in_table = {node.peer_id for node in table}
