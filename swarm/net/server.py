@@ -130,6 +130,11 @@ def source_of(peer: str, config: ServerConfig) -> str:
         host = rest.rpartition(":")[0].strip("[]")
     else:
         return ""
+    return source_of_host(host, config)
+
+
+def source_of_host(host: str, config: ServerConfig) -> str:
+    """The source network of a caller's IP address ("10.1.2.3" -> "10.1.2.0/24"); "" if exempt or not an IP."""
     try:
         address = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
@@ -240,8 +245,7 @@ class RPCServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics = RPCMetrics("server")  # metrics (issue #7)
-        self.bulk = BulkListener({}, lambda caller, deadline, conn: CallContext(caller, None, deadline, conn),
-                                 self.config.max_message_bytes)
+        self.bulk = BulkListener({}, self._bulk_context, self.config.max_message_bytes)
         self.limiter = CallLimiter(self.config.max_inflight_per_source, self.config.max_inflight_per_caller)
         """Admits every call (`swarm.net.limits`): what one source network or caller runs at once."""
         self._unary: dict[str, tuple[UnaryHandler, type[Message] | None, bool, MethodMetrics, CallLimit | None]] = {}
@@ -252,6 +256,13 @@ class RPCServer:
         self.add_unary(OPEN_BULK, self._open_bulk, peer_pb2.BulkOpenRequest)
 
     # -- registration -------------------------------------------------------------------------
+
+    def _bulk_context(self, caller: str, deadline: float, conn: Any) -> CallContext:
+        """The context of a stream over the bulk side channel, its source read from the socket."""
+        transport = getattr(conn, "transport", None)
+        peername = transport.get_extra_info("peername") if transport is not None else None
+        source = source_of_host(str(peername[0]), self.config) if isinstance(peername, tuple) and peername else ""
+        return CallContext(caller, None, deadline, conn, source=source)
 
     def _source(self, context: grpc.aio.ServicerContext) -> str:
         return source_of(context.peer() or "", self.config)
@@ -340,8 +351,7 @@ class RPCServer:
         Requests arrive as raw bytes (a header, then tensor chunks). With `request_streaming=False`
         the handler still receives an async iterator, holding the single request. With `bulk=True`
         callers may also reach it over the bulk side channel (`swarm.net.bulk`; `stream(bulk=True)`).
-        `limit` bounds what one source network or caller runs of it at once (`swarm.net.limits`;
-        over the bulk side channel, per caller only).
+        `limit` bounds what one source network or caller runs of it at once (`swarm.net.limits`).
         """
 
         stats = self.metrics.method(path)  # metrics (issue #7)

@@ -82,3 +82,53 @@ def test_bad_limits_are_config_errors() -> None:
     with pytest.raises(ConfigError):
         CallLimiter(per_source=0, per_caller=1)
     assert CallLimit("x", rate_per_source=3.0).burst_per_source == 6
+
+
+def test_bulk_streams_count_against_their_source_network(make_peer) -> None:
+    """Streams over the bulk side channel are limited by the socket's source network too."""
+    import asyncio
+    import threading
+
+    from swarm.net.server import ServerConfig
+
+    server = make_peer(server_config=ServerConfig(source_exempt=()))  # loopback counts as 127.0.0.0/24 here
+    client = make_peer(client_mode=True)
+    entered: list[tuple[str, bool]] = []
+    two_in = threading.Event()
+
+    async def stall(requests, ctx):
+        entered.append((ctx.source, ctx.connection is not None))
+        if len(entered) == 2:
+            two_in.set()
+        async for _ in requests:
+            pass
+        yield b"done"
+
+    server.server.add_stream("/test.Stall/Open", stall, bulk=True, limit=CallLimit("stalls", per_source=2))
+    release = asyncio.Event()
+
+    async def held():
+        yield b"x"
+        await release.wait()
+
+    async def one():
+        channel = client.pool.get(server.addrs[0])
+        try:
+            return [bytes(m) async for m in channel.stream("/test.Stall/Open", held(), timeout=30, bulk=True)]
+        except ResourceExhausted as e:
+            return e
+
+    async def start():
+        return [asyncio.ensure_future(one()) for _ in range(2)]
+
+    first = client.run(start())
+    assert two_in.wait(20), entered
+    third = client.run(one(), timeout=30)
+    assert isinstance(third, ResourceExhausted) and "per source address" in str(third)
+    client.loop.loop.call_soon_threadsafe(release.set)
+
+    async def finish():
+        return await asyncio.gather(*first)
+
+    assert client.run(finish(), timeout=30) == [[b"done"], [b"done"]]
+    assert entered == [("127.0.0.0/24", True), ("127.0.0.0/24", True)]  # both came over the bulk channel
