@@ -9,6 +9,10 @@ One `AveragingService` per peer hosts, for every averager on it (keyed by prefix
 - ``Join``    (unary, long poll): matchmaking (`matchmaking`);
 - ``State``   (server stream): state transfer to newcomers (`state`).
 
+Every averaging call counts against `AVERAGING_LIMIT` (`swarm.net.limits`): a stranger that opens
+streams and sends nothing, or long polls it never needs, holds at most that many of this peer's
+calls per source network and per caller, and is refused beyond it while other peers are served.
+
 A stream for a round this peer has not registered yet (its own copy of the group is still on
 the way) waits for it a little; a finished round answers NOT_FOUND at once.
 """
@@ -27,6 +31,7 @@ from swarm.averaging.reducer import PartReducer
 from swarm.averaging.verification import Verdict
 from swarm.core.errors import InvalidRequest, NotFound
 from swarm.net.handle import NetworkHandle
+from swarm.net.limits import CallLimit
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
 
@@ -36,6 +41,10 @@ FETCH = "/swarm.Averaging/Fetch"
 JOIN = "/swarm.Averaging/Join"
 STATE = "/swarm.Averaging/State"
 VERIFY = "/swarm.Averaging/Verify"
+
+AVERAGING_LIMIT = CallLimit("averaging calls", per_source=128, per_caller=32)
+"""Averaging calls in flight at once from one source network and from one caller: a member
+holds a few per round (a Reduce stream per reducer, a Report, a Join), so honest groups stay far below."""
 
 class RoundMember(Protocol):
     """This peer's side of one round, as the handlers need it (a `ButterflyAllReduce`)."""
@@ -64,7 +73,7 @@ class RoundEntry:
 class AveragingService:
     """Routes averaging RPCs on one peer. Get it with `AveragingService.of(peer)`."""
 
-    def __init__(self, peer: NetworkHandle, join_grace: float = 5.0) -> None:
+    def __init__(self, peer: NetworkHandle, join_grace: float = 5.0, limit: CallLimit = AVERAGING_LIMIT) -> None:
         self.peer = peer
         self.join_grace = join_grace
         self.rounds: dict[tuple[str, bytes], RoundEntry] = {}
@@ -74,12 +83,12 @@ class AveragingService:
         self.state_handlers: dict[str, Callable[[averaging_pb2.StateRequest, CallContext], AsyncIterator[bytes]]] = {}
         server = peer.server
         if server is not None:
-            server.add_stream(REDUCE, self.rpc_reduce, bulk=True)
-            server.add_unary(REPORT, self.rpc_report, averaging_pb2.ReduceReport)
-            server.add_stream(FETCH, self.rpc_fetch, request_streaming=False, bulk=True)
-            server.add_unary(JOIN, self.rpc_join, averaging_pb2.JoinRequest)
-            server.add_stream(STATE, self.rpc_state, request_streaming=False, bulk=True)
-            server.add_unary(VERIFY, self.rpc_verify, averaging_pb2.VerifyReport)
+            server.add_stream(REDUCE, self.rpc_reduce, bulk=True, limit=limit)
+            server.add_unary(REPORT, self.rpc_report, averaging_pb2.ReduceReport, limit=limit)
+            server.add_stream(FETCH, self.rpc_fetch, request_streaming=False, bulk=True, limit=limit)
+            server.add_unary(JOIN, self.rpc_join, averaging_pb2.JoinRequest, limit=limit)
+            server.add_stream(STATE, self.rpc_state, request_streaming=False, bulk=True, limit=limit)
+            server.add_unary(VERIFY, self.rpc_verify, averaging_pb2.VerifyReport, limit=limit)
 
     @classmethod
     def of(cls, peer: NetworkHandle) -> AveragingService:

@@ -8,11 +8,12 @@ records republished every 10 minutes instead of hourly (§2.3, §2.5), and recor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.core.errors import ConfigError
 from swarm.core.faults import FaultPlan
 from swarm.core.serialization import MAX_VALUE_BYTES
+from swarm.dht.diversity import PrefixDiversity
 from swarm.dht.validation import RecordValidator
 
 
@@ -65,6 +66,17 @@ class DHTConfig:
         max_writer_bytes: Most bytes this node keeps for one writer: the owner a record's key or
             subkey names (its signature proves it), else the caller that sent it.
         max_writer_records: Most records (values or subkeys) this node keeps for one writer.
+        max_source_bytes: Most bytes this node keeps that arrived from one source network (the
+            caller's /24 or /64, `swarm.net.server.source_of`; loopback is exempt), whatever
+            identities it used: identities are free, networks are not.
+        max_source_records: Most records this node keeps that arrived from one source network.
+        source_store_rate: Store requests one source network may send per second (bursts of
+            twice that pass); past it its stores are refused with RESOURCE_EXHAUSTED.
+        source_find_rate: Find requests one source network may send per second, likewise.
+        max_inflight_per_source: Store and Find requests handled at once from one source network.
+        diversity: Sybil defence (`swarm.dht.diversity`): at most so many routing-table contacts
+            per network prefix (per common ID prefix length and in all) and replicas of a record
+            per prefix; loopback and private networks are exempt by default. None: no limit.
         max_expiration_ahead: How far ahead of now, in seconds, a record may expire; a store
             expiring later is refused, and a value found on the network that expires later is
             dropped (so a writer cannot make a record outlive its purpose, or win every
@@ -107,6 +119,12 @@ class DHTConfig:
     max_subkeys: int = 4096
     max_writer_bytes: int = 32 << 20
     max_writer_records: int = 20_000
+    max_source_bytes: int = 64 << 20
+    max_source_records: int = 40_000
+    source_store_rate: float = 1000.0
+    source_find_rate: float = 4000.0
+    max_inflight_per_source: int = 256
+    diversity: PrefixDiversity | None = field(default_factory=PrefixDiversity)
     max_expiration_ahead: float = 86_400.0
     expiration_horizons: tuple[tuple[str, float], ...] = ()
     max_contacts_per_answer: int = 0
@@ -148,9 +166,12 @@ class DHTConfig:
             raise ConfigError(f"DHTConfig.cache_max_age must be >= 0, got {self.cache_max_age}")
         if self.storage_size is not None and self.storage_size < 1:
             raise ConfigError(f"DHTConfig.storage_size must be >= 1 or None, got {self.storage_size}")
-        for name in ("max_key_bytes", "max_subkeys", "max_writer_bytes", "max_writer_records"):
+        for name in ("max_key_bytes", "max_subkeys", "max_writer_bytes", "max_writer_records", "max_source_bytes",
+                     "max_source_records", "max_inflight_per_source"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"DHTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.source_store_rate > 0 and self.source_find_rate > 0):
+            raise ConfigError("DHTConfig.source_store_rate and source_find_rate must be > 0")
         if self.storage_bytes is not None and self.storage_bytes < 1:
             raise ConfigError(f"DHTConfig.storage_bytes must be >= 1 or None, got {self.storage_bytes}")
         if not self.max_expiration_ahead > 0:
@@ -171,5 +192,7 @@ class DHTConfig:
             if not isinstance(validator, RecordValidator):
                 raise ConfigError(f"DHTConfig.validators holds {validator!r}, not a RecordValidator")
         object.__setattr__(self, "validators", validators)
+        if self.diversity is not None and not isinstance(self.diversity, PrefixDiversity):
+            raise ConfigError(f"DHTConfig.diversity must be a PrefixDiversity or None, got {self.diversity!r}")
         if self.fault_plan is not None and not isinstance(self.fault_plan, FaultPlan):
             raise ConfigError(f"DHTConfig.fault_plan must be a FaultPlan, got {self.fault_plan!r}")

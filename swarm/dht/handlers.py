@@ -44,6 +44,7 @@ from swarm.dht.wire import (
     node_id_of,
     observed_host,
 )
+from swarm.net.limits import CallLimit
 from swarm.net.server import CallContext, RPCServer
 from swarm.proto import dht_pb2
 
@@ -83,9 +84,13 @@ class DHTHandlers:
 
     def register(self, server: RPCServer) -> None:
         """Serves Ping, Store, Find and Leave on the peer's server."""
+        config = self.config
+        stores = CallLimit("DHT stores", per_source=config.max_inflight_per_source,
+                           rate_per_source=config.source_store_rate)
+        finds = CallLimit("DHT finds", per_source=config.max_inflight_per_source, rate_per_source=config.source_find_rate)
         server.add_unary(PING, self.rpc_ping, dht_pb2.DHTPingRequest)
-        server.add_unary(STORE, self.rpc_store, dht_pb2.DHTStoreRequest)
-        server.add_unary(FIND, self.rpc_find, dht_pb2.DHTFindRequest)
+        server.add_unary(STORE, self.rpc_store, dht_pb2.DHTStoreRequest, limit=stores)
+        server.add_unary(FIND, self.rpc_find, dht_pb2.DHTFindRequest, limit=finds)
         server.add_unary(LEAVE, self.rpc_leave, dht_pb2.DHTLeaveRequest)
 
     def _caller_node(self, caller: dht_pb2.DHTCaller, ctx: CallContext) -> NodeInfo | None:
@@ -140,7 +145,7 @@ class DHTHandlers:
         results = response.results
         indices: dict[DHTID, int] = {}
         for item in request.items:
-            status, reason = self._store_item(item, ctx.peer_id or "")
+            status, reason = self._store_item(item, ctx.peer_id or "", ctx.source)
             result = results.add() if status == STORED else results.add(status=status, reason=reason)
             if count and item.raw_key:
                 key_id = DHTID.from_bytes(hashlib.sha256(item.raw_key).digest())
@@ -160,7 +165,7 @@ class DHTHandlers:
                 peers.add(peer_id=node.peer_id, addr=self._bare_addr(node.addr))
             nearest.append(index)
 
-    def _store_item(self, item: dht_pb2.DHTStoreItem, caller: str) -> tuple[int, str]:
+    def _store_item(self, item: dht_pb2.DHTStoreItem, caller: str, source: str = "") -> tuple[int, str]:
         raw_key, subkey, value, expiration_time = item.raw_key, item.subkey, item.value, item.expiration_time
         if not raw_key or len(raw_key) > MAX_RAW_KEY_BYTES or len(subkey) > MAX_SUBKEY_BYTES:
             return INVALID, f"keys and subkeys are 1..{MAX_RAW_KEY_BYTES} serialized bytes"
@@ -182,7 +187,8 @@ class DHTHandlers:
         if target is None:
             return REFUSED, "this node keeps no cache"
         # the owner's signature was checked: its records count against its quota, whoever forwards them
-        if target.store(key, value, expiration_time, subkey or None, raw_key, writer=owner or caller):
+        # and every record counts against its source network's quota, however many identities it used
+        if target.store(key, value, expiration_time, subkey or None, raw_key, writer=owner or caller, source=source):
             return STORED, ""
         if target.last_refusal is not None:
             return REFUSED, target.last_refusal

@@ -71,11 +71,13 @@ class DHTNode:
         self.node_id = node_id_of(peer_id)
         self.client_mode = not addrs
         self.validator = validator
-        self.routing_table = RoutingTable(self.node_id, config.bucket_size, config.depth_modulo)
+        self.routing_table = RoutingTable(self.node_id, config.bucket_size, config.depth_modulo,
+                                          diversity=config.diversity)
         self.blacklist = Blacklist(config.blacklist_base_time, 2.0, config.blacklist_max_time)
         quota = StorageQuota(
             max_bytes=config.storage_bytes, max_key_bytes=config.max_key_bytes, max_subkeys=config.max_subkeys,
             max_writer_bytes=config.max_writer_bytes, max_writer_records=config.max_writer_records,
+            max_source_bytes=config.max_source_bytes, max_source_records=config.max_source_records,
         )
         self.storage = DHTLocalStorage(max_size=config.storage_size, quota=quota)
         self.cache = CacheStorage(max_size=config.cache_size, quota=quota) if config.cache_size else None

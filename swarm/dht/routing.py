@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Collection, Iterator
 
 from swarm.dht.buckets import KBucket, NodeInfo
-from swarm.dht.ids import DHTID, ID_SPACE
+from swarm.dht.diversity import PrefixDiversity
+from swarm.dht.ids import DHTID, ID_BITS, ID_SPACE
 
 __all__ = ["RoutingTable"]
 
@@ -32,6 +33,9 @@ class RoutingTable:
             our own ID still splits while its depth is not a multiple of `depth_modulo`, so
             the table keeps more contacts near distant IDs and lookups take fewer hops.
         clock: Time source for bucket freshness (§2.3 refresh).
+        diversity: At most so many contacts per network prefix, per common ID prefix length
+            with this node and in all (`swarm.dht.diversity`); a node past it is not added.
+            None: no limit.
     """
 
     def __init__(
@@ -40,6 +44,7 @@ class RoutingTable:
         bucket_size: int = 20,
         depth_modulo: int = 5,
         clock: Callable[[], float] = time.time,
+        diversity: PrefixDiversity | None = None,
     ) -> None:
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
@@ -53,6 +58,11 @@ class RoutingTable:
         self._lowers: list[int] = [0]  # bucket lower bounds, sorted, for bisect
         self._nodes: dict[DHTID, NodeInfo] = {}  # active nodes of every bucket
         self._by_peer: dict[str, DHTID] = {}
+        self.diversity = diversity
+        self._by_prefix: dict[str, int] = {}  # active contacts per network prefix
+        self._by_depth_prefix: dict[tuple[int, str], int] = {}  # per (common ID prefix length, network)
+        self.refused_for_diversity = 0
+        """Nodes not added because their network had its share (a Sybil defence)."""
 
     def _bucket_index(self, node_id: int) -> int:
         return bisect.bisect_right(self._lowers, node_id) - 1
@@ -61,13 +71,41 @@ class RoutingTable:
         old = self._nodes.get(node.node_id)
         if old is not None and old.peer_id != node.peer_id:
             self._by_peer.pop(old.peer_id, None)
+        if old is not None:
+            self._count(old, -1)
         self._nodes[node.node_id] = node
         self._by_peer[node.peer_id] = node.node_id
+        self._count(node, 1)
 
     def _unindex(self, node_id: DHTID) -> None:
         node = self._nodes.pop(node_id, None)
-        if node is not None and self._by_peer.get(node.peer_id) == node_id:
-            del self._by_peer[node.peer_id]
+        if node is not None:
+            self._count(node, -1)
+            if self._by_peer.get(node.peer_id) == node_id:
+                del self._by_peer[node.peer_id]
+
+    def _count(self, node: NodeInfo, delta: int) -> None:
+        if self.diversity is None:
+            return
+        prefix = self.diversity.prefix_of(node.addr)
+        if prefix:
+            _add(self._by_prefix, prefix, delta)
+            _add(self._by_depth_prefix, (self._common_bits(node.node_id), prefix), delta)
+
+    def _common_bits(self, node_id: int) -> int:
+        return ID_BITS - (node_id ^ self.node_id).bit_length()
+
+    def _too_many_from(self, node: NodeInfo) -> bool:
+        """Whether the node's network has its share of contacts already (it is not one of them)."""
+        diversity = self.diversity
+        if diversity is None:
+            return False
+        known = self._nodes.get(node.node_id)
+        prefix = diversity.prefix_of(node.addr)
+        if not prefix or (known is not None and diversity.prefix_of(known.addr) == prefix):
+            return False
+        return (self._by_prefix.get(prefix, 0) >= diversity.per_table
+                or self._by_depth_prefix.get((self._common_bits(node.node_id), prefix), 0) >= diversity.per_bucket)
 
     def add_or_update(self, node_id: int, peer_id: str, addr: str) -> NodeInfo | None:
         """Records that a node was heard from (every request or reply updates the table, §2.2).
@@ -82,6 +120,9 @@ class RoutingTable:
         if node_id == self.node_id:
             return None
         node = NodeInfo(node_id, peer_id, addr)
+        if self._too_many_from(node):
+            self.refused_for_diversity += 1
+            return None
         previous = self._by_peer.get(peer_id)
         if previous is not None and previous != node_id:
             self.remove(previous)  # a PeerID maps to one node ID; keep the latest claim
@@ -103,7 +144,10 @@ class RoutingTable:
         self.buckets[index : index + 1] = [left, right]
         self._lowers[index : index + 1] = [left.lower, right.lower]
         for child in (left, right):
-            for node in child.nodes.values():  # a split may promote cached nodes
+            for node in list(child.nodes.values()):  # a split may promote cached nodes
+                if node.node_id not in self._nodes and self._too_many_from(node):
+                    del child.nodes[node.node_id]  # its network got its share while it waited
+                    continue
                 self._index(node)
 
     def remove(self, node_id: int) -> NodeInfo | None:
@@ -114,7 +158,14 @@ class RoutingTable:
         """
         node_id = DHTID(node_id)
         self._unindex(node_id)
-        promoted = self.buckets[self._bucket_index(node_id)].remove(node_id)
+        bucket = self.buckets[self._bucket_index(node_id)]
+        promoted = bucket.remove(node_id)
+        while promoted is not None and self._too_many_from(promoted):  # its network got its share meanwhile
+            del bucket.nodes[promoted.node_id]
+            promoted = None
+            if bucket.replacements:  # the next freshest cached node, as `KBucket.remove` would (§4.1)
+                _, promoted = bucket.replacements.popitem(last=True)
+                bucket.nodes[promoted.node_id] = promoted
         if promoted is not None:
             self._index(promoted)
         return promoted
@@ -180,3 +231,11 @@ class RoutingTable:
 
     def __repr__(self) -> str:
         return f"RoutingTable(node_id={self.node_id!r}, nodes={len(self)}, buckets={len(self.buckets)})"
+
+
+def _add(counts: dict, key: object, delta: int) -> None:
+    left = counts.get(key, 0) + delta
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

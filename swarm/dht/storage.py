@@ -25,9 +25,11 @@ recently need not republish the record).
 
 Quotas (`StorageQuota`) bound what one writer can make a node hold, so that no stranger can
 fill its memory or make a key unwritable: bytes in all, bytes and subkeys per key, and bytes
-and records per writer. The writer of a record is whoever the node holds responsible: the owner
-its key or subkey names (its signature proved it), else the caller that sent it; records a
-node stores for itself are charged to no writer. A store past a quota is refused (and
+and records per writer, and bytes and records per source network. The writer of a record is
+whoever the node holds responsible: the owner its key or subkey names (its signature proved it),
+else the caller that sent it; its source is the network the store came from (the caller's /24 or
+/64), so that one host bringing many identities still gets one network's share. Records a node
+stores for itself are charged to no writer and no source. A store past a quota is refused (and
 `last_refusal` says which one); nothing already stored is evicted for it.
 
 `ValueWithExpiration` (from `expiring.py`, with the expiring map both stores build on) and
@@ -61,6 +63,8 @@ class StorageQuota:
         max_subkeys: Subkeys of one key.
         max_writer_bytes: Bytes of one writer's records.
         max_writer_records: Records (plain values and subkeys) of one writer.
+        max_source_bytes: Bytes of the records that came from one source network.
+        max_source_records: Records that came from one source network.
     """
 
     max_bytes: int | None = None
@@ -68,9 +72,12 @@ class StorageQuota:
     max_subkeys: int | None = None
     max_writer_bytes: int | None = None
     max_writer_records: int | None = None
+    max_source_bytes: int | None = None
+    max_source_records: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_key_bytes", "max_subkeys", "max_writer_bytes", "max_writer_records"):
+        for name in ("max_bytes", "max_key_bytes", "max_subkeys", "max_writer_bytes", "max_writer_records",
+                     "max_source_bytes", "max_source_records"):
             limit = getattr(self, name)
             if limit is not None and limit < 1:
                 raise ValueError(f"StorageQuota.{name} must be >= 1 or None, got {limit}")
@@ -80,6 +87,14 @@ class _Charge(NamedTuple):
     writer: str | None
     nbytes: int
     received: float
+    source: str | None = None
+
+    def accounts(self) -> tuple[str, ...]:
+        """The accounts this record is charged to: its writer's, and its source network's ("net:" first)."""
+        if self.source is None:
+            return () if self.writer is None else (self.writer,)
+        net = "net:" + self.source
+        return (net,) if self.writer is None else (self.writer, net)
 
 
 class DHTLocalStorage(ExpiringMap):
@@ -121,6 +136,7 @@ class DHTLocalStorage(ExpiringMap):
         subkey: bytes | None = None,
         raw_key: bytes | None = None,
         writer: str | None = None,
+        source: str | None = None,
     ) -> bool:
         """Stores a plain value, or one subkey of a dictionary value.
 
@@ -132,6 +148,7 @@ class DHTLocalStorage(ExpiringMap):
             raw_key: The serialized original key (its sha256 is `key`), kept with the record
                 so it can be forwarded; None keeps what is already known.
             writer: Who is charged for the record (its owner, else the caller); None: nobody.
+            source: The network the store came from, charged too; None (or ""): none.
 
         Returns:
             True if stored; False if already expired or not newer than what is stored (see
@@ -147,7 +164,7 @@ class DHTLocalStorage(ExpiringMap):
         check_expiration(expiration_time)
         _check_raw_key(key, raw_key)
         self.last_refusal = None
-        stored = self._store(key, value, expiration_time, subkey, writer)
+        stored = self._store(key, value, expiration_time, subkey, writer, source or None)
         if stored:
             self.mark_received(key, raw_key)
         return stored
@@ -184,8 +201,7 @@ class DHTLocalStorage(ExpiringMap):
 
     def _uncharge(self, charge: _Charge) -> None:
         self.nbytes -= charge.nbytes
-        writer = charge.writer
-        if writer is not None:
+        for writer in charge.accounts():
             left = self._writer_bytes[writer] - charge.nbytes
             records = self._writer_records[writer] - 1
             if records:
@@ -202,9 +218,9 @@ class DHTLocalStorage(ExpiringMap):
         charges[subkey] = charge
         self._key_bytes[key] = self._key_bytes.get(key, 0) + charge.nbytes
         self.nbytes += charge.nbytes
-        if charge.writer is not None:
-            self._writer_bytes[charge.writer] = self._writer_bytes.get(charge.writer, 0) + charge.nbytes
-            self._writer_records[charge.writer] = self._writer_records.get(charge.writer, 0) + 1
+        for writer in charge.accounts():
+            self._writer_bytes[writer] = self._writer_bytes.get(writer, 0) + charge.nbytes
+            self._writer_records[writer] = self._writer_records.get(writer, 0) + 1
 
     def _reconcile(self, key: bytes, dictionary: DictionaryValue) -> None:
         """Releases the charges of subkeys that expired inside a dictionary."""
@@ -216,8 +232,8 @@ class DHTLocalStorage(ExpiringMap):
             self._uncharge(charge)
             self._key_bytes[key] -= charge.nbytes
 
-    def _refusal(self, key: bytes, subkey: bytes, nbytes: int, writer: str | None, replaces_key: bool) -> str | None:
-        """Why storing `nbytes` under (key, subkey) for `writer` would break a quota, or None."""
+    def _refusal(self, key: bytes, subkey: bytes, nbytes: int, charge: _Charge, replaces_key: bool) -> str | None:
+        """Why storing `nbytes` under (key, subkey) for the charge's writer and source would break a quota, or None."""
         quota = self.quota
         charges = self._charges.get(key, {})
         if replaces_key:
@@ -238,24 +254,29 @@ class DHTLocalStorage(ExpiringMap):
             and len(charges) >= quota.max_subkeys
         ):
             return f"the key holds {len(charges)} subkeys, the limit per key"
-        if writer is None:
-            return None
-        held = self._writer_bytes.get(writer, 0)
-        records = self._writer_records.get(writer, 0)
-        for charge in (charges.values() if replaces_key else (old,) if old is not None else ()):
-            if charge.writer == writer:
-                held -= charge.nbytes
-                records -= 1
-        if quota.max_writer_bytes is not None and held + nbytes > quota.max_writer_bytes:
-            return f"the writer holds {held} bytes here, and {quota.max_writer_bytes} is the limit per writer"
-        if quota.max_writer_records is not None and records + 1 > quota.max_writer_records:
-            return f"the writer holds {records} records here, the limit per writer"
+        replaced = tuple(charges.values()) if replaces_key else (old,) if old is not None else ()
+        for account in charge.accounts():
+            held = self._writer_bytes.get(account, 0)
+            records = self._writer_records.get(account, 0)
+            for previous in replaced:
+                if account in previous.accounts():
+                    held -= previous.nbytes
+                    records -= 1
+            if account.startswith("net:"):
+                max_bytes, max_records, whose = quota.max_source_bytes, quota.max_source_records, "source network"
+            else:
+                max_bytes, max_records, whose = quota.max_writer_bytes, quota.max_writer_records, "writer"
+            if max_bytes is not None and held + nbytes > max_bytes:
+                return f"the {whose} holds {held} bytes here, and {max_bytes} is the limit per {whose}"
+            if max_records is not None and records + 1 > max_records:
+                return f"the {whose} holds {records} records here, the limit per {whose}"
         return None
 
     # -- storing --------------------------------------------------------------------------------------
 
     def _store(
-        self, key: bytes, value: bytes, expiration_time: float, subkey: bytes | None, writer: str | None = None
+        self, key: bytes, value: bytes, expiration_time: float, subkey: bytes | None, writer: str | None = None,
+        source: str | None = None,
     ) -> bool:
         now = self._clock()
         if expiration_time <= now:
@@ -263,11 +284,11 @@ class DHTLocalStorage(ExpiringMap):
         current = self._live(key, now)
         sub = subkey or b""
         nbytes = len(value) + len(sub) + _RECORD_OVERHEAD
-        charge = _Charge(writer, nbytes, now)
+        charge = _Charge(writer, nbytes, now, source)
         if not subkey:
             if current is not None and current.expiration_time >= expiration_time:
                 return False
-            if not self._allowed(key, sub, nbytes, writer, replaces_key=True):
+            if not self._allowed(key, sub, charge, replaces_key=True):
                 return False
             if not self._put(key, value, expiration_time, is_new=current is None, now=now):
                 return False
@@ -277,7 +298,7 @@ class DHTLocalStorage(ExpiringMap):
         if current is None or not isinstance(current.value, DictionaryValue):
             if current is not None and current.expiration_time >= expiration_time:
                 return False
-            if not self._allowed(key, sub, nbytes, writer, replaces_key=True):
+            if not self._allowed(key, sub, charge, replaces_key=True):
                 return False
             dictionary = DictionaryValue([(subkey, value, expiration_time)])
             if not self._put(key, dictionary, expiration_time, is_new=current is None, now=now):
@@ -289,7 +310,7 @@ class DHTLocalStorage(ExpiringMap):
         existing = dictionary.get(subkey)
         if existing is not None and existing.expiration_time >= expiration_time:
             return False
-        if not self._allowed(key, sub, nbytes, writer, replaces_key=False):
+        if not self._allowed(key, sub, charge, replaces_key=False):
             return False
         dictionary.store(subkey, value, expiration_time)
         self._charge(key, sub, charge)
@@ -297,11 +318,11 @@ class DHTLocalStorage(ExpiringMap):
             self._set(key, dictionary, dictionary.latest_expiration_time)
         return True
 
-    def _allowed(self, key: bytes, subkey: bytes, nbytes: int, writer: str | None, replaces_key: bool) -> bool:
-        refusal = self._refusal(key, subkey, nbytes, writer, replaces_key)
+    def _allowed(self, key: bytes, subkey: bytes, charge: _Charge, replaces_key: bool) -> bool:
+        refusal = self._refusal(key, subkey, charge.nbytes, charge, replaces_key)
         if refusal is not None and self._heap and self._heap[0][0] <= self._clock():
             self.remove_outdated()  # expired records may still be charged: purge them, then look again
-            refusal = self._refusal(key, subkey, nbytes, writer, replaces_key)
+            refusal = self._refusal(key, subkey, charge.nbytes, charge, replaces_key)
         if refusal is not None:
             self.last_refusal = refusal
         return refusal is None

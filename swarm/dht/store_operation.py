@@ -148,9 +148,25 @@ class StoreOperation:
     # -- where records go -------------------------------------------------------------------------
 
     def targets(self, key_id: DHTID, nearest: list[NodeInfo]) -> list[NodeInfo]:
-        """The nodes that should hold the key; keeps a replica here if this node is one of them."""
+        """The nodes that should hold the key; keeps a replica here if this node is one of them.
+
+        With `DHTConfig.diversity`, at most `per_key` of them from one network prefix: nodes past
+        that share are skipped for the next nearest of other networks, taken from `nearest` and
+        then from the routing table (which holds few contacts per network, so one host's
+        identities ground near the key cannot take every replica)."""
         replicas = self.replicas
-        chosen = nearest[:replicas]
+        diversity = self.config.diversity
+        if diversity is None:
+            chosen = nearest[:replicas]
+        else:
+            prior = self.first_targets.get(key_id, {}).values()
+            chosen = diversity.pick(nearest, replicas, prior)
+            if len(chosen) < min(replicas, len(nearest)):
+                known = self.node.routing_table.get_nearest_neighbors(key_id, self.config.bucket_size)
+                seen = {node.node_id for node in nearest}
+                pool = sorted([*nearest, *(n for n in known if n.node_id not in seen)],
+                              key=lambda node: node.node_id ^ key_id)
+                chosen = diversity.pick(pool, replicas, prior)
         node_id = self.node_id
         if not self.node.client_mode and (len(chosen) < replicas or node_id ^ key_id < chosen[-1].node_id ^ key_id):
             chosen = chosen[: replicas - 1]

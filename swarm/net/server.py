@@ -13,6 +13,13 @@ Every call therefore also names its *source*: the network prefix it came from (`
 caller's IPv4 /24 or IPv6 /64 by default), which services limit too (the expert server's
 `max_inflight_per_source`). Sources in `ServerConfig.source_exempt` (loopback by default, so local
 tests and one-host setups behave as before) are named "" and limited by nothing but the totals.
+
+Every call, whatever its service and path (unary, stream, multiplexed on a Calls stream, or over
+the bulk side channel), is admitted by one `swarm.net.limits.CallLimiter` first: calls in flight
+per source network and per caller over the whole server (`max_inflight_per_source`,
+`max_inflight_per_caller`), Calls streams per source (`max_call_streams_per_source`), and the
+`CallLimit` a service registered a method with (the DHT's Store and Find, the averaging streams).
+A refused call gets RESOURCE_EXHAUSTED naming the limit, before its handler runs.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from swarm.net.auth import TicketVerifier
 from swarm.net.bulk import OPEN_BULK, BulkListener
 from swarm.net.calls import ACCEPTED, CALLS, Admission, serve_calls
 from swarm.net.errors import to_status
+from swarm.net.limits import CallLimit, CallLimiter
 from swarm.net.tls import PeerCertificate, server_context
 from swarm.proto import peer_pb2
 
@@ -67,6 +75,10 @@ class ServerConfig:
         source_prefix_v6: bits of an IPv6 caller's address that name its source (64: a /64).
         source_exempt: networks whose callers have no source (no limits per source): loopback by
             default; () limits every caller, e.g. a peer that relays others' traffic.
+        max_inflight_per_source: calls in flight at once from one source network, over every
+            method (`swarm.net.limits`); past it its calls get RESOURCE_EXHAUSTED at once.
+        max_inflight_per_caller: calls in flight at once from one caller (PeerID), over every method.
+        max_call_streams_per_source: Calls streams open at once from one source network.
     """
 
     max_message_bytes: int = 8 << 20
@@ -80,12 +92,18 @@ class ServerConfig:
     source_prefix_v4: int = 24
     source_prefix_v6: int = 64
     source_exempt: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+    max_inflight_per_source: int = 512
+    max_inflight_per_caller: int = 512
+    max_call_streams_per_source: int = 32
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < (1 << 20) + 4096:
             raise ConfigError("max_message_bytes must hold a 1 MiB chunk")
         if self.max_concurrent_rpcs < 1 or self.max_concurrent_streams < 1:
             raise ConfigError("concurrency limits must be positive")
+        if min(self.max_inflight_per_source, self.max_inflight_per_caller, self.max_call_streams_per_source) < 1:
+            raise ConfigError("max_inflight_per_source, max_inflight_per_caller and "
+                              "max_call_streams_per_source must be positive")
         if not (0 <= self.source_prefix_v4 <= 32 and 0 <= self.source_prefix_v6 <= 128):
             raise ConfigError("source_prefix_v4 must be in 0..32 and source_prefix_v6 in 0..128")
         try:
@@ -112,6 +130,11 @@ def source_of(peer: str, config: ServerConfig) -> str:
         host = rest.rpartition(":")[0].strip("[]")
     else:
         return ""
+    return source_of_host(host, config)
+
+
+def source_of_host(host: str, config: ServerConfig) -> str:
+    """The source network of a caller's IP address ("10.1.2.3" -> "10.1.2.0/24"); "" if exempt or not an IP."""
     try:
         address = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
@@ -222,15 +245,24 @@ class RPCServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics = RPCMetrics("server")  # metrics (issue #7)
-        self.bulk = BulkListener({}, lambda caller, deadline, conn: CallContext(caller, None, deadline, conn),
-                                 self.config.max_message_bytes)
-        self._unary: dict[str, tuple[UnaryHandler, type[Message] | None, bool, MethodMetrics]] = {}
+        self.bulk = BulkListener({}, self._bulk_context, self.config.max_message_bytes)
+        self.limiter = CallLimiter(self.config.max_inflight_per_source, self.config.max_inflight_per_caller)
+        """Admits every call (`swarm.net.limits`): what one source network or caller runs at once."""
+        self._unary: dict[str, tuple[UnaryHandler, type[Message] | None, bool, MethodMetrics, CallLimit | None]] = {}
         self._call_streams: set[asyncio.Task[None]] = set()  # the readers of open Calls streams
+        self._call_streams_by_source: dict[str, int] = {}
         self._calls_admission = Admission(self.config.max_concurrent_rpcs)
         self._dispatcher.handlers[CALLS] = grpc.stream_stream_rpc_method_handler(self._serve_calls)
         self.add_unary(OPEN_BULK, self._open_bulk, peer_pb2.BulkOpenRequest)
 
     # -- registration -------------------------------------------------------------------------
+
+    def _bulk_context(self, caller: str, deadline: float, conn: Any) -> CallContext:
+        """The context of a stream over the bulk side channel, its source read from the socket."""
+        transport = getattr(conn, "transport", None)
+        peername = transport.get_extra_info("peername") if transport is not None else None
+        source = source_of_host(str(peername[0]), self.config) if isinstance(peername, tuple) and peername else ""
+        return CallContext(caller, None, deadline, conn, source=source)
 
     def _source(self, context: grpc.aio.ServicerContext) -> str:
         return source_of(context.peer() or "", self.config)
@@ -242,12 +274,13 @@ class RPCServer:
 
     async def _respond(
         self, path: str, stats: Any, context: grpc.aio.ServicerContext, authenticated: bool,
-        invoke: Callable[[CallContext], Awaitable[Any]],
+        invoke: Callable[[CallContext], Awaitable[Any]], limit: CallLimit | None,
     ) -> bytes:
-        """One response for one call: authenticate, run the handler, map failures to statuses."""
+        """One response for one call: authenticate, admit, run the handler, map failures to statuses."""
         try:
             return await _handle(stats, lambda: CallContext(self._caller(context, authenticated), context,
-                                                            source=self._source(context)), invoke)
+                                                            source=self._source(context)), invoke,
+                                 self.limiter, limit)
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a dead server
@@ -255,20 +288,22 @@ class RPCServer:
             raise AssertionError("unreachable") from None
 
     def add_unary(
-        self, path: str, handler: UnaryHandler, request_type: type[Message] | None = None, *, authenticated: bool = True
+        self, path: str, handler: UnaryHandler, request_type: type[Message] | None = None, *, authenticated: bool = True,
+        limit: CallLimit | None = None,
     ) -> None:
-        """Registers `handler(request, ctx) -> response` for unary calls to `path`."""
+        """Registers `handler(request, ctx) -> response` for unary calls to `path`; `limit` bounds
+        what one source network or caller runs of it (`swarm.net.limits`)."""
 
         stats = self.metrics.method(path)  # metrics (issue #7): bound once, incremented per call
 
         async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             stats.received.value += len(request)  # metrics
             return await self._respond(
-                path, stats, context, authenticated, lambda ctx: handler(_decode(request_type, request), ctx)
+                path, stats, context, authenticated, lambda ctx: handler(_decode(request_type, request), ctx), limit
             )
 
         self._dispatcher.handlers[path] = grpc.unary_unary_rpc_method_handler(behavior)
-        self._unary[path] = (handler, request_type, authenticated, stats)
+        self._unary[path] = (handler, request_type, authenticated, stats, limit)
 
     async def _serve_calls(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
         """One caller's Calls stream (`swarm.net.calls`): its small unary calls, multiplexed."""
@@ -279,32 +314,51 @@ class RPCServer:
         limit = self.config.max_call_streams or max(1, self.config.max_concurrent_rpcs // 2)
         if len(self._call_streams) >= limit:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit} call streams are open already")
-        await context.send_initial_metadata((ACCEPTED,))  # the caller may write now (swarm.net.calls)
-        unary = self._unary
         origin = self._source(context)
+        by_source = self._call_streams_by_source
+        if origin:
+            opened = by_source.get(origin, 0)
+            if opened >= self.config.max_call_streams_per_source:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{opened} call streams are open from your network {origin}, "
+                                    f"the server's limit per source address")
+            by_source[origin] = opened + 1
+        try:
+            await context.send_initial_metadata((ACCEPTED,))  # the caller may write now (swarm.net.calls)
+            unary, limiter = self._unary, self.limiter
 
-        async def invoke(path: str, payload: bytes, stream: Any, deadline: float | None) -> bytes:
-            handler, request_type, authenticated, stats = unary[path]
-            stats.received.value += len(payload)  # metrics
-            return await _handle(stats, lambda: CallContext(caller if authenticated else "", stream, deadline,
-                                                            source=origin),
-                                 lambda ctx: handler(_decode(request_type, payload), ctx))
+            async def invoke(path: str, payload: bytes, stream: Any, deadline: float | None) -> bytes:
+                handler, request_type, authenticated, stats, method_limit = unary[path]
+                stats.received.value += len(payload)  # metrics
+                return await _handle(stats, lambda: CallContext(caller if authenticated else "", stream, deadline,
+                                                                source=origin),
+                                     lambda ctx: handler(_decode(request_type, payload), ctx), limiter, method_limit)
 
-        await serve_calls(context, invoke, unary.__contains__, self._calls_admission,
-                          self.config.max_message_bytes - 64, self._call_streams)
+            await serve_calls(context, invoke, unary.__contains__, self._calls_admission,
+                              self.config.max_message_bytes - 64, self._call_streams)
+        finally:
+            if origin:
+                left = by_source.get(origin, 1) - 1
+                if left:
+                    by_source[origin] = left
+                else:
+                    by_source.pop(origin, None)
 
     def add_stream(self, path: str, handler: StreamHandler, *, request_streaming: bool = True,
-                   bulk: bool = False) -> None:
+                   bulk: bool = False, limit: CallLimit | None = None) -> None:
         """Registers `handler(request_iterator, ctx)`, an async generator of responses (bytes or messages).
 
         Requests arrive as raw bytes (a header, then tensor chunks). With `request_streaming=False`
         the handler still receives an async iterator, holding the single request. With `bulk=True`
         callers may also reach it over the bulk side channel (`swarm.net.bulk`; `stream(bulk=True)`).
+        `limit` bounds what one source network or caller runs of it at once (`swarm.net.limits`).
         """
 
         stats = self.metrics.method(path)  # metrics (issue #7)
+        limiter = self.limiter
         if bulk:
             async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+                limiter.admit(limit, ctx.peer_id, ctx.source)
                 started, ok = stats.start(), False  # metrics
                 try:
                     async for response in handler(_counted(requests, stats), ctx):
@@ -314,15 +368,19 @@ class RPCServer:
                     ok = True
                 finally:
                     stats.finish(started, ok)  # metrics
+                    limiter.release(limit, ctx.peer_id, ctx.source)
 
             self.bulk.handlers[path] = bulk_behavior
 
         async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             started, ok = stats.start(), False  # metrics
+            admitted: tuple[str, str] | None = None
             try:
-                caller = self._caller(context, True)
+                caller, origin = self._caller(context, True), self._source(context)
+                limiter.admit(limit, caller, origin)
+                admitted = (caller, origin)
                 source = _counted(requests, stats) if request_streaming else _single(requests, stats)
-                async for response in handler(source, CallContext(caller, context, source=self._source(context))):
+                async for response in handler(source, CallContext(caller, context, source=origin)):
                     data = _serialize(response)
                     stats.sent.value += len(data)  # metrics
                     yield data
@@ -333,17 +391,21 @@ class RPCServer:
                 await _abort(context, e, path)
             finally:
                 stats.finish(started, ok)  # metrics
+                if admitted is not None:
+                    limiter.release(limit, *admitted)
 
         factory = grpc.stream_stream_rpc_method_handler if request_streaming else grpc.unary_stream_rpc_method_handler
         self._dispatcher.handlers[path] = factory(behavior)
 
-    def add_stream_unary(self, path: str, handler: Callable[[AsyncIterator[bytes], CallContext], Awaitable[Any]]) -> None:
+    def add_stream_unary(self, path: str, handler: Callable[[AsyncIterator[bytes], CallContext], Awaitable[Any]], *,
+                         limit: CallLimit | None = None) -> None:
         """Registers `handler(request_iterator, ctx) -> response` for client-streaming calls."""
 
         stats = self.metrics.method(path)  # metrics (issue #7)
 
         async def behavior(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
-            return await self._respond(path, stats, context, True, lambda ctx: handler(_counted(requests, stats), ctx))
+            return await self._respond(path, stats, context, True, lambda ctx: handler(_counted(requests, stats), ctx),
+                                       limit)
 
         self._dispatcher.handlers[path] = grpc.stream_unary_rpc_method_handler(behavior)
 
@@ -411,12 +473,18 @@ class RPCServer:
 
 async def _handle(
     stats: MethodMetrics, make_context: Callable[[], CallContext], run: Callable[[CallContext], Awaitable[Any]],
+    limiter: CallLimiter, limit: CallLimit | None,
 ) -> bytes:
     """What every call answered with one response shares, over gRPC or a Calls stream: its
-    context (authenticating the caller), the handler, the response's bytes, and metrics."""
+    context (authenticating the caller), admission, the handler, the response's bytes, and metrics."""
     started, ok = stats.start(), False  # metrics (issue #7)
     try:
-        data = _serialize(await run(make_context()))
+        ctx = make_context()
+        limiter.admit(limit, ctx.peer_id, ctx.source)
+        try:
+            data = _serialize(await run(ctx))
+        finally:
+            limiter.release(limit, ctx.peer_id, ctx.source)
         stats.sent.value += len(data)  # metrics
         ok = True
         return data
@@ -458,4 +526,4 @@ def reachable_addrs(listen: Multiaddr, port: int, peer_id: str, announce: list[M
     return [str(Multiaddr(protocol, h, port, peer_id)) for h in hosts]
 
 
-__all__ = ["CallContext", "RPCServer", "ServerConfig", "Unauthenticated", "reachable_addrs"]
+__all__ = ["CallContext", "CallLimit", "RPCServer", "ServerConfig", "Unauthenticated", "reachable_addrs"]
