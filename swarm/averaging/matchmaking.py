@@ -33,6 +33,7 @@ from swarm.averaging.group import GroupInfo, MemberInfo
 from swarm.averaging.service import JOIN, REPORT, AveragingService
 from swarm.averaging.timing import ArrivalSpread, RoundTiming
 from swarm.core.errors import AveragingError, ConfigError, DeadlineExceeded, PeerUnreachable, RPCError
+from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.metrics import REGISTRY
@@ -165,6 +166,7 @@ class Matchmaking:
         self._down: set[str] = set()
         self._missed: str | None = None  # why this step knows a group of its round started without it
         self._last_round: bytes | None = None  # the round this peer's last step joined (until the next step)
+        self._withdrawals: set[asyncio.Task[None]] = set()  # declarations being withdrawn (`form_group`)
         self._link = peer.pool.estimates
         self._link.exclude(JOIN, REPORT)  # long polls, not round trips
         AveragingService.of(peer).join_handlers[prefix] = self.rpc_join
@@ -230,9 +232,18 @@ class Matchmaking:
             raise AveragingError(f"no averaging group formed within {timeout:.1f} s")
         finally:
             self._looking = None
-            if group is not None:
+            if group is None:
+                await self.election.end(me, None)
+            else:
                 self._last_round = group.round_id
-            await self.election.end(me, group.round_id if group is not None else None)
+                # Withdrawing the declaration is a DHT store: seconds at WAN latencies, and more on
+                # one member than another. Each member counts the round's timeout from when it holds
+                # the group, so awaiting it here started some members seconds after the others, past
+                # a short learned timeout (issue #20: whole groups failing on "reducer(s) ... did not
+                # report" with nobody crashed). It runs beside the round instead.
+                task = spawn(self.election.end(me, group.round_id), name=f"avg-withdraw-{group.round_id.hex()[:8]}")
+                self._withdrawals.add(task)
+                task.add_done_callback(self._withdrawals.discard)
 
     async def _follow(self, me: MemberInfo, leader: Candidate, deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
