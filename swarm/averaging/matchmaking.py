@@ -164,6 +164,7 @@ class Matchmaking:
         self._start_size = cfg.target_group_size
         self._expect_unnamed = False
         self._down: set[str] = set()
+        self._vanished: set[str] = set()  # leaders this step took for gone by its own checks (`_leader_vanished`)
         self._missed: str | None = None  # why this step knows a group of its round started without it
         self._last_round: bytes | None = None  # the round this peer's last step joined (until the next step)
         self._withdrawals: set[asyncio.Task[None]] = set()  # declarations being withdrawn (`form_group`)
@@ -198,6 +199,7 @@ class Matchmaking:
         start = loop.time()
         deadline = start + timeout
         self._down = set()
+        self._vanished = set()
         self._missed = None
         self._last_round = None
         self._looking = me
@@ -263,6 +265,7 @@ class Matchmaking:
             logger.debug("leader %s left %d check(s) in a row unanswered: taking it for gone",
                          leader.peer_id[-8:], self.config.leader_misses)
             self._down.add(leader.peer_id)
+            self._vanished.add(leader.peer_id)
             return None
         try:
             response = join.result()
@@ -291,7 +294,11 @@ class Matchmaking:
             MATCHMAKING_MISSED.labels(self.prefix).inc()
             return None
         if response.reason == "not the leader":
-            self._down.clear()  # our view of who is down may be what sent us there: look again
+            # our view of who is down may be what sent us there: look again, but keep the leaders
+            # this step saw vanish itself. The next leader is often still waiting on the same
+            # vanished leader (it notices later); asking it again soon makes one group of them
+            # (issue #20: followers going back to the vanished leader came too late and scattered).
+            self._down = set(self._vanished)
         if "schema" in response.reason:
             raise AveragingError(f"leader {leader.peer_id} averages other tensors: {response.reason}")
         await asyncio.sleep(self.config.retry_interval * (1 + random.random()))
