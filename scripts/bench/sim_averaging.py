@@ -82,6 +82,7 @@ class AveragingSimulation:
         self.averagers: dict[str, Any] = {}
         self.grid = grid_for(args.peers, args.group)
         self.coords: dict[str, list[int]] = {}
+        self.row_sizes: dict[str, float] = {}
 
     async def build(self) -> None:
         from swarm.core.identity import Identity
@@ -138,7 +139,8 @@ class AveragingSimulation:
         peer = next(p for p in self.peers if p.peer_id == peer_id)
         await peer.crash()
 
-    async def round(self, r: int, key_of: Any, deaths: int) -> dict[str, Any]:
+    async def round(self, r: int, key_of: Any, deaths: int, weight_of: Any = None,
+                    size_of: Any = None) -> dict[str, Any]:
         from swarm.averaging import moshpit_group_key  # noqa: F401  (documents where keys come from)
 
         args = self.args
@@ -148,11 +150,17 @@ class AveragingSimulation:
         token = simnet.TAG.set("averaging")
         try:
             for peer_id in sorted(self.live):
-                steps[peer_id] = asyncio.ensure_future(
-                    self.averagers[peer_id].astep(timeout=args.step_timeout, group_key=key_of(peer_id)))
+                weight = 1.0 if weight_of is None else weight_of(peer_id)
+                steps[peer_id] = asyncio.ensure_future(self.averagers[peer_id].astep(
+                    timeout=args.step_timeout, weight=weight, group_key=key_of(peer_id),
+                    expected_size=None if size_of is None else size_of(peer_id)))
         finally:
             simnet.TAG.reset(token)
         killers = []
+        if deaths and args.die_when == "between":  # after the last round, before this one's matchmaking
+            for victim in self.rng.sample(sorted(self.live), deaths):
+                await self.kill(victim, 0.0, {})
+            deaths = 0
         if deaths:
             victims = self.rng.sample(sorted(self.live), deaths)
             killers = [asyncio.ensure_future(self.kill(v, self.rng.uniform(0.0, args.die_within), steps))
@@ -195,7 +203,7 @@ class AveragingSimulation:
 
     async def moshpit(self) -> list[dict[str, Any]]:
         from swarm.averaging import moshpit_group_key
-        from swarm.averaging.moshpit import moshpit_next_coords
+        from swarm.averaging.moshpit import moshpit_next_coords, row_key
 
         args = self.args
         self.make_averagers("moshpit", args.group)
@@ -205,16 +213,66 @@ class AveragingSimulation:
         err_max, err_median, _ = self.errors()
         rows = [{"round": "start", "live": len(self.live), "err_max": err_max, "err_median": err_median,
                  "mean_shift": 0.0}]
+        last: dict[str, Any] = {}  # peer -> its result of the last round
+        rows_of_regroup: dict[str, Any] = {}  # peer -> its result of the round before the regrouping
+        weights: dict[str, float] = {}
+        sizes: dict[str, int | None] = {}
         for r in range(args.rounds):
             deaths = round(args.die * args.peers) if r == args.die_round else 0
-            row = await self.round(r, lambda p, r=r: moshpit_group_key(r, self.coords[p]), deaths)
-            for peer_id, result in row.pop("results").items():
+            key_of: Any = lambda p, r=r: moshpit_group_key(r, self.coords[p])
+            regrouped = args.regroup and args.die_when == "between" and r in (args.die_round, args.die_round + 1)
+            if regrouped and r == args.die_round:
+                # the deaths come first (between the rounds); then every survivor reads its row's roll call
+                row_deaths, deaths = deaths, 0
+                for victim in self.rng.sample(sorted(self.live), row_deaths):
+                    await self.kill(victim, 0.0, {})
+                keys, weights, rows_of_regroup = await self.regroup(r, last)
+                self.row_sizes = dict(weights)  # each row's survivors: how many meet again the round after
+                key_of = keys.__getitem__
+            elif regrouped:
+                groups_before = max(1, args.peers // self.grid[(r - 2) % len(self.grid)])  # groups in the round before the deaths
+                keys = {p: row_key(r, rows_of_regroup[p].round_id) for p in self.live if p in rows_of_regroup}
+                weights = {p: 1.0 if p in last and len(last[p].contributors) >= groups_before else 0.0 for p in self.live}
+                key_of = lambda p, keys=keys, r=r: keys.get(p, f"r{r}.orphan")
+                sizes = {p: int(self.row_sizes.get(p, 0)) or None for p in self.live}
+            row = await self.round(r, key_of, deaths, weights.get if regrouped else None,
+                                   sizes.get if regrouped and r > args.die_round else None)
+            results = row.pop("results")
+            last = results
+            for peer_id, result in results.items():
+                if regrouped:
+                    continue  # the regrouping rounds leave the grid coordinates as they were
                 self.coords[peer_id] = moshpit_next_coords(r, self.coords[peer_id], result.group.index(peer_id),
                                                            self.grid)
             row["err_max"], row["err_median"], mean = self.errors()
             row["mean_shift"] = float((mean - start_mean).norm() / start_mean.norm())
             rows.append(row)
         return rows
+
+    async def regroup(self, r: int, last: dict[str, Any]) -> tuple[dict[str, str], dict[str, float], dict[str, Any]]:
+        """Every survivor's roll call of its last group (`RowRoll`, through the DHT): its key and weight."""
+        from swarm.averaging.moshpit import RowRoll, regroup_key, survivor_rank
+
+        peers = {p.peer_id: p for p in self.peers}
+        live = [p for p in sorted(self.live) if p in last]
+        expiration = time.time() + 120
+
+        async def call(peer_id: str) -> tuple[int, int]:
+            result = last[peer_id]
+            roll = RowRoll(peers[peer_id].dht, "moshpit", result.round_id, result.group)
+            return survivor_rank(peer_id, await roll.call(peer_id, self.args.roll_settle, expiration))
+
+        token = simnet.TAG.set("averaging")
+        try:
+            ranks = await asyncio.gather(*(call(p) for p in live))
+        finally:
+            simnet.TAG.reset(token)
+        keys = {p: regroup_key(r, rank) for p, (rank, _) in zip(live, ranks)}
+        weights = {p: float(n) for p, (_, n) in zip(live, ranks)}
+        for p in self.live:
+            keys.setdefault(p, f"r{r}.orphan")
+            weights.setdefault(p, 1.0)
+        return keys, weights, {p: last[p] for p in live}
 
     async def all_to_all(self) -> dict[str, Any]:
         self.make_averagers("all", len(self.live))
@@ -247,6 +305,15 @@ def main() -> None:
     parser.add_argument("--die", type=float, default=0.1, help="fraction of the peers that crash")
     parser.add_argument("--die-round", type=int, default=1, help="the round in which they crash")
     parser.add_argument("--die-within", type=float, default=2.0, help="they crash within this many seconds of its start")
+    parser.add_argument("--die-when", choices=("inside", "between"), default="inside",
+                        help="inside: the crashes happen during the round; between: after the round before, "
+                             "before this round's matchmaking")
+    parser.add_argument("--regroup", action="store_true",
+                        help="with --die-when between: the survivors regroup by roll call (moshpit.RowRoll), "
+                             "the k-th survivor of every group with the k-th of every other, weighted by its "
+                             "group's survivors; the round after, each group meets again")
+    parser.add_argument("--roll-settle", type=float, default=2.0,
+                        help="seconds a survivor waits for the others' roll-call records before reading them")
     parser.add_argument("--numel", type=int, default=4096, help="floats averaged per peer")
     parser.add_argument("--loss", type=float, default=0.01,
                         help="probability that a unary message is lost (TCP resends it after a timeout)")
