@@ -7,6 +7,7 @@ coordinate t mod d, so hundreds of peers form many small groups that mix across 
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterable, Sequence
 
@@ -95,8 +96,6 @@ class RowRoll:
 
     async def call(self, peer_id: str, settle: float, expiration: float) -> list[str]:
         """Stores this peer in the roll, waits `settle` s, returns the survivors (sorted PeerIDs)."""
-        import asyncio
-
         await self.dht.astore(self.key, True, expiration_time=expiration, subkey=owner_marker(peer_id))
         await asyncio.sleep(settle)
         found = await self.dht.aget(self.key, latest=True)

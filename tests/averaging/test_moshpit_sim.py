@@ -97,3 +97,51 @@ def test_a_member_slow_to_withdraw_its_declaration_still_makes_the_round() -> No
     assert all(not isinstance(o, BaseException) for o in outcomes), outcomes
     assert all(len(o.group) == n for o in outcomes)
     assert values == pytest.approx([6.0] * n)  # every member holds the mean of 0, 4, 8, 12
+
+
+def test_regrouping_by_survivor_rank_gives_every_survivor_the_exact_mean_in_two_rounds() -> None:
+    """The arithmetic behind `moshpit.regroup_key` / `row_key` (pure logic, no network): 16 groups
+    of 16 averaged, then 26 peers died; every survivor holds its group's mean c_i. Grouping the
+    k-th survivors of every group with weight n_i gives the survivors' mean in every complete
+    group (k < min n_i); the groups then meet again, complete-group peers with weight 1, the rest
+    0, and every survivor holds the survivors' mean."""
+    import torch
+
+    from swarm.averaging.moshpit import regroup_key, row_key, survivor_rank
+
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    rows = {f"g{i}": [f"p{i:02d}{j:02d}" for j in range(16)] for i in range(16)}
+    dead = set(rng.sample(sorted(p for ps in rows.values() for p in ps), 26))
+    value = {}
+    for members in rows.values():
+        mean = torch.rand(64, dtype=torch.float64)
+        value.update({p: mean.clone() for p in members})
+    survivors = {row: [p for p in ps if p not in dead] for row, ps in rows.items()}
+    row_of = {p: row for row, ps in survivors.items() for p in ps}
+    target = torch.stack([value[p] for p in row_of]).mean(0)
+    # round 2: the k-th survivor of every row, weighted by its row's survivors
+    groups: dict[str, list[str]] = {}
+    weight = {}
+    for p, row in row_of.items():
+        rank, n = survivor_rank(p, survivors[row])
+        groups.setdefault(regroup_key(1, rank), []).append(p)
+        weight[p] = float(n)
+    complete = set()
+    for members in groups.values():
+        mean = sum(weight[p] * value[p] for p in members) / sum(weight[p] for p in members)
+        for p in members:
+            value[p] = mean
+            if len(members) == len(rows):
+                complete.add(p)
+    assert complete and len(complete) < len(row_of)  # some survivors are past the smallest row
+    assert all(torch.allclose(value[p], target, atol=1e-12) for p in complete)
+    # round 3: every row meets again; only complete-group peers carry weight
+    groups = {}
+    for p, row in row_of.items():
+        groups.setdefault(row_key(2, row), []).append(p)
+    for members in groups.values():
+        mean = sum(value[p] * (p in complete) for p in members) / sum(p in complete for p in members)
+        for p in members:
+            value[p] = mean
+    assert all(torch.allclose(value[p], target, atol=1e-12) for p in row_of)
