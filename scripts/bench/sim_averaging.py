@@ -17,11 +17,18 @@ relative error of a surviving peer's vector against the mean of the survivors' v
 (||x_i - m|| / ||m||), the shift of that mean against the all-peer starting mean (what the
 dying peers took with them), and the averaging and matchmaking payload bytes per peer.
 
+With `--die-when between` the peers crash after the round before `--die-round` and before its
+matchmaking; `--regroup` then lets the survivors regroup by roll call (`moshpit.RowRoll`): the
+k-th survivor of every last-round group meets the k-th of the others with weight = its group's
+survivors (a group that holds one of every group outputs the survivors' exact mean), and in the
+round after, every last-round group meets again with weight 1 for complete-group peers, 0 else.
+
 With `--all-to-all`, the same peers then average once more from fresh vectors in one group of
 all of them (one butterfly all-reduce over N members), for comparison.
 
 Usage: .venv/bin/python scripts/bench/sim_averaging.py [--peers 256] [--group 16] [--rounds R]
-       [--die 0.1] [--die-round 1] [--numel 4096] [--all-to-all] [--seed 0] [--json FILE]
+       [--die 0.1] [--die-round 1] [--die-when inside|between] [--regroup] [--numel 4096]
+       [--all-to-all] [--seed 0] [--json FILE]
 """
 
 from __future__ import annotations
