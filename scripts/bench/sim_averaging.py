@@ -349,7 +349,8 @@ def main() -> None:
     out = simnet.run(AveragingSimulation(args).run())
     vector_kib = args.numel * 4 / 1024
     print(f"{args.peers} peers on a {' x '.join(map(str, out['grid']))} Moshpit grid, groups of {args.group}; "
-          f"{args.numel} float32 per peer ({vector_kib:.0f} KiB); {args.die:.0%} crash in round {args.die_round}; "
+          f"{args.numel} float32 per peer ({vector_kib:.0f} KiB); {args.die:.0%} crash {'in' if args.die_when == 'inside' else 'before'} round {args.die_round + 1}"
+          f"{', survivors regroup by roll call' if args.regroup else ''}; "
           f"access RTT 10-300 ms (median 60), unary loss {args.loss:.0%} (resent after an RTO); join_window {args.join_window:g} s; goal: max error < 1e-5 after "
           f"ceil(log{args.group} N) + 1 = {target_rounds} rounds")
     print(f"{'round':>5} {'live':>5} {'groups':>6} {'size min/mean/max':>17} {'failed':>6} {'max err':>9} "
