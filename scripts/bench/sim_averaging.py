@@ -154,6 +154,10 @@ class AveragingSimulation:
         before = Counter(self.net.traffic.by_method)
         start = simnet.CLOCK.now
         steps: dict[str, asyncio.Task[Any]] = {}
+        if deaths and args.die_when == "between":  # after the last round, before this one's matchmaking
+            for victim in self.rng.sample(sorted(self.live), deaths):
+                await self.kill(victim, 0.0, {})
+            deaths = 0
         token = simnet.TAG.set("averaging")
         try:
             for peer_id in sorted(self.live):
@@ -164,10 +168,6 @@ class AveragingSimulation:
         finally:
             simnet.TAG.reset(token)
         killers = []
-        if deaths and args.die_when == "between":  # after the last round, before this one's matchmaking
-            for victim in self.rng.sample(sorted(self.live), deaths):
-                await self.kill(victim, 0.0, {})
-            deaths = 0
         if deaths:
             victims = self.rng.sample(sorted(self.live), deaths)
             killers = [asyncio.ensure_future(self.kill(v, self.rng.uniform(0.0, args.die_within), steps))
