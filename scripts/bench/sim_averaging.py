@@ -319,7 +319,7 @@ def main() -> None:
                         help="with --die-when between: the survivors regroup by roll call (moshpit.RowRoll), "
                              "the k-th survivor of every group with the k-th of every other, weighted by its "
                              "group's survivors; the round after, each group meets again")
-    parser.add_argument("--roll-settle", type=float, default=2.0,
+    parser.add_argument("--roll-settle", type=float, default=6.0,
                         help="seconds a survivor waits for the others' roll-call records before reading them")
     parser.add_argument("--numel", type=int, default=4096, help="floats averaged per peer")
     parser.add_argument("--loss", type=float, default=0.01,
