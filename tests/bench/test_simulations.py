@@ -157,8 +157,8 @@ def test_survivors_regrouped_by_roll_call_hold_their_exact_mean_after_three_roun
     their round-1 group's roll call from the DHT (`moshpit.RowRoll`), the k-th survivor of every
     group meets the k-th of the others weighted by its group's survivors, and the groups meet again
     in round 3 (complete-group peers weight 1, the others 0): every survivor holds the survivors'
-    exact mean after 3 rounds, but for a member that reaches its round-3 group after it started
-    (3 of 4 hash seeds: none; so the median is asserted). (Plain Moshpit keys, same deaths: median
+    exact mean after 3 rounds, but for a member that reaches its round-2 or round-3 group after it
+    started (2 of 4 hash seeds: none; so the median is asserted). (Plain Moshpit keys, same deaths: median
     5.9e-3, max 3.5e-2.)"""
     result = _run_script("sim_averaging.py", "--peers", "16", "--group", "4", "--rounds", "3", "--die", "0.125",
                          "--die-round", "1", "--die-when", "between", "--regroup", "--numel", "256", timeout=100)
