@@ -17,11 +17,18 @@ relative error of a surviving peer's vector against the mean of the survivors' v
 (||x_i - m|| / ||m||), the shift of that mean against the all-peer starting mean (what the
 dying peers took with them), and the averaging and matchmaking payload bytes per peer.
 
+With `--die-when between` the peers crash after the round before `--die-round` and before its
+matchmaking; `--regroup` then lets the survivors regroup by roll call (`moshpit.RowRoll`): the
+k-th survivor of every last-round group meets the k-th of the others with weight = its group's
+survivors (a group that holds one of every group outputs the survivors' exact mean), and in the
+round after, every last-round group meets again with weight 1 for complete-group peers, 0 else.
+
 With `--all-to-all`, the same peers then average once more from fresh vectors in one group of
 all of them (one butterfly all-reduce over N members), for comparison.
 
 Usage: .venv/bin/python scripts/bench/sim_averaging.py [--peers 256] [--group 16] [--rounds R]
-       [--die 0.1] [--die-round 1] [--numel 4096] [--all-to-all] [--seed 0] [--json FILE]
+       [--die 0.1] [--die-round 1] [--die-when inside|between] [--regroup] [--numel 4096]
+       [--all-to-all] [--seed 0] [--json FILE]
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ class AveragingSimulation:
         self.averagers: dict[str, Any] = {}
         self.grid = grid_for(args.peers, args.group)
         self.coords: dict[str, list[int]] = {}
+        self.row_sizes: dict[str, float] = {}
 
     async def build(self) -> None:
         from swarm.core.identity import Identity
@@ -138,18 +146,25 @@ class AveragingSimulation:
         peer = next(p for p in self.peers if p.peer_id == peer_id)
         await peer.crash()
 
-    async def round(self, r: int, key_of: Any, deaths: int) -> dict[str, Any]:
+    async def round(self, r: int, key_of: Any, deaths: int, weight_of: Any = None,
+                    size_of: Any = None) -> dict[str, Any]:
         from swarm.averaging import moshpit_group_key  # noqa: F401  (documents where keys come from)
 
         args = self.args
         before = Counter(self.net.traffic.by_method)
         start = simnet.CLOCK.now
         steps: dict[str, asyncio.Task[Any]] = {}
+        if deaths and args.die_when == "between":  # after the last round, before this one's matchmaking
+            for victim in self.rng.sample(sorted(self.live), deaths):
+                await self.kill(victim, 0.0, {})
+            deaths = 0
         token = simnet.TAG.set("averaging")
         try:
             for peer_id in sorted(self.live):
-                steps[peer_id] = asyncio.ensure_future(
-                    self.averagers[peer_id].astep(timeout=args.step_timeout, group_key=key_of(peer_id)))
+                weight = 1.0 if weight_of is None else weight_of(peer_id)
+                steps[peer_id] = asyncio.ensure_future(self.averagers[peer_id].astep(
+                    timeout=args.step_timeout, weight=weight, group_key=key_of(peer_id),
+                    expected_size=None if size_of is None else size_of(peer_id)))
         finally:
             simnet.TAG.reset(token)
         killers = []
@@ -195,7 +210,7 @@ class AveragingSimulation:
 
     async def moshpit(self) -> list[dict[str, Any]]:
         from swarm.averaging import moshpit_group_key
-        from swarm.averaging.moshpit import moshpit_next_coords
+        from swarm.averaging.moshpit import moshpit_next_coords, row_key
 
         args = self.args
         self.make_averagers("moshpit", args.group)
@@ -205,16 +220,66 @@ class AveragingSimulation:
         err_max, err_median, _ = self.errors()
         rows = [{"round": "start", "live": len(self.live), "err_max": err_max, "err_median": err_median,
                  "mean_shift": 0.0}]
+        last: dict[str, Any] = {}  # peer -> its result of the last round
+        rows_of_regroup: dict[str, Any] = {}  # peer -> its result of the round before the regrouping
+        weights: dict[str, float] = {}
+        sizes: dict[str, int | None] = {}
         for r in range(args.rounds):
             deaths = round(args.die * args.peers) if r == args.die_round else 0
-            row = await self.round(r, lambda p, r=r: moshpit_group_key(r, self.coords[p]), deaths)
-            for peer_id, result in row.pop("results").items():
+            key_of: Any = lambda p, r=r: moshpit_group_key(r, self.coords[p])
+            regrouped = args.regroup and args.die_when == "between" and r in (args.die_round, args.die_round + 1)
+            if regrouped and r == args.die_round:
+                # the deaths come first (between the rounds); then every survivor reads its row's roll call
+                row_deaths, deaths = deaths, 0
+                for victim in self.rng.sample(sorted(self.live), row_deaths):
+                    await self.kill(victim, 0.0, {})
+                keys, weights, rows_of_regroup = await self.regroup(r, last)
+                self.row_sizes = dict(weights)  # each row's survivors: how many meet again the round after
+                key_of = keys.__getitem__
+            elif regrouped:
+                groups_before = max(1, args.peers // self.grid[(r - 2) % len(self.grid)])  # groups in the round before the deaths
+                keys = {p: row_key(r, rows_of_regroup[p].round_id) for p in self.live if p in rows_of_regroup}
+                weights = {p: 1.0 if p in last and len(last[p].contributors) >= groups_before else 0.0 for p in self.live}
+                key_of = lambda p, keys=keys, r=r: keys.get(p, f"r{r}.orphan")
+                sizes = {p: int(self.row_sizes.get(p, 0)) or None for p in self.live}
+            row = await self.round(r, key_of, deaths, weights.get if regrouped else None,
+                                   sizes.get if regrouped and r > args.die_round else None)
+            results = row.pop("results")
+            last = results
+            for peer_id, result in results.items():
+                if regrouped:
+                    continue  # the regrouping rounds leave the grid coordinates as they were
                 self.coords[peer_id] = moshpit_next_coords(r, self.coords[peer_id], result.group.index(peer_id),
                                                            self.grid)
             row["err_max"], row["err_median"], mean = self.errors()
             row["mean_shift"] = float((mean - start_mean).norm() / start_mean.norm())
             rows.append(row)
         return rows
+
+    async def regroup(self, r: int, last: dict[str, Any]) -> tuple[dict[str, str], dict[str, float], dict[str, Any]]:
+        """Every survivor's roll call of its last group (`RowRoll`, through the DHT): its key and weight."""
+        from swarm.averaging.moshpit import RowRoll, regroup_key, survivor_rank
+
+        peers = {p.peer_id: p for p in self.peers}
+        live = [p for p in sorted(self.live) if p in last]
+        expiration = time.time() + 120
+
+        async def call(peer_id: str) -> tuple[int, int]:
+            result = last[peer_id]
+            roll = RowRoll(peers[peer_id].dht, "moshpit", result.round_id, result.group)
+            return survivor_rank(peer_id, await roll.call(peer_id, self.args.roll_settle, expiration))
+
+        token = simnet.TAG.set("averaging")
+        try:
+            ranks = await asyncio.gather(*(call(p) for p in live))
+        finally:
+            simnet.TAG.reset(token)
+        keys = {p: regroup_key(r, rank) for p, (rank, _) in zip(live, ranks)}
+        weights = {p: float(n) for p, (_, n) in zip(live, ranks)}
+        for p in self.live:
+            keys.setdefault(p, f"r{r}.orphan")
+            weights.setdefault(p, 1.0)
+        return keys, weights, {p: last[p] for p in live}
 
     async def all_to_all(self) -> dict[str, Any]:
         self.make_averagers("all", len(self.live))
@@ -247,6 +312,15 @@ def main() -> None:
     parser.add_argument("--die", type=float, default=0.1, help="fraction of the peers that crash")
     parser.add_argument("--die-round", type=int, default=1, help="the round in which they crash")
     parser.add_argument("--die-within", type=float, default=2.0, help="they crash within this many seconds of its start")
+    parser.add_argument("--die-when", choices=("inside", "between"), default="inside",
+                        help="inside: the crashes happen during the round; between: after the round before, "
+                             "before this round's matchmaking")
+    parser.add_argument("--regroup", action="store_true",
+                        help="with --die-when between: the survivors regroup by roll call (moshpit.RowRoll), "
+                             "the k-th survivor of every group with the k-th of every other, weighted by its "
+                             "group's survivors; the round after, each group meets again")
+    parser.add_argument("--roll-settle", type=float, default=6.0,
+                        help="seconds a survivor waits for the others' roll-call records before reading them")
     parser.add_argument("--numel", type=int, default=4096, help="floats averaged per peer")
     parser.add_argument("--loss", type=float, default=0.01,
                         help="probability that a unary message is lost (TCP resends it after a timeout)")
@@ -275,7 +349,8 @@ def main() -> None:
     out = simnet.run(AveragingSimulation(args).run())
     vector_kib = args.numel * 4 / 1024
     print(f"{args.peers} peers on a {' x '.join(map(str, out['grid']))} Moshpit grid, groups of {args.group}; "
-          f"{args.numel} float32 per peer ({vector_kib:.0f} KiB); {args.die:.0%} crash in round {args.die_round}; "
+          f"{args.numel} float32 per peer ({vector_kib:.0f} KiB); {args.die:.0%} crash {'in' if args.die_when == 'inside' else 'before'} round {args.die_round + 1}"
+          f"{', survivors regroup by roll call' if args.regroup else ''}; "
           f"access RTT 10-300 ms (median 60), unary loss {args.loss:.0%} (resent after an RTO); join_window {args.join_window:g} s; goal: max error < 1e-5 after "
           f"ceil(log{args.group} N) + 1 = {target_rounds} rounds")
     print(f"{'round':>5} {'live':>5} {'groups':>6} {'size min/mean/max':>17} {'failed':>6} {'max err':>9} "

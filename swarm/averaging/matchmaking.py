@@ -33,6 +33,7 @@ from swarm.averaging.group import GroupInfo, MemberInfo
 from swarm.averaging.service import JOIN, REPORT, AveragingService
 from swarm.averaging.timing import ArrivalSpread, RoundTiming
 from swarm.core.errors import AveragingError, ConfigError, DeadlineExceeded, PeerUnreachable, RPCError
+from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.metrics import REGISTRY
@@ -163,8 +164,10 @@ class Matchmaking:
         self._start_size = cfg.target_group_size
         self._expect_unnamed = False
         self._down: set[str] = set()
+        self._vanished: set[str] = set()  # leaders this step took for gone by its own checks (`_leader_vanished`)
         self._missed: str | None = None  # why this step knows a group of its round started without it
         self._last_round: bytes | None = None  # the round this peer's last step joined (until the next step)
+        self._withdrawals: set[asyncio.Task[None]] = set()  # declarations being withdrawn (`form_group`)
         self._link = peer.pool.estimates
         self._link.exclude(JOIN, REPORT)  # long polls, not round trips
         AveragingService.of(peer).join_handlers[prefix] = self.rpc_join
@@ -196,6 +199,7 @@ class Matchmaking:
         start = loop.time()
         deadline = start + timeout
         self._down = set()
+        self._vanished = set()
         self._missed = None
         self._last_round = None
         self._looking = me
@@ -230,9 +234,18 @@ class Matchmaking:
             raise AveragingError(f"no averaging group formed within {timeout:.1f} s")
         finally:
             self._looking = None
-            if group is not None:
+            if group is None:
+                await self.election.end(me, None)
+            else:
                 self._last_round = group.round_id
-            await self.election.end(me, group.round_id if group is not None else None)
+                # Withdrawing the declaration is a DHT store: seconds at WAN latencies, and more on
+                # one member than another. Each member counts the round's timeout from when it holds
+                # the group, so awaiting it here started some members seconds after the others, past
+                # a short learned timeout (issue #20: whole groups failing on "reducer(s) ... did not
+                # report" with nobody crashed). It runs beside the round instead.
+                task = spawn(self.election.end(me, group.round_id), name=f"avg-withdraw-{group.round_id.hex()[:8]}")
+                self._withdrawals.add(task)
+                task.add_done_callback(self._withdrawals.discard)
 
     async def _follow(self, me: MemberInfo, leader: Candidate, deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
@@ -252,6 +265,7 @@ class Matchmaking:
             logger.debug("leader %s left %d check(s) in a row unanswered: taking it for gone",
                          leader.peer_id[-8:], self.config.leader_misses)
             self._down.add(leader.peer_id)
+            self._vanished.add(leader.peer_id)
             return None
         try:
             response = join.result()
@@ -280,7 +294,11 @@ class Matchmaking:
             MATCHMAKING_MISSED.labels(self.prefix).inc()
             return None
         if response.reason == "not the leader":
-            self._down.clear()  # our view of who is down may be what sent us there: look again
+            # our view of who is down may be what sent us there: look again, but keep the leaders
+            # this step saw vanish itself. The next leader is often still waiting on the same
+            # vanished leader (it notices later); asking it again soon makes one group of them
+            # (issue #20: followers going back to the vanished leader came too late and scattered).
+            self._down = set(self._vanished)
         if "schema" in response.reason:
             raise AveragingError(f"leader {leader.peer_id} averages other tensors: {response.reason}")
         await asyncio.sleep(self.config.retry_interval * (1 + random.random()))
