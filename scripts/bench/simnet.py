@@ -256,13 +256,16 @@ class SimServer:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def add_unary(self, path: str, handler: Any, request_type: Any = None, *, authenticated: bool = True) -> None:
+    # `limit` (per-source admission, swarm/net/limits.py) is not simulated: every simulated peer is its own source
+    def add_unary(self, path: str, handler: Any, request_type: Any = None, *, authenticated: bool = True,
+                  limit: Any = None) -> None:
         self.unary_handlers[path] = (handler, request_type, authenticated)
 
-    def add_stream(self, path: str, handler: Any, *, request_streaming: bool = True, bulk: bool = False) -> None:
+    def add_stream(self, path: str, handler: Any, *, request_streaming: bool = True, bulk: bool = False,
+                   limit: Any = None) -> None:
         self.stream_handlers[path] = handler
 
-    def add_stream_unary(self, path: str, handler: Any) -> None:
+    def add_stream_unary(self, path: str, handler: Any, *, limit: Any = None) -> None:
         self.stream_handlers[path] = handler
 
     def start_serving(self) -> None:
@@ -344,6 +347,9 @@ class SimChannel:
                 raise PeerUnreachable(f"{self.peer_id} refused the connection ({method})", peer_id=self.peer_id)
             raise DeadlineExceeded(f"{self.peer_id} did not answer ({method})", peer_id=self.peer_id)
         return server
+
+    async def verify(self) -> None:
+        """`PeerChannel.verify` completes the TLS handshake; a simulated link has none."""
 
     async def _wait_out(self, deadline: float, method: str) -> None:
         from swarm.core.errors import DeadlineExceeded

@@ -33,7 +33,6 @@ from swarm.averaging.group import GroupInfo, MemberInfo
 from swarm.averaging.service import JOIN, REPORT, AveragingService
 from swarm.averaging.timing import ArrivalSpread, RoundTiming
 from swarm.core.errors import AveragingError, ConfigError, DeadlineExceeded, PeerUnreachable, RPCError
-from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.metrics import REGISTRY
@@ -167,7 +166,6 @@ class Matchmaking:
         self._vanished: set[str] = set()  # leaders this step took for gone by its own checks (`_leader_vanished`)
         self._missed: str | None = None  # why this step knows a group of its round started without it
         self._last_round: bytes | None = None  # the round this peer's last step joined (until the next step)
-        self._withdrawals: set[asyncio.Task[None]] = set()  # declarations being withdrawn (`form_group`)
         self._link = peer.pool.estimates
         self._link.exclude(JOIN, REPORT)  # long polls, not round trips
         AveragingService.of(peer).join_handlers[prefix] = self.rpc_join
@@ -240,12 +238,11 @@ class Matchmaking:
                 self._last_round = group.round_id
                 # Withdrawing the declaration is a DHT store: seconds at WAN latencies, and more on
                 # one member than another. Each member counts the round's timeout from when it holds
-                # the group, so awaiting it here started some members seconds after the others, past
-                # a short learned timeout (issue #20: whole groups failing on "reducer(s) ... did not
-                # report" with nobody crashed). It runs beside the round instead.
-                task = spawn(self.election.end(me, group.round_id), name=f"avg-withdraw-{group.round_id.hex()[:8]}")
-                self._withdrawals.add(task)
-                task.add_done_callback(self._withdrawals.discard)
+                # the group, so waiting for it here started some members seconds after the others,
+                # past a short learned timeout (issue #20: whole groups failing on "reducer(s) ... did
+                # not report" with nobody crashed). `DHTElection.end` runs the store in the
+                # background and returns at once; the next `begin` waits for it.
+                await self.election.end(me, group.round_id)
 
     async def _follow(self, me: MemberInfo, leader: Candidate, deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()

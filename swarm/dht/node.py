@@ -199,7 +199,7 @@ class DHTNode:
                 if peer_id is None:
                     peer_id = (await asyncio.wait_for(self.pool.dial_unknown(addr), timeout)).peer_id
                 node = NodeInfo(node_id_of(peer_id), peer_id, str(addr.with_peer_id(peer_id)))
-                await self.protocol.call_ping(node, reraise=True)
+                await self.protocol.call_ping(node, reraise=True, resend_lost=True)
                 return None
             except DeadlineExceeded as e:
                 error = str(e)

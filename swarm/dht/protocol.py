@@ -222,15 +222,18 @@ class DHTProtocol:
             for attempt in attempts:
                 attempt.cancel()
 
-    async def call_ping(self, node: NodeInfo, *, reraise: bool = False) -> bool:
+    async def call_ping(self, node: NodeInfo, *, reraise: bool = False, resend_lost: bool = False) -> bool:
         """True if `node` answered (it is then in the routing table).
 
         Args:
             node: The node to ping.
             reraise: Raise the `RPCError` of a failed call (to report why) instead of returning False.
+            resend_lost: Send the ping once more if it is unanswered after the link's resend delay
+                (`_send_or_resend`): a join's first contact should not hinge on one lost message.
         """
         request = dht_pb2.DHTPingRequest(caller=self._caller)
-        return await self._call(node, PING, request, dht_pb2.DHTPingResponse, reraise) is not None
+        return await self._call(node, PING, request, dht_pb2.DHTPingResponse, reraise,
+                                resend_lost=resend_lost) is not None
 
     async def call_leave(self, node: NodeInfo, timeout: float) -> bool:
         """Tells `node` that this node is leaving (so it drops this node at once); True if it took note.
