@@ -1,4 +1,5 @@
-"""Framing of the bulk side channel (`swarm.net.bulk`): one TCP connection carrying one stream.
+"""Framing of the bulk side channel (`swarm.net.bulk`): one TCP connection carrying one stream at a
+time (streams follow each other on a kept-alive connection).
 
 A frame is one kind byte, a 4-byte little-endian length and the payload. DATA carries one
 message; END closes the sender's side (as a gRPC half-close, or the end of a successful response
@@ -95,6 +96,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.sink: Callable[[int, int], Any] | None = None
         self._sink_offset = 0
         self._ordinal = 0  # DATA frames seen
+        self.read_data_frames = 0  # DATA frames handed out by read_frame
+        self.stream_base = 0  # DATA frames of the connection's earlier streams (a sink counts from there)
         self._frames: collections.deque[tuple[int, bytes | memoryview]] = collections.deque()
         self._queued = 0
         self._paused = False
@@ -189,12 +192,23 @@ class FrameConnection(asyncio.BufferedProtocol):
     def set_sink(self, sink: Callable[[int, int], Any] | None, offset: int = 0) -> None:
         """Lets `sink(index, length)` choose where each later DATA frame's payload is received.
 
-        `index` counts the connection's DATA frames from `offset`; the sink returns buffers whose
+        `index` counts the connection's DATA frames from `stream_base + offset` (the frames of
+        this stream, on a connection that carried others before); the sink returns buffers whose
         lengths add up to `length` (the payload is received into them, in order, and `read_frame`
         hands out a `Sunk`), or None for an ordinary payload. Frames already received are not
         affected. `detach_sink` stops it, even in the middle of a frame.
         """
-        self.sink, self._sink_offset = sink, offset
+        self.sink, self._sink_offset = sink, self.stream_base + offset
+
+    def limit_next_frame(self, limit: int) -> None:
+        """The next frame may be at most `limit` bytes (a kept-alive connection's next token)."""
+        self._limit = limit
+
+    @property
+    def idle(self) -> bool:
+        """Open, with nothing received and not yet read: where the next stream may start."""
+        return (self._closed is None and not self._frames and self._targets is None and self._got == 0
+                and self.transport is not None and not self.transport.is_closing())
 
     def detach_sink(self) -> None:
         """No frame is received into the sink's buffers from now on (the rest of a frame it was
@@ -250,6 +264,8 @@ class FrameConnection(asyncio.BufferedProtocol):
             finally:
                 self._readable = None
         kind, payload = self._frames.popleft()
+        if kind == DATA:
+            self.read_data_frames += 1
         self._queued -= len(payload)
         if self._paused and self._queued <= _READ_LIMIT // 2 and self.transport is not None:
             self._paused = False

@@ -147,6 +147,73 @@ def test_a_bulk_port_that_failed_to_answer_is_tried_again_later(make_peer):
     assert seen[-1] == (b.peer_id, True) and b.pool.get(a.addrs[0]).bulk_reachable is True
 
 
+def serve_peername(peer, seen: list) -> None:
+    """A stream that records the caller's address of its bulk connection, then echoes (reversed)."""
+
+    async def echo(requests, ctx):
+        seen.append(ctx.connection.transport.get_extra_info("peername") if ctx.connection is not None else None)
+        async for message in requests:
+            yield bytes(message)[::-1]
+
+    peer.server.add_stream(ECHO, echo, bulk=True)
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_a_clean_stream_leaves_its_connection_for_the_next_stream(make_peer, pool):
+    """Streams to one peer reuse a bulk connection (no TCP or TLS handshake, a congestion window
+    already open), with every message intact across them; `bulk_pool=False` dials one per stream."""
+    a = make_peer()
+    b = make_peer(channel_config=ChannelConfig(bulk_pool=pool))
+    seen: list = []
+    serve_peername(a, seen)
+    big = os.urandom(3 << 20)  # several sealed records and frames, past the read-ahead limit
+    for requests in ([b"one"], [big, b"x"], [], [b"two", big[:5000]]):
+        assert call(b, a, requests) == [bytes(m)[::-1] for m in requests]
+    assert None not in seen and len(seen) == 4
+    assert len(set(seen)) == (1 if pool else 4)
+
+
+def test_a_failed_stream_does_not_leave_its_connection_for_the_next(make_peer):
+    a, b = make_peer(), make_peer()
+    serve_echo(a)
+    with pytest.raises(InvalidRequest):
+        call(b, a, [b"fail", b"more"])
+    assert call(b, a, [b"ok"]) == [b"ko", f"1 from {b.peer_id[-6:]}".encode()]
+    assert len(b.pool.get(a.addrs[0])._bulk_idle) == 1  # the one of the clean stream only
+
+
+def test_a_kept_connection_to_a_restarted_callee_fails_over_to_a_fresh_dial(make_peer):
+    """The callee's bulk listener goes away and comes back on the same port (as a restarted peer
+    with a fixed `bulk_port`): the kept connection is dead, the next stream dials afresh and works."""
+    a, b = make_peer(), make_peer()
+    seen: list = []
+    serve_peername(a, seen)
+    assert call(b, a, [b"one"]) == [b"eno"]
+    port = a.server.bulk.port
+    a.run(a.server.bulk.stop())  # closes every connection, like a killed process's kernel does
+    a.run(a.server.bulk.start("127.0.0.1", port, tls.server_context(a.server.certificate)))
+    assert call(b, a, [b"two"]) == [b"owt"]
+    assert len(seen) == 2 and seen[0] != seen[1]  # over the bulk channel both times, two connections
+    assert b.pool.get(a.addrs[0]).bulk_reachable is True
+
+
+def test_a_callee_closes_a_kept_connection_after_its_idle_timeout(make_peer):
+    a, b = make_peer(), make_peer()
+    seen: list = []
+    serve_peername(a, seen)
+    a.server.bulk.idle_timeout = 0.2
+    assert call(b, a, [b"one"]) == [b"eno"]
+
+    async def closed() -> bool:
+        tasks = list(a.server.bulk._connections)
+        done, _ = await asyncio.wait(tasks, timeout=5) if tasks else (set(), set())
+        return len(done) == len(tasks)
+
+    assert a.run(closed(), timeout=10), "the idle connection is still open on the callee"
+    assert call(b, a, [b"two"]) == [b"owt"]
+    assert len(seen) == 2 and seen[0] != seen[1]
+
+
 def test_peer_without_a_bulk_channel_is_reached_over_grpc(make_peer):
     a = make_peer(server_config=ServerConfig(bulk=False))
     b = make_peer()
@@ -214,22 +281,37 @@ def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None, half_
         if half_close:
             s.shutdown(socket.SHUT_WR)
         received = bytearray()
+        offset = 0
         try:
-            while chunk := s.recv(65536):
+            # until it closes, or until the answer's END or ERROR frame (the callee then keeps the
+            # connection open for a next stream)
+            while not _ended(answer) and (chunk := s.recv(65536)):
                 received += chunk
+                while offset + 4 <= len(received):
+                    (length,) = struct.unpack_from("<I", received, offset)
+                    if offset + 4 + length > len(received):
+                        break
+                    out = bytearray(length - 16)
+                    opener.open_into(bytes(received[offset:offset + 4]),
+                                     memoryview(received)[offset + 4:offset + 4 + length], memoryview(out))
+                    answer += out
+                    offset += 4 + length
         except ConnectionResetError:
             pass  # refused by a reset: what arrived before it is the answer
-    offset = 0
-    while offset + 4 <= len(received):
-        (length,) = struct.unpack_from("<I", received, offset)
-        if offset + 4 + length > len(received):
-            break
-        out = bytearray(length - 16)
-        opener.open_into(bytes(received[offset:offset + 4]), memoryview(received)[offset + 4:offset + 4 + length],
-                         memoryview(out))
-        answer += out
-        offset += 4 + length
     return bytes(answer)
+
+
+def _ended(answer: bytes) -> bool:
+    """Whether `answer` holds a whole response stream: frames up to a complete END or ERROR."""
+    offset = 0
+    while offset + 5 <= len(answer):
+        kind, length = struct.unpack_from("<BI", answer, offset)
+        if offset + 5 + length > len(answer):
+            return False
+        if kind in (bulk.END, bulk.ERROR):
+            return True
+        offset += 5 + length
+    return False
 
 
 def test_strangers_and_replayed_tokens_get_nothing(make_peer):
