@@ -170,6 +170,7 @@ class BulkListener:
             while await self._serve(conn, wait):
                 # a clean end both ways: the caller may start its next stream here (a new token)
                 conn.limit_next_frame(TOKEN_BYTES)
+                conn.trim()
                 wait = self.idle_timeout
         except (OSError, TimeoutError) as e:  # ssl.SSLError is an OSError
             logger.debug("bulk connection ended: %s", e)
@@ -355,6 +356,7 @@ async def exchange(
         if clean and release is not None and not expired:
             conn.detach_sink()
             conn.stream_base = conn.read_data_frames
+            conn.trim()
             release(conn)
         else:
             conn.abort()

@@ -200,6 +200,12 @@ class FrameConnection(asyncio.BufferedProtocol):
         """
         self.sink, self._sink_offset = sink, self.stream_base + offset
 
+    def trim(self) -> None:
+        """Between streams: lets the transport (sealed records) free its spare buffers."""
+        trim = getattr(self.transport, "trim", None)
+        if trim is not None:
+            trim()
+
     def limit_next_frame(self, limit: int) -> None:
         """The next frame may be at most `limit` bytes (a kept-alive connection's next token)."""
         self._limit = limit

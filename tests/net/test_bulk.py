@@ -171,6 +171,10 @@ def test_a_clean_stream_leaves_its_connection_for_the_next_stream(make_peer, poo
         assert call(b, a, requests) == [bytes(m)[::-1] for m in requests]
     assert None not in seen and len(seen) == 4
     assert len(set(seen)) == (1 if pool else 4)
+    kept = b.pool.get(a.addrs[0])._bulk_idle
+    assert len(kept) == (1 if pool else 0)
+    if pool:  # waiting for its next stream, it holds no spare record buffers (3 MiB were sent)
+        assert kept[0][0].transport._pool == [] and kept[0][0].transport._plain_buffer is None
 
 
 def test_a_failed_stream_does_not_leave_its_connection_for_the_next(make_peer):
