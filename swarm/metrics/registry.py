@@ -34,34 +34,35 @@ _NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 
-_gauge: type | None = None
+_gauge: type[Gauge] | None = None
 
 
-def _gauge_class() -> type:
+def _gauge_class() -> type[Gauge]:
     """`Gauge`, made on first use (it subclasses prometheus_client's, which is imported then)."""
     global _gauge
-    if _gauge is None:
-        import prometheus_client
+    if _gauge is not None:
+        return _gauge
+    import prometheus_client
 
-        class Gauge(prometheus_client.Gauge):
-            """prometheus_client's gauge, except that a `set_function` probe that raises reads as NaN.
+    class Gauge(prometheus_client.Gauge):
+        """prometheus_client's gauge, except that a `set_function` probe that raises reads as NaN.
 
-            A probe reads live state (a queue's length, a routing table's size) at scrape time; one that
-            fails, e.g. because what it reads has shut down, must not make the whole scrape fail.
-            """
+        A probe reads live state (a queue's length, a routing table's size) at scrape time; one that
+        fails, e.g. because what it reads has shut down, must not make the whole scrape fail.
+        """
 
-            def set_function(self, f: Callable[[], float]) -> None:
-                def probe() -> float:
-                    try:
-                        return float(f())
-                    except Exception:  # noqa: BLE001 - any failure of one probe is that one value's NaN
-                        return math.nan
+        def set_function(self, f: Callable[[], float]) -> None:
+            def probe() -> float:
+                try:
+                    return float(f())
+                except Exception:  # noqa: BLE001 - any failure of one probe is that one value's NaN
+                    return math.nan
 
-                super().set_function(probe)
+            super().set_function(probe)
 
-        Gauge.__module__, Gauge.__qualname__ = __name__, "Gauge"
-        _gauge = Gauge
-    return _gauge
+    Gauge.__module__, Gauge.__qualname__ = __name__, "Gauge"
+    _gauge = Gauge  # type: ignore[assignment]  # the class TYPE_CHECKING describes
+    return Gauge  # type: ignore[return-value]
 
 
 def __getattr__(name: str) -> Any:
