@@ -169,7 +169,6 @@ class BulkListener:
             wait = self.token_ttl
             while await self._serve(conn, wait):
                 # a clean end both ways: the caller may start its next stream here (a new token)
-                conn.limit_next_frame(TOKEN_BYTES)
                 conn.trim()
                 wait = self.idle_timeout
         except (OSError, TimeoutError) as e:  # ssl.SSLError is an OSError

@@ -78,11 +78,14 @@ class FrameConnection(asyncio.BufferedProtocol):
     `read_frame` returns (kind, payload); a payload of at least `_SMALL` bytes is a memoryview of
     the buffer the frame was received into, smaller ones are `bytes`. Reading pauses while more than
     `_READ_LIMIT` bytes of frames wait for the reader; `drain` waits while the transport holds
-    more than its high-water mark.
+    more than its high-water mark. With `first_frame_limit` (the callee's end), the first frame and
+    every frame right after a received END (a kept-alive connection's next token) may be at most
+    that large.
     """
 
     def __init__(self, max_frame_bytes: int, first_frame_limit: int | None = None) -> None:
         self.max_frame_bytes = max_frame_bytes
+        self._first_frame_limit = first_frame_limit
         self._limit = first_frame_limit or max_frame_bytes  # strangers get a small first frame
         self.transport: Any = None
         self._header = bytearray(_HEADER.size)
@@ -142,6 +145,9 @@ class FrameConnection(asyncio.BufferedProtocol):
                 self._sunk = Sunk(views, length)
                 self._targets = [v for v in views if len(v)]
             elif length == 0:
+                if kind == END and self._first_frame_limit is not None:
+                    # the caller's stream ended: what may follow is the token of its next stream
+                    self._limit = self._first_frame_limit
                 self._push(kind, b"")
                 return
             else:
@@ -205,10 +211,6 @@ class FrameConnection(asyncio.BufferedProtocol):
         trim = getattr(self.transport, "trim", None)
         if trim is not None:
             trim()
-
-    def limit_next_frame(self, limit: int) -> None:
-        """The next frame may be at most `limit` bytes (a kept-alive connection's next token)."""
-        self._limit = limit
 
     @property
     def idle(self) -> bool:

@@ -177,6 +177,29 @@ def test_a_clean_stream_leaves_its_connection_for_the_next_stream(make_peer, poo
         assert kept[0][0].transport._pool == [] and kept[0][0].transport._plain_buffer is None
 
 
+def test_a_next_stream_sent_right_behind_the_last_ones_end_is_served(make_peer):
+    """A caller may send its next token and data in the same packet as the END of its last stream
+    (before the callee finished that stream): the token limit applies to the frame after the END
+    exactly, not to whatever frame the callee reads when it gets round to it."""
+    a, b = make_peer(), make_peer()
+    seen: list = []
+    serve_echo(a, seen)
+    (port, first), (_, second) = _token(b, a), _token(b, a)
+    big = os.urandom(1 << 20)
+    request = (_frame(bulk.DATA, first) + _frame(bulk.DATA, b"one") + _frame(bulk.END, b"")
+               + _frame(bulk.DATA, second) + _frame(bulk.DATA, big) + _frame(bulk.END, b""))
+    records = [request[i:i + sealed.RECORD_BYTES] for i in range(0, len(request), sealed.RECORD_BYTES)]
+    answer = sealed_talk(port, records, a.peer_id, streams=2)
+    assert answer.startswith(_frame(bulk.DATA, b"eno"))
+    assert _frame(bulk.DATA, big[::-1]) in answer and answer.endswith(_frame(bulk.END, b""))
+    assert len(seen) == 2
+    # a frame larger than a token right after an END is refused like a stranger's first frame:
+    # the connection is cut (here before the first stream's answer, which was still to come)
+    (port, third) = _token(b, a)
+    request = (_frame(bulk.DATA, third) + _frame(bulk.END, b"") + _frame(bulk.DATA, b"x" * 100))
+    assert sealed_talk(port, [request], a.peer_id, streams=2) == b""
+
+
 def test_a_failed_stream_does_not_leave_its_connection_for_the_next(make_peer):
     a, b = make_peer(), make_peer()
     serve_echo(a)
@@ -259,10 +282,12 @@ def _talk(port: int, data: bytes, callee: str) -> bytes:
     return sealed_talk(port, [data], callee)
 
 
-def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None, half_close: bool = False) -> bytes:
+def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None, half_close: bool = False,
+                streams: int = 1) -> bytes:
     """`_talk` with the request bytes cut into `records` (each sealed on its own); `tamper(list of
     sealed records)` may alter, drop, reorder or repeat them before they are sent; `half_close`
-    ends the caller's side of the TCP connection after them (a cut stream)."""
+    ends the caller's side of the TCP connection after them (a cut stream); it reads until the
+    connection closes or `streams` response streams have ended."""
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     tls_object = tls.client_context(callee).wrap_bio(incoming, outgoing, server_hostname=tls.SERVER_NAME)
     answer = bytearray()
@@ -289,7 +314,7 @@ def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None, half_
         try:
             # until it closes, or until the answer's END or ERROR frame (the callee then keeps the
             # connection open for a next stream)
-            while not _ended(answer) and (chunk := s.recv(65536)):
+            while not _ended(answer, streams) and (chunk := s.recv(65536)):
                 received += chunk
                 while offset + 4 <= len(received):
                     (length,) = struct.unpack_from("<I", received, offset)
@@ -305,15 +330,17 @@ def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None, half_
     return bytes(answer)
 
 
-def _ended(answer: bytes) -> bool:
-    """Whether `answer` holds a whole response stream: frames up to a complete END or ERROR."""
+def _ended(answer: bytes, streams: int = 1) -> bool:
+    """Whether `answer` holds `streams` whole response streams (each up to an END or ERROR frame)."""
     offset = 0
     while offset + 5 <= len(answer):
         kind, length = struct.unpack_from("<BI", answer, offset)
         if offset + 5 + length > len(answer):
             return False
         if kind in (bulk.END, bulk.ERROR):
-            return True
+            streams -= 1
+            if streams == 0:
+                return True
         offset += 5 + length
     return False
 
