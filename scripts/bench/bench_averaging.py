@@ -61,7 +61,9 @@ def swarm_worker(args: argparse.Namespace) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s")
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
         logging.getLogger("swarm.net").setLevel(logging.DEBUG)
-    peer = Peer(insecure=args.insecure)
+    from swarm.net.channels import ChannelConfig
+
+    peer = Peer(insecure=args.insecure, channel_config=ChannelConfig(bulk_pool=not args.no_pool))
     baseline = _rss_mb()
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
     addrs = json.loads(sys.stdin.readline())["addrs"]
@@ -197,14 +199,15 @@ def barrier(socks: dict[int, socket.socket], index: int) -> None:
 
 
 def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0, transport: str = "bulk",
-              insecure: bool = False) -> list[dict]:
+              insecure: bool = False, pool: bool = True) -> list[dict]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="33554432", MALLOC_TRIM_THRESHOLD_="1073741824",
                PYTHONPATH=ROOT)
     procs = []
     for i in range(n):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--index", str(i), "--n", str(n),
                "--mbytes", str(args.mbytes), "--rounds", str(args.rounds), "--compression", str(compression),
-               "--transport", transport, *(["--insecure"] if insecure else [])]
+               "--transport", transport, *(["--insecure"] if insecure else []),
+               *([] if pool else ["--no-pool"])]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
     try:
         addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
@@ -249,6 +252,9 @@ def main() -> None:
     parser.add_argument("--transport", choices=["bulk", "grpc"], default="bulk", help=argparse.SUPPRESS)
     parser.add_argument("--insecure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--skip-plaintext", action="store_true", help="skip the plaintext (--insecure) run")
+    parser.add_argument("--no-pool", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compare-pool", action="store_true",
+                        help="also run TLS and plaintext with a fresh bulk connection per stream (bulk_pool=False)")
     parser.add_argument("--plaintext-first", action="store_true", help="run the plaintext group before the TLS one")
     args = parser.parse_args()
     if args.worker == "swarm":
@@ -284,6 +290,14 @@ def main() -> None:
                   f" {plain_cpu:.3f} s of CPU per peer per round", flush=True)
             print(f"TLS/plaintext         {n} peers: {100 * plain / bulk:.0f}% of plaintext throughput"
                   f" (goal >= 85%); CPU {cpu / plain_cpu:.2f}x", flush=True)
+        if args.compare_pool:
+            for insecure in (False, True):
+                unpooled_reports = run_group("swarm", n, args, insecure=insecure, pool=False)
+                unpooled = round_seconds(unpooled_reports)
+                unpooled_cpu = statistics.median(c for r in unpooled_reports for c in r["cpu"])
+                print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32, {'plaintext' if insecure else 'TLS'}, "
+                      f"a new bulk connection per stream (bulk_pool=False): {unpooled:.3f} s/round;"
+                      f" {unpooled_cpu:.3f} s of CPU per peer per round", flush=True)
         peak = max(r["peak_mb"] for r in reports)
         base = max(r["baseline_mb"] for r in reports)
         tensor = reports[0]["tensor_mb"]

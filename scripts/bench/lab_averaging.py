@@ -41,7 +41,9 @@ def worker(args: argparse.Namespace) -> None:
                             format=f"%(created).3f h{args.index} %(name)s %(message)s")
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
         logging.getLogger("swarm.net").setLevel(logging.DEBUG)
-    peer = Peer(listen=f"/ip4/{args.address}/tcp/0")
+    from swarm.net.channels import ChannelConfig
+
+    peer = Peer(listen=f"/ip4/{args.address}/tcp/0", channel_config=ChannelConfig(bulk_pool=not args.no_pool))
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
     addrs = json.loads(sys.stdin.readline())["addrs"]
     numel = args.mbytes * 1_000_000 // 4
@@ -120,7 +122,8 @@ def sample_sockets(lab, n: int, path: str, stop: threading.Event) -> None:
             out.flush()
 
 
-def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool = False) -> list[dict]:
+def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool = False,
+              pool: bool = True) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
     procs = []
@@ -128,14 +131,16 @@ def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool
         host = f"h{i}"
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--address",
                 lab.address(host), "--mbytes", str(args.mbytes), "--rounds", str(args.rounds),
-                "--compression", str(compression), *(["--raw"] if raw else []), *(["--diag", args.diag] if args.diag else [])]
-        log = os.path.join(args.diag, f"{n}-{compression}-{'raw' if raw else 'swarm'}-h{i}.log") if args.diag else ""
+                "--compression", str(compression), *(["--raw"] if raw else []), *(["--diag", args.diag] if args.diag else []),
+                *([] if pool else ["--no-pool"])]
+        kind = "raw" if raw else "swarm" if pool else "swarm-nopool"
+        log = os.path.join(args.diag, f"{n}-{compression}-{kind}-h{i}.log") if args.diag else ""
         with open(log or os.devnull, "wb") as stderr:  # the child keeps its own descriptor
             procs.append(lab.spawn(host, argv, stdin=subprocess.PIPE, env=env, stderr=stderr if log else None))
     stop = threading.Event()
     if args.diag:
         threading.Thread(target=sample_sockets, daemon=True, args=(
-            lab, n, os.path.join(args.diag, f"{n}-{compression}-{'raw' if raw else 'swarm'}-ss.txt"), stop)).start()
+            lab, n, os.path.join(args.diag, f"{n}-{compression}-{kind}-ss.txt"), stop)).start()
     try:
         addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
         for p in procs:
@@ -172,6 +177,9 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=12.5)
     parser.add_argument("--wire", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
     parser.add_argument("--only", choices=["raw", "swarm"], default=None, help="run only one of the two")
+    parser.add_argument("--compare-pool", action="store_true",
+                        help="also run swarm with a fresh bulk connection per stream (bulk_pool=False, the baseline)")
+    parser.add_argument("--no-pool", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--diag", default="", help="a folder: per-peer debug logs and `ss -tin` samples go there")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -189,17 +197,21 @@ def main() -> None:
           f"{4 * args.delay_ms:g} ms round trip between hosts; {args.rounds} rounds after one warm-up", flush=True)
     for n in args.peers:
         with Lab([HostSpec(f"h{i}", link) for i in range(n)], seed=1) as lab:
-            for compression, wire, raw in ((0, "fp32", True), (0, "fp32", False), (1, "fp16", True), (1, "fp16", False)):
+            runs = [(0, "fp32", True, True), (0, "fp32", False, True), (0, "fp32", False, False),
+                    (1, "fp16", True, True), (1, "fp16", False, True), (1, "fp16", False, False)]
+            for compression, wire, raw, pool in runs:
                 if wire not in args.wire or (args.only and args.only != ("raw" if raw else "swarm")):
+                    continue
+                if not pool and not args.compare_pool:
                     continue
                 t0 = lab.relay_stats()["cpu_seconds"]
                 w0 = time.monotonic()
-                times = round_seconds(run_group(lab, n, args, compression, raw))
+                times = round_seconds(run_group(lab, n, args, compression, raw, pool))
                 relay_cpu = (lab.relay_stats()["cpu_seconds"] - t0) / (time.monotonic() - w0)
                 sent = 2 * (n - 1) / n * args.mbytes * 1e6 / (2 if compression else 1)
                 bound = sent * 8 / (args.mbit * 1e6)
                 median = statistics.median(times) if times else float("nan")
-                who = "raw TCP butterfly" if raw else "swarm averager   "
+                who = "raw TCP butterfly" if raw else "swarm averager   " if pool else "swarm, no pool   "
                 print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "
                       f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core", flush=True)

@@ -44,15 +44,19 @@ API for subsystems (averaging, MoE, optim)::
   where one process runs several peers, as simulations do); both are rendered in that peer's
   scrape. A name must live in only one of them.
 
+Nothing here imports prometheus_client until a family is asked for (``REGISTRY.counter(...)``,
+``AVERAGING_ROUNDS``, ...) or a registry is rendered, so a DHT-only daemon without
+``--metrics-port`` never loads it (BENCHMARKS.md, "Transport security": ~4.5 MB of RSS).
+
 prometheus_client takes a lock per update, so these updates are exact from any thread; the RPC
 numbers are updated and read on the peer's event loop only.
 """
 
 from __future__ import annotations
 
-from prometheus_client import ProcessCollector
+from typing import Any
 
-from swarm.metrics.registry import DEFAULT_BUCKETS, Counter, Gauge, Histogram, Registry
+from swarm.metrics.registry import DEFAULT_BUCKETS, Registry
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics
 
 __all__ = [
@@ -60,16 +64,44 @@ __all__ = [
     "Gauge", "Histogram", "MethodMetrics", "RPCMetrics", "Registry",
 ]
 
-REGISTRY = Registry()
+
+def _declare(registry: Registry) -> None:
+    """What the process-wide registry holds from the start (run when prometheus_client is loaded)."""
+    from prometheus_client import ProcessCollector
+
+    registry.register(ProcessCollector(registry=None))
+    for make in _FAMILIES.values():
+        make()
+
+
+REGISTRY = Registry(_declare)
 """Process-wide metrics, rendered in the scrape of every peer of the process."""
-REGISTRY.register(ProcessCollector(registry=None))
 
-AVERAGING_ROUNDS = REGISTRY.counter(
-    "swarm_averaging_rounds_total", "Averaging rounds this process took part in, by outcome", ("outcome",))
-for _outcome in ("succeeded", "failed"):
-    AVERAGING_ROUNDS.labels(_outcome)  # both series exist (at 0) before the first round
 
-EXPERT_BATCHES = REGISTRY.counter(
-    "swarm_expert_batches_total", "Batches an expert processed (forward or backward)", ("expert",))
-EXPERT_QUEUE_DEPTH = REGISTRY.gauge(
-    "swarm_expert_queue_depth", "Tasks waiting in an expert's queue", ("expert",))
+def _averaging_rounds() -> Any:
+    family = REGISTRY.counter(
+        "swarm_averaging_rounds_total", "Averaging rounds this process took part in, by outcome", ("outcome",))
+    for outcome in ("succeeded", "failed"):
+        family.labels(outcome)  # both series exist (at 0) before the first round
+    return family
+
+
+_FAMILIES = {
+    "AVERAGING_ROUNDS": _averaging_rounds,
+    "EXPERT_BATCHES": lambda: REGISTRY.counter(
+        "swarm_expert_batches_total", "Batches an expert processed (forward or backward)", ("expert",)),
+    "EXPERT_QUEUE_DEPTH": lambda: REGISTRY.gauge(
+        "swarm_expert_queue_depth", "Tasks waiting in an expert's queue", ("expert",)),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The declared families and prometheus_client's classes, made (and imported) on first use."""
+    if name in _FAMILIES:
+        family = globals()[name] = _FAMILIES[name]()
+        return family
+    if name in ("Counter", "Gauge", "Histogram"):
+        from swarm.metrics import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

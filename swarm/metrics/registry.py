@@ -5,6 +5,10 @@ return prometheus_client's own `Counter`, `Gauge` and `Histogram` (so ``.labels(
 ``.set_function(fn)``, ``.observe(s)``, ``.time()`` are the library's), and `render` is its text
 exposition (format 0.0.4). Asking twice for the same name, kind and labels returns the same
 family, so per-instance code and module reloads are safe; a clash is a `ValueError`.
+
+prometheus_client (with the `http.server`, `email` and `wsgiref` modules it imports, ~4.5 MB of a
+process's memory) is imported when a registry gets its first family or collector, or is rendered:
+a peer that never does (a DHT-only daemon without `--metrics-port`) never loads it.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.registry import Collector
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+    from prometheus_client.registry import Collector
 
 __all__ = ["DEFAULT_BUCKETS", "Counter", "Gauge", "Histogram", "Registry", "render"]
 
@@ -30,32 +34,77 @@ _NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 
-class Gauge(prometheus_client.Gauge):
-    """prometheus_client's gauge, except that a `set_function` probe that raises reads as NaN.
-
-    A probe reads live state (a queue's length, a routing table's size) at scrape time; one that
-    fails, e.g. because what it reads has shut down, must not make the whole scrape fail.
-    """
-
-    def set_function(self, f: Callable[[], float]) -> None:
-        def probe() -> float:
-            try:
-                return float(f())
-            except Exception:  # noqa: BLE001 - any failure of one probe is that one value's NaN
-                return math.nan
-
-        super().set_function(probe)
+_gauge: type[Gauge] | None = None
 
 
-MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
+def _gauge_class() -> type[Gauge]:
+    """`Gauge`, made on first use (it subclasses prometheus_client's, which is imported then)."""
+    global _gauge
+    if _gauge is not None:
+        return _gauge
+    import prometheus_client
+
+    class Gauge(prometheus_client.Gauge):
+        """prometheus_client's gauge, except that a `set_function` probe that raises reads as NaN.
+
+        A probe reads live state (a queue's length, a routing table's size) at scrape time; one that
+        fails, e.g. because what it reads has shut down, must not make the whole scrape fail.
+        """
+
+        def set_function(self, f: Callable[[], float]) -> None:
+            def probe() -> float:
+                try:
+                    return float(f())
+                except Exception:  # noqa: BLE001 - any failure of one probe is that one value's NaN
+                    return math.nan
+
+            super().set_function(probe)
+
+    Gauge.__module__, Gauge.__qualname__ = __name__, "Gauge"
+    _gauge = Gauge  # type: ignore[assignment]  # the class TYPE_CHECKING describes
+    return Gauge  # type: ignore[return-value]
+
+
+def __getattr__(name: str) -> Any:
+    """`Counter`, `Gauge` and `Histogram`: prometheus_client's classes (and swarm's gauge), imported
+    on first use."""
+    if name in ("Counter", "Histogram"):
+        import prometheus_client
+
+        return getattr(prometheus_client, name)
+    if name == "Gauge":
+        return _gauge_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from prometheus_client import Gauge as _PrometheusGauge
+
+    class Gauge(_PrometheusGauge):  # what `_gauge_class` makes
+        def set_function(self, f: Callable[[], float]) -> None: ...
+
+
+MetricT = TypeVar("MetricT", "Counter", "Gauge", "Histogram")
 
 
 class Registry:
     """A set of metric families with unique names, rendered together for one scrape."""
 
-    def __init__(self) -> None:
-        self.collectors = CollectorRegistry(auto_describe=True)
+    def __init__(self, setup: Callable[[Registry], None] | None = None) -> None:
+        self._collectors: CollectorRegistry | None = None
+        self._setup = setup  # run once the prometheus_client registry exists (e.g. adds collectors)
         self._metrics: dict[str, Counter | Gauge | Histogram] = {}
+
+    @property
+    def collectors(self) -> CollectorRegistry:
+        """The prometheus_client registry, made (and prometheus_client imported) on first use."""
+        if self._collectors is None:
+            from prometheus_client import CollectorRegistry
+
+            self._collectors = CollectorRegistry(auto_describe=True)
+            if self._setup is not None:
+                self._setup(self)
+        return self._collectors
 
     def _get_or_create(self, cls: type[MetricT], name: str, help: str, labels: Sequence[str],
                        **kwargs: Any) -> MetricT:
@@ -64,9 +113,10 @@ class Registry:
         if isinstance(labels, str):
             raise TypeError(f"labels of {name} must be a sequence of names, not the string {labels!r}")
         labels = tuple(labels)
+        collectors = self.collectors  # first: its setup may declare this very family
         existing = self._metrics.get(name)
         if existing is None:
-            metric = cls(name, help, labels, registry=self.collectors, **kwargs)
+            metric = cls(name, help, labels, registry=collectors, **kwargs)
             return self._metrics.setdefault(name, metric)  # type: ignore[return-value]
         if type(existing) is not cls or tuple(existing._labelnames) != labels:
             raise ValueError(f"metric {name} already exists as a {existing._type} with labels "
@@ -75,16 +125,20 @@ class Registry:
 
     def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
         """A counter family (name it ``..._total``); `labels` names its label dimensions."""
-        return self._get_or_create(Counter, name, help, labels)
+        import prometheus_client
+
+        return self._get_or_create(prometheus_client.Counter, name, help, labels)
 
     def gauge(self, name: str, help: str, labels: Sequence[str] = ()) -> Gauge:
         """A gauge family; `labels` names its label dimensions."""
-        return self._get_or_create(Gauge, name, help, labels)
+        return self._get_or_create(_gauge_class(), name, help, labels)
 
     def histogram(self, name: str, help: str, labels: Sequence[str] = (),
                   buckets: Sequence[float] = DEFAULT_BUCKETS) -> Histogram:
         """A histogram family with the given bucket upper bounds (+Inf is implied)."""
-        return self._get_or_create(Histogram, name, help, labels, buckets=tuple(buckets))
+        import prometheus_client
+
+        return self._get_or_create(prometheus_client.Histogram, name, help, labels, buckets=tuple(buckets))
 
     def register(self, collector: Collector) -> None:
         """Adds any prometheus_client collector (e.g. `ProcessCollector`) to what `render` shows."""
@@ -126,4 +180,6 @@ class _Chain:
 
 def render(registries: Iterable[Registry]) -> str:
     """The text exposition (0.0.4) of several registries, one after the other."""
+    from prometheus_client import generate_latest
+
     return generate_latest(_Chain(registries)).decode()  # type: ignore[arg-type]

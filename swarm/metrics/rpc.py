@@ -19,16 +19,12 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
-
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.utils import floatToGoString
+from typing import TYPE_CHECKING
 
 from swarm.metrics.registry import DEFAULT_BUCKETS, Registry
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 __all__ = ["Count", "Latency", "MethodMetrics", "RPCCollector", "RPCMetrics"]
 
@@ -103,6 +99,14 @@ class RPCCollector:
         self.rpc = rpc
 
     def collect(self) -> Iterator[Metric]:
+        # prometheus_client only at scrape time (swarm.metrics.registry)
+        from prometheus_client.metrics_core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+        from prometheus_client.utils import floatToGoString
+
         rpc, prefix = self.rpc, f"swarm_rpc_{self.rpc.side}"
         who = "this peer served" if rpc.side == "server" else "this peer made"
         calls = CounterMetricFamily(f"{prefix}_calls", f"RPCs {who}, by method and outcome (ok or error)",
@@ -139,8 +143,7 @@ class RPCMetrics:
         self.side = side
         self.in_flight = 0
         self.methods: dict[str, MethodMetrics] = {}
-        self.registry = Registry()
-        self.registry.register(RPCCollector(self))
+        self.registry = Registry(lambda registry: registry.register(RPCCollector(self)))
 
     def method(self, path: str) -> MethodMetrics:
         """The bound metrics of `path` (e.g. ``/swarm.Peer/Info``), created on first use."""

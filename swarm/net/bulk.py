@@ -53,7 +53,7 @@ OPEN_BULK = "/swarm.Peer/OpenBulk"
 TOKEN_BYTES = 16
 
 __all__ = ["DATA", "END", "ERROR", "OPEN_BULK", "TOKEN_BYTES", "BulkListener", "BulkProtocolError",
-           "FrameConnection", "Sink", "Sunk", "connect", "exchange"]
+           "FrameConnection", "Sink", "Sunk", "connect", "exchange", "reuse"]
 
 
 @dataclass
@@ -86,18 +86,21 @@ class BulkListener:
         make_context: builds the handler's `CallContext` from (caller PeerID, deadline, connection).
         max_frame_bytes: largest frame accepted.
         token_ttl: seconds a token stays valid before its connection arrives.
+        idle_timeout: seconds a connection whose stream ended cleanly waits for the caller's next
+            token before it is closed (callers keep theirs for less, `ChannelConfig.bulk_idle_timeout`).
         max_tickets: tokens outstanding at once (more are refused: RESOURCE_EXHAUSTED).
     """
 
     def __init__(
         self, handlers: dict[str, Any], make_context: Callable[[str, float, FrameConnection], Any],
         max_frame_bytes: int,
-        token_ttl: float = 10.0, max_tickets: int = 4096,
+        token_ttl: float = 10.0, max_tickets: int = 4096, idle_timeout: float = 60.0,
     ) -> None:
         self.handlers = handlers
         self.make_context = make_context
         self.max_frame_bytes = max_frame_bytes
         self.token_ttl = token_ttl
+        self.idle_timeout = idle_timeout
         self.max_tickets = max_tickets
         self.port: int | None = None
         self._tickets: dict[bytes, _Ticket] = {}
@@ -163,30 +166,39 @@ class BulkListener:
             # over TLS the frames start only once the handshake and the key agreement succeeded
             # (never, for a plaintext or unverifiable caller): wait a bounded time
             await asyncio.wait_for(asyncio.shield(ready), self.token_ttl)
-            await self._serve(conn)
+            wait = self.token_ttl
+            while await self._serve(conn, wait):
+                # a clean end both ways: the caller may start its next stream here (a new token)
+                conn.trim()
+                wait = self.idle_timeout
         except (OSError, TimeoutError) as e:  # ssl.SSLError is an OSError
             logger.debug("bulk connection ended: %s", e)
         finally:
             protocol.close()
 
-    async def _serve(self, conn: FrameConnection) -> None:
+    async def _serve(self, conn: FrameConnection, wait: float) -> bool:
+        """One stream; True when it ended cleanly both ways (the connection may carry another)."""
         # the first frame is the token (a stranger gets nothing bigger than that read)
-        kind, token = await asyncio.wait_for(conn.read_frame(), self.token_ttl)
+        kind, token = await asyncio.wait_for(conn.read_frame(), wait)
         ticket = self._tickets.pop(bytes(token), None) if kind == DATA else None
         if ticket is None or ticket.expires < time.monotonic():
-            return  # unknown, used or expired: nothing to say to a stranger
+            return False  # unknown, used or expired: nothing to say to a stranger
+        conn.stream_base = conn.read_data_frames - 1  # the token is this stream's first message
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ticket.timeout
         ctx = self.make_context(ticket.caller, deadline, conn)
         me = asyncio.current_task()
         assert me is not None
         expire = loop.call_at(deadline, me.cancel)
-        responses = self.handlers[ticket.method](_requests(conn), ctx)
+        requests = _Requests(conn)
+        responses = self.handlers[ticket.method](requests, ctx)
+        clean = False
         try:
             async for response in responses:
                 conn.write_frame(DATA, response)
                 await conn.drain()
             conn.write_frame(END)
+            clean = True
         except asyncio.CancelledError:
             if loop.time() < deadline:
                 raise  # the listener stops
@@ -200,30 +212,47 @@ class BulkListener:
         finally:
             expire.cancel()
             await responses.aclose()
-        # Let the caller close first: closing with its data still unread would reset the
-        # connection and could destroy our last frames on the way.
+            conn.detach_sink()  # the handler's buffers get nothing of a later stream
+        # Let the caller close first (closing with its data still unread would reset the
+        # connection and could destroy our last frames on the way), or end its half: then the
+        # connection is kept for the caller's next stream.
         try:
-            await asyncio.wait_for(_discard_until_closed(conn), 2.0)
+            return await asyncio.wait_for(_until_end(conn, requests.ended), 2.0) and clean
         except TimeoutError:
-            pass
+            return False
 
 
-async def _requests(conn: FrameConnection) -> AsyncIterator[bytes | memoryview]:
-    while True:
-        kind, payload = await conn.read_frame()
+class _Requests:
+    """The caller's messages of one stream, up to its END (`ended` says whether that came)."""
+
+    def __init__(self, conn: FrameConnection) -> None:
+        self.conn = conn
+        self.ended = False
+
+    def __aiter__(self) -> _Requests:
+        return self
+
+    async def __anext__(self) -> bytes | memoryview:
+        if self.ended:
+            raise StopAsyncIteration
+        kind, payload = await self.conn.read_frame()
         if kind == END:
-            return
+            self.ended = True
+            raise StopAsyncIteration
         if kind != DATA:
             raise BulkProtocolError("the caller sent an ERROR frame")
-        yield payload
+        return payload
 
 
-async def _discard_until_closed(conn: FrameConnection) -> None:
+async def _until_end(conn: FrameConnection, ended: bool) -> bool:
+    """Discards the caller's messages up to its END: True then, False when the connection closes."""
     try:
-        while True:
-            await conn.read_frame()
+        while not ended:
+            kind, _ = await conn.read_frame()
+            ended = kind == END
+        return True
     except BulkProtocolError:
-        pass
+        return False
 
 
 async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_bytes: int,
@@ -283,12 +312,16 @@ async def _dial(loop: asyncio.AbstractEventLoop, host: str, port: int, timeout: 
 async def exchange(
     conn: FrameConnection, requests: AsyncIterator[bytes] | Iterable[bytes], deadline: float, peer_id: str,
     method: str, on_sent: Callable[[int], None] | None = None, on_received: Callable[[int], None] | None = None,
+    release: Callable[[FrameConnection], None] | None = None,
 ) -> AsyncIterator[bytes | memoryview]:
     """The caller's side of one bulk stream on a connection from `connect`: sends `requests`, yields
     the responses. Raises `DeadlineExceeded` past `deadline` (loop time), `PeerUnreachable` when the
-    connection breaks, and the callee's error as the typed error its status maps to."""
+    connection breaks, and the callee's error as the typed error its status maps to. A stream that
+    ended cleanly both ways hands its connection to `release` (to carry a later stream: `reuse`)
+    instead of closing it."""
     loop = asyncio.get_running_loop()
     expired = False
+    clean = False
 
     def expire() -> None:
         nonlocal expired
@@ -308,6 +341,7 @@ async def exchange(
                     raise cast(BaseException, sender.exception()) from None  # the request iterator failed
                 raise PeerUnreachable(f"bulk stream broke: {e} ({method} on {peer_id})", peer_id=peer_id) from None
             if kind == END:
+                clean = sender.done() and not sender.cancelled() and sender.exception() is None and conn.idle
                 return
             if kind == ERROR:
                 raise decode_error(payload, peer_id, method)
@@ -318,7 +352,45 @@ async def exchange(
         timer.cancel()
         sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)
+        if clean and release is not None and not expired:
+            conn.detach_sink()
+            conn.stream_base = conn.read_data_frames
+            conn.trim()
+            release(conn)
+        else:
+            conn.abort()
+
+
+def reuse(conn: FrameConnection, token: bytes) -> bool:
+    """Starts a stream on a kept-alive connection (from `exchange`'s `release`) by sending its token;
+    False when the connection is no longer usable (closed by the callee, which may have restarted,
+    or sent something unasked): the caller then dials a fresh one with the same token."""
+    if not conn.idle or not _socket_open(conn):
         conn.abort()
+        return False
+    conn.write_frame(DATA, token)
+    return True
+
+
+def _socket_open(conn: FrameConnection) -> bool:
+    """Whether the kernel still holds the connection open with nothing unread: catches a callee's
+    close (a FIN or a reset already arrived) that the event loop has not processed yet."""
+    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+    if sock is None:
+        return True
+    try:
+        probe = socket.socket(fileno=os.dup(sock.fileno()))
+    except OSError:
+        return False
+    try:
+        probe.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return False  # closed (b""), or bytes nobody asked for
+    except BlockingIOError:
+        return True  # open, nothing to read
+    except OSError:
+        return False  # reset
+    finally:
+        probe.close()
 
 
 def _length(message: Any) -> int:

@@ -64,6 +64,13 @@ class ChannelConfig:
             fall back to gRPC (for `bulk_retry_after` seconds, doubling while it stays unreachable).
         bulk_retry_after: seconds after a failed dial of a peer's bulk port before its streams try
             it again: a dial lost to congestion does not send that peer's tensors over gRPC forever.
+        bulk_pool: keep a bulk connection whose stream ended cleanly for the next stream to the
+            same peer (`swarm.net.bulk.reuse`): no TCP or TLS handshake, and a congestion window
+            already open; False dials one per stream (the behaviour before, for comparison).
+        bulk_idle_timeout: seconds a kept bulk connection waits for its next stream before it is
+            closed (less than the callee's `BulkListener.idle_timeout`, 60 s, so that the callee
+            never closes one just as the caller reuses it).
+        bulk_pool_size: the most bulk connections kept per peer.
         multiplex: send small unary calls on one Calls stream per peer (`swarm.net.calls`);
             False sends each as a gRPC unary call of its own.
         calls_idle_timeout: seconds without calls after which a Calls stream ends (the next call
@@ -79,6 +86,9 @@ class ChannelConfig:
     handshake_timeout: float = 5.0
     bulk_connect_timeout: float = 1.0
     bulk_retry_after: float = 30.0
+    bulk_pool: bool = True
+    bulk_idle_timeout: float = 30.0
+    bulk_pool_size: int = 16
     multiplex: bool = True
     calls_idle_timeout: float = 60.0
     calls_retry_after: float = 10.0
@@ -89,6 +99,8 @@ class ChannelConfig:
             raise ConfigError("timeouts must be positive")
         if self.bulk_retry_after <= 0:
             raise ConfigError("bulk_retry_after must be positive")
+        if self.bulk_idle_timeout <= 0 or self.bulk_pool_size < 0:
+            raise ConfigError("bulk_idle_timeout must be positive and bulk_pool_size not negative")
 
 
 class PeerChannel:
@@ -104,6 +116,9 @@ class PeerChannel:
         self.bulk_reachable: bool | None = None  # None: not tried yet; False: use gRPC streams only
         self._bulk_retry_at = 0.0  # while bulk_reachable is False: loop time its port is dialled again
         self._bulk_retry_after = pool.config.bulk_retry_after
+        # kept bulk connections, the most recently used last: (connection, callee's bulk port, expiry)
+        self._bulk_idle: list[tuple[bulk_channel.FrameConnection, int, asyncio.TimerHandle]] = []
+        self._closed = False
         self._calls: CallStream | None = None  # small unary calls, multiplexed (swarm.net.calls)
         self.calls_supported = pool.config.multiplex  # False: unary calls of their own (or an older peer)
         self._calls_refused_until = 0.0  # loop time until which calls skip the stream (it was refused)
@@ -341,12 +356,13 @@ class PeerChannel:
                 def count_received(n: int) -> None:
                     received.value += n
 
-                conn, deadline = connection
+                conn, deadline, port = connection
                 if sink is not None:
                     sink.attach(conn)
                 try:
                     async for response in bulk_channel.exchange(
                         conn, requests, deadline, self.peer_id, method, count_sent, count_received,
+                        release=lambda c: self._keep_bulk(c, port),
                     ):
                         yield response
                     ok = True
@@ -370,8 +386,9 @@ class PeerChannel:
             call.cancel()
             stats.finish(started, ok)  # metrics
 
-    async def _open_bulk(self, method: str, timeout: float) -> tuple[bulk_channel.FrameConnection, float] | None:
-        """A connection for one bulk stream, or None to use gRPC (no side channel, or unreachable)."""
+    async def _open_bulk(self, method: str, timeout: float) -> tuple[bulk_channel.FrameConnection, float, int] | None:
+        """A connection for one bulk stream (a kept one if any is still open, else a new one), its
+        deadline and the callee's bulk port; None to use gRPC (no side channel, or unreachable)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
@@ -383,6 +400,12 @@ class PeerChannel:
         if not opened.port or len(opened.token) != bulk_channel.TOKEN_BYTES:
             self.bulk_reachable, self._bulk_retry_at = False, math.inf
             return None
+        while self._bulk_idle:
+            kept, port, expiry = self._bulk_idle.pop()
+            expiry.cancel()
+            if port == opened.port and bulk_channel.reuse(kept, opened.token):
+                return kept, deadline, port
+            kept.abort()  # closed meanwhile, or the callee restarted on another port: dial afresh
         connect_timeout = min(self.pool.config.bulk_connect_timeout, max(0.01, deadline - loop.time()))
         try:
             conn = await bulk_channel.connect(self.addr.host, opened.port, opened.token, connect_timeout,
@@ -397,7 +420,20 @@ class PeerChannel:
             self._bulk_retry_after = min(2 * self._bulk_retry_after, 3600.0)
             return None
         self.bulk_reachable, self._bulk_retry_after = True, self.pool.config.bulk_retry_after
-        return conn, deadline
+        return conn, deadline, opened.port
+
+    def _keep_bulk(self, conn: bulk_channel.FrameConnection, port: int) -> None:
+        """Keeps a bulk connection whose stream ended cleanly for the next stream to this peer."""
+        cfg = self.pool.config
+        if self._closed or not cfg.bulk_pool or len(self._bulk_idle) >= cfg.bulk_pool_size:
+            conn.abort()
+            return
+        expiry = asyncio.get_running_loop().call_later(cfg.bulk_idle_timeout, self._expire_bulk, conn)
+        self._bulk_idle.append((conn, port, expiry))
+
+    def _expire_bulk(self, conn: bulk_channel.FrameConnection) -> None:
+        self._bulk_idle = [entry for entry in self._bulk_idle if entry[0] is not conn]
+        conn.close()
 
     def _bulk_dial(self, port: int) -> Callable[[float], Awaitable[socket.socket]] | None:
         """How a relayed peer's bulk port is dialed: a circuit through its relay (docs/relay.md)."""
@@ -430,6 +466,11 @@ class PeerChannel:
         return await self.unary(INFO, peer_pb2.InfoRequest(), peer_pb2.PeerInfo, timeout)
 
     async def close(self) -> None:
+        self._closed = True
+        for conn, _, expiry in self._bulk_idle:
+            expiry.cancel()
+            conn.close()
+        self._bulk_idle = []
         if self._calls is not None:
             self._calls.close()
             self._calls = None

@@ -1,4 +1,5 @@
-"""Framing of the bulk side channel (`swarm.net.bulk`): one TCP connection carrying one stream.
+"""Framing of the bulk side channel (`swarm.net.bulk`): one TCP connection carrying one stream at a
+time (streams follow each other on a kept-alive connection).
 
 A frame is one kind byte, a 4-byte little-endian length and the payload. DATA carries one
 message; END closes the sender's side (as a gRPC half-close, or the end of a successful response
@@ -77,11 +78,14 @@ class FrameConnection(asyncio.BufferedProtocol):
     `read_frame` returns (kind, payload); a payload of at least `_SMALL` bytes is a memoryview of
     the buffer the frame was received into, smaller ones are `bytes`. Reading pauses while more than
     `_READ_LIMIT` bytes of frames wait for the reader; `drain` waits while the transport holds
-    more than its high-water mark.
+    more than its high-water mark. With `first_frame_limit` (the callee's end), the first frame and
+    every frame right after a received END (a kept-alive connection's next token) may be at most
+    that large.
     """
 
     def __init__(self, max_frame_bytes: int, first_frame_limit: int | None = None) -> None:
         self.max_frame_bytes = max_frame_bytes
+        self._first_frame_limit = first_frame_limit
         self._limit = first_frame_limit or max_frame_bytes  # strangers get a small first frame
         self.transport: Any = None
         self._header = bytearray(_HEADER.size)
@@ -95,6 +99,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.sink: Callable[[int, int], Any] | None = None
         self._sink_offset = 0
         self._ordinal = 0  # DATA frames seen
+        self.read_data_frames = 0  # DATA frames handed out by read_frame
+        self.stream_base = 0  # DATA frames of the connection's earlier streams (a sink counts from there)
         self._frames: collections.deque[tuple[int, bytes | memoryview]] = collections.deque()
         self._queued = 0
         self._paused = False
@@ -139,6 +145,9 @@ class FrameConnection(asyncio.BufferedProtocol):
                 self._sunk = Sunk(views, length)
                 self._targets = [v for v in views if len(v)]
             elif length == 0:
+                if kind == END and self._first_frame_limit is not None:
+                    # the caller's stream ended: what may follow is the token of its next stream
+                    self._limit = self._first_frame_limit
                 self._push(kind, b"")
                 return
             else:
@@ -189,12 +198,25 @@ class FrameConnection(asyncio.BufferedProtocol):
     def set_sink(self, sink: Callable[[int, int], Any] | None, offset: int = 0) -> None:
         """Lets `sink(index, length)` choose where each later DATA frame's payload is received.
 
-        `index` counts the connection's DATA frames from `offset`; the sink returns buffers whose
+        `index` counts the connection's DATA frames from `stream_base + offset` (the frames of
+        this stream, on a connection that carried others before); the sink returns buffers whose
         lengths add up to `length` (the payload is received into them, in order, and `read_frame`
         hands out a `Sunk`), or None for an ordinary payload. Frames already received are not
         affected. `detach_sink` stops it, even in the middle of a frame.
         """
-        self.sink, self._sink_offset = sink, offset
+        self.sink, self._sink_offset = sink, self.stream_base + offset
+
+    def trim(self) -> None:
+        """Between streams: lets the transport (sealed records) free its spare buffers."""
+        trim = getattr(self.transport, "trim", None)
+        if trim is not None:
+            trim()
+
+    @property
+    def idle(self) -> bool:
+        """Open, with nothing received and not yet read: where the next stream may start."""
+        return (self._closed is None and not self._frames and self._targets is None and self._got == 0
+                and self.transport is not None and not self.transport.is_closing())
 
     def detach_sink(self) -> None:
         """No frame is received into the sink's buffers from now on (the rest of a frame it was
@@ -250,6 +272,8 @@ class FrameConnection(asyncio.BufferedProtocol):
             finally:
                 self._readable = None
         kind, payload = self._frames.popleft()
+        if kind == DATA:
+            self.read_data_frames += 1
         self._queued -= len(payload)
         if self._paused and self._queued <= _READ_LIMIT // 2 and self.transport is not None:
             self._paused = False

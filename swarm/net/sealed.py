@@ -337,6 +337,12 @@ class SealedProtocol(asyncio.BufferedProtocol):
             self._pool.pop(0)  # still referenced by the transport until sent; a fresh one instead
         return bytearray(RECORD_BYTES + 4 + _TAG)
 
+    def trim(self) -> None:
+        """Lets go of the spare record buffers (a kept-alive connection waiting for its next
+        stream holds no more than its receive buffer); they are made again as needed."""
+        self._pool.clear()  # a buffer the transport still sends from stays alive through it
+        self._plain_buffer = None
+
     def writelines(self, parts: Any) -> None:
         for part in parts:
             self.write(part)

@@ -147,6 +147,100 @@ def test_a_bulk_port_that_failed_to_answer_is_tried_again_later(make_peer):
     assert seen[-1] == (b.peer_id, True) and b.pool.get(a.addrs[0]).bulk_reachable is True
 
 
+def serve_peername(peer, seen: list) -> None:
+    """A stream that records the caller's address of its bulk connection, then echoes (reversed)."""
+
+    async def echo(requests, ctx):
+        seen.append(ctx.connection.transport.get_extra_info("peername") if ctx.connection is not None else None)
+        async for message in requests:
+            yield bytes(message)[::-1]
+
+    peer.server.add_stream(ECHO, echo, bulk=True)
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_a_clean_stream_leaves_its_connection_for_the_next_stream(make_peer, pool):
+    """Streams to one peer reuse a bulk connection (no TCP or TLS handshake, a congestion window
+    already open), with every message intact across them; `bulk_pool=False` dials one per stream."""
+    a = make_peer()
+    b = make_peer(channel_config=ChannelConfig(bulk_pool=pool))
+    seen: list = []
+    serve_peername(a, seen)
+    big = os.urandom(3 << 20)  # several sealed records and frames, past the read-ahead limit
+    for requests in ([b"one"], [big, b"x"], [], [b"two", big[:5000]]):
+        assert call(b, a, requests) == [bytes(m)[::-1] for m in requests]
+    assert None not in seen and len(seen) == 4
+    assert len(set(seen)) == (1 if pool else 4)
+    kept = b.pool.get(a.addrs[0])._bulk_idle
+    assert len(kept) == (1 if pool else 0)
+    if pool:  # waiting for its next stream, it holds no spare record buffers (3 MiB were sent)
+        assert kept[0][0].transport._pool == [] and kept[0][0].transport._plain_buffer is None
+
+
+def test_a_next_stream_sent_right_behind_the_last_ones_end_is_served(make_peer):
+    """A caller may send its next token and data in the same packet as the END of its last stream
+    (before the callee finished that stream): the token limit applies to the frame after the END
+    exactly, not to whatever frame the callee reads when it gets round to it."""
+    a, b = make_peer(), make_peer()
+    seen: list = []
+    serve_echo(a, seen)
+    (port, first), (_, second) = _token(b, a), _token(b, a)
+    big = os.urandom(1 << 20)
+    request = (_frame(bulk.DATA, first) + _frame(bulk.DATA, b"one") + _frame(bulk.END, b"")
+               + _frame(bulk.DATA, second) + _frame(bulk.DATA, big) + _frame(bulk.END, b""))
+    records = [request[i:i + sealed.RECORD_BYTES] for i in range(0, len(request), sealed.RECORD_BYTES)]
+    answer = sealed_talk(port, records, a.peer_id, streams=2)
+    assert answer.startswith(_frame(bulk.DATA, b"eno"))
+    assert _frame(bulk.DATA, big[::-1]) in answer and answer.endswith(_frame(bulk.END, b""))
+    assert len(seen) == 2
+    # a frame larger than a token right after an END is refused like a stranger's first frame:
+    # the connection is cut (here before the first stream's answer, which was still to come)
+    (port, third) = _token(b, a)
+    request = (_frame(bulk.DATA, third) + _frame(bulk.END, b"") + _frame(bulk.DATA, b"x" * 100))
+    assert sealed_talk(port, [request], a.peer_id, streams=2) == b""
+
+
+def test_a_failed_stream_does_not_leave_its_connection_for_the_next(make_peer):
+    a, b = make_peer(), make_peer()
+    serve_echo(a)
+    with pytest.raises(InvalidRequest):
+        call(b, a, [b"fail", b"more"])
+    assert call(b, a, [b"ok"]) == [b"ko", f"1 from {b.peer_id[-6:]}".encode()]
+    assert len(b.pool.get(a.addrs[0])._bulk_idle) == 1  # the one of the clean stream only
+
+
+def test_a_kept_connection_to_a_restarted_callee_fails_over_to_a_fresh_dial(make_peer):
+    """The callee's bulk listener goes away and comes back on the same port (as a restarted peer
+    with a fixed `bulk_port`): the kept connection is dead, the next stream dials afresh and works."""
+    a, b = make_peer(), make_peer()
+    seen: list = []
+    serve_peername(a, seen)
+    assert call(b, a, [b"one"]) == [b"eno"]
+    port = a.server.bulk.port
+    a.run(a.server.bulk.stop())  # closes every connection, like a killed process's kernel does
+    a.run(a.server.bulk.start("127.0.0.1", port, tls.server_context(a.server.certificate)))
+    assert call(b, a, [b"two"]) == [b"owt"]
+    assert len(seen) == 2 and seen[0] != seen[1]  # over the bulk channel both times, two connections
+    assert b.pool.get(a.addrs[0]).bulk_reachable is True
+
+
+def test_a_callee_closes_a_kept_connection_after_its_idle_timeout(make_peer):
+    a, b = make_peer(), make_peer()
+    seen: list = []
+    serve_peername(a, seen)
+    a.server.bulk.idle_timeout = 0.2
+    assert call(b, a, [b"one"]) == [b"eno"]
+
+    async def closed() -> bool:
+        tasks = list(a.server.bulk._connections)
+        done, _ = await asyncio.wait(tasks, timeout=5) if tasks else (set(), set())
+        return len(done) == len(tasks)
+
+    assert a.run(closed(), timeout=10), "the idle connection is still open on the callee"
+    assert call(b, a, [b"two"]) == [b"owt"]
+    assert len(seen) == 2 and seen[0] != seen[1]
+
+
 def test_peer_without_a_bulk_channel_is_reached_over_grpc(make_peer):
     a = make_peer(server_config=ServerConfig(bulk=False))
     b = make_peer()
@@ -188,10 +282,12 @@ def _talk(port: int, data: bytes, callee: str) -> bytes:
     return sealed_talk(port, [data], callee)
 
 
-def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None, half_close: bool = False) -> bytes:
+def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None, half_close: bool = False,
+                streams: int = 1) -> bytes:
     """`_talk` with the request bytes cut into `records` (each sealed on its own); `tamper(list of
     sealed records)` may alter, drop, reorder or repeat them before they are sent; `half_close`
-    ends the caller's side of the TCP connection after them (a cut stream)."""
+    ends the caller's side of the TCP connection after them (a cut stream); it reads until the
+    connection closes or `streams` response streams have ended."""
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     tls_object = tls.client_context(callee).wrap_bio(incoming, outgoing, server_hostname=tls.SERVER_NAME)
     answer = bytearray()
@@ -214,22 +310,39 @@ def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None, half_
         if half_close:
             s.shutdown(socket.SHUT_WR)
         received = bytearray()
+        offset = 0
         try:
-            while chunk := s.recv(65536):
+            # until it closes, or until the answer's END or ERROR frame (the callee then keeps the
+            # connection open for a next stream)
+            while not _ended(answer, streams) and (chunk := s.recv(65536)):
                 received += chunk
+                while offset + 4 <= len(received):
+                    (length,) = struct.unpack_from("<I", received, offset)
+                    if offset + 4 + length > len(received):
+                        break
+                    out = bytearray(length - 16)
+                    opener.open_into(bytes(received[offset:offset + 4]),
+                                     memoryview(received)[offset + 4:offset + 4 + length], memoryview(out))
+                    answer += out
+                    offset += 4 + length
         except ConnectionResetError:
             pass  # refused by a reset: what arrived before it is the answer
-    offset = 0
-    while offset + 4 <= len(received):
-        (length,) = struct.unpack_from("<I", received, offset)
-        if offset + 4 + length > len(received):
-            break
-        out = bytearray(length - 16)
-        opener.open_into(bytes(received[offset:offset + 4]), memoryview(received)[offset + 4:offset + 4 + length],
-                         memoryview(out))
-        answer += out
-        offset += 4 + length
     return bytes(answer)
+
+
+def _ended(answer: bytes, streams: int = 1) -> bool:
+    """Whether `answer` holds `streams` whole response streams (each up to an END or ERROR frame)."""
+    offset = 0
+    while offset + 5 <= len(answer):
+        kind, length = struct.unpack_from("<BI", answer, offset)
+        if offset + 5 + length > len(answer):
+            return False
+        if kind in (bulk.END, bulk.ERROR):
+            streams -= 1
+            if streams == 0:
+                return True
+        offset += 5 + length
+    return False
 
 
 def test_strangers_and_replayed_tokens_get_nothing(make_peer):

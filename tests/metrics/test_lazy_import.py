@@ -1,0 +1,71 @@
+"""A DHT-only daemon without `--metrics-port` never loads prometheus_client (~4.5 MB of its
+memory, BENCHMARKS.md "Transport security"); one with it serves `/metrics` as before."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+from procs import PeerProcess
+
+from swarm.core.timeutil import get_dht_time
+from swarm.dht import DHTConfig
+from swarm.peer import Peer
+
+CLIENT = DHTConfig(request_timeout=2.0, lookup_timeout=10.0, cache_size=0)
+
+
+def imported(stderr: str) -> set[str]:
+    """Top-level packages a process imported, from its `PYTHONPROFILEIMPORTTIME` lines on stderr."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+def test_a_dht_only_daemon_serving_requests_never_imports_prometheus_client():
+    with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", env={"PYTHONPROFILEIMPORTTIME": "1"},
+                     ready_timeout=60) as daemon:
+        client = Peer(initial_peers=daemon.addrs, client_mode=True, dht_config=CLIENT)
+        try:
+            now = get_dht_time()
+            assert client.dht.store("lazy-metrics", "v", now + 60)
+            assert client.dht.get("lazy-metrics", latest=True).value == "v"
+        finally:
+            client.shutdown()
+        daemon.signal(signal.SIGINT)
+        assert daemon.wait() == 0
+        names = imported(daemon.stderr_text())
+    assert "swarm" in names and "grpc" in names  # the import log is there
+    assert "prometheus_client" not in names and "torch" not in names
+
+
+def test_metrics_modules_load_without_prometheus_client_until_a_family_is_asked_for():
+    code = (
+        "import sys\n"
+        "import swarm.metrics, swarm.net.server, swarm.net.channels, swarm.peer\n"
+        "assert 'prometheus_client' not in sys.modules, 'imported early'\n"
+        "from swarm.metrics import AVERAGING_ROUNDS, REGISTRY\n"
+        "assert 'prometheus_client' in sys.modules\n"
+        "AVERAGING_ROUNDS.labels(outcome='succeeded').inc()\n"
+        "text = REGISTRY.render()\n"
+        "assert 'swarm_averaging_rounds_total{outcome=\"succeeded\"} 1.0' in text, text\n"
+        "assert 'process_cpu_seconds_total' in text, text\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_daemon_with_metrics_port_still_serves_metrics():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", "--metrics-port", str(port), ready_timeout=60), \
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert "swarm_rpc_server_calls_total" in text and "process_resident_memory_bytes" in text
+    assert "swarm_averaging_rounds_total" in text
