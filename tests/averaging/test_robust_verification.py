@@ -151,3 +151,23 @@ def test_verdict_waits_only_its_grace_after_the_first_report():
 
     answers, took = asyncio.run(run())
     assert all(a.ok for a in answers) and took < 30.0  # not the 60 s of `until`
+
+
+def test_a_reducer_grinding_a_two_coordinate_lie_through_the_sketches_rarely_succeeds():
+    # The blind spot of sign projections: moving mass d between coordinates a and b changes
+    # <r, result> by d * (r_a - r_b), zero whenever the two signs agree. A reducer can retry such
+    # a lie under new digests (new vectors) until every sketch agrees at a and b: with SKETCHES
+    # vectors, 2**-SKETCHES of its tries pass (1 in 256; it was 1 in 16 with four vectors).
+    xs, w = _inputs(), [1.0] * 5
+    _, values = _honest_claim(xs, w)
+    outcome = centered_clip(xs, w, torch.empty_like(xs[0]))
+    passed = 0
+    for attempt in range(128):
+        lie = values.clone()
+        shift = 0.5 + attempt / 128
+        lie[7] += shift
+        lie[2024] -= shift
+        digest = part_digest(lie)
+        forged = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest))
+        passed += _check(forged, lie, xs, 0, w) == ""
+    assert passed <= 3, f"{passed} of 128 forged parts passed"
