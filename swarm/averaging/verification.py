@@ -44,6 +44,11 @@ SKETCHES = 8                 # projections per input: one random byte per coordi
 DIGEST_BYTES = 16
 SKETCH_RTOL = 1e-4           # float32 reorderings stay far below; a lie must hide under it in every sketch
 PULL_SLACK = 3.0             # allowed |c_i| * estimated distance, in units of (tau + step)
+# automatic radius: tau may be at most this times tau_scale times the median estimated distance
+# of the inputs from the result. The honest tau is measured from the medoid (an input: about
+# sqrt(2) times farther from the others than the result is, for inputs scattered alike), and an
+# 8-projection estimate of a distance falls below half the true one with a chance of about 1%.
+TAU_SLACK = 4.0
 # A lossy codec sends the part as the codec rounds it, so the combination check allows the
 # codec's own error, relative to the part's scale (the codecs' bounds on values of order 1): a
 # lie within it passes, as the codec's rounding does.
@@ -132,6 +137,7 @@ class PartClaim:
 def check_part(
     claim: PartClaim, values: torch.Tensor, own: torch.Tensor | None, me: int, contributors: Sequence[int],
     weights: Sequence[float], round_id: bytes, part: int, robust: bool, tau: float | None, codec: int = 0,
+    tau_scale: float = 1.0,
 ) -> str:
     """A member's checks of one part it holds; returns why it fails ("" when it passes).
 
@@ -142,8 +148,10 @@ def check_part(
         me: this member's index; `contributors` and `weights` as in the decision.
         round_id, part: which part.
         robust: robust mode (clip scales published) or the plain mean.
-        tau: the agreed absolute radius, or None (auto: not checkable here).
+        tau: the agreed absolute radius, or None (automatic: `tau_scale` times the median
+            distance of the inputs from their medoid, bounded here from the sketches).
         codec: the round's wire codec (`CompressionType` value): how much rounding to allow.
+        tau_scale: the agreed `AllReduceConfig.clip_tau_scale` (automatic radius).
     """
     if part_digest(values) != claim.digest:
         return "the values differ from the digest published with them"
@@ -178,12 +186,35 @@ def check_part(
     scale = sum(a * float(claim.sketches[i].norm()) for i, a in enumerate(coefficients)) + float(result_sketch.norm())
     if float((combined - result_sketch).abs().max()) > CODEC_RTOL.get(codec, 1.0) * scale + 1e-30:
         return "the part is not the published combination of the inputs received"
+    if robust and tau is None:
+        reason = _check_auto_tau(claim, result_sketch, weights, tau_scale)
+        if reason:
+            return reason
     if robust:
         limit = PULL_SLACK * (claim.tau + claim.step)
         for i, c in enumerate(scales):
             estimate = float((claim.sketches[i] - result_sketch).norm()) / math.sqrt(SKETCHES)
             if c * estimate > limit:
                 return f"member {contributors[i]}'s input pulls the part {c * estimate:.3g} > {limit:.3g}"
+    return ""
+
+
+def _check_auto_tau(claim: PartClaim, result_sketch: torch.Tensor, weights: Sequence[float], tau_scale: float) -> str:
+    """An automatic radius no larger than the inputs' spread allows (a reducer that inflates it
+    would leave its accomplices' inputs unclipped): `TAU_SLACK * tau_scale` times the (lower)
+    median of the contributors' estimated distances from the result."""
+    distances = sorted(float((claim.sketches[i] - result_sketch).norm()) / math.sqrt(SKETCHES)
+                       for i, w in enumerate(weights) if w > 0)
+    if not distances:
+        return ""
+    spread = distances[(len(distances) - 1) // 2]
+    size = float(result_sketch.norm()) / math.sqrt(SKETCHES)
+    if spread <= 1e-6 * size:
+        limit = 1.0  # most inputs equal the result: the radius robust.py falls back to
+    else:
+        limit = TAU_SLACK * tau_scale * spread
+    if claim.tau > limit * (1 + 1e-9):
+        return f"clipping radius {claim.tau:.4g} exceeds what the inputs' spread allows ({limit:.4g})"
     return ""
 
 

@@ -9,6 +9,7 @@ the members' checks and named on every member, whose tensors stay untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -54,9 +55,11 @@ def _averagers(peers, tensors, config, faults=None):
                      faults=(faults or {}).get(i)) for i, (p, t) in enumerate(zip(peers, tensors))]
 
 
-def _round(peers, inputs, config, faults=None):
+def _round(peers, inputs, config, faults=None, tamper=None):
     tensors = [[x.clone()] for x in inputs]
     avgs = _averagers(peers, tensors, config, faults)
+    if tamper is not None:
+        tamper(avgs)
     try:
         results = run_steps(avgs, timeout=20.0)
     finally:
@@ -124,6 +127,27 @@ def test_a_lying_reducer_is_caught_and_named_on_every_member(group):
         assert isinstance(res, ReducerLied), (i, res)
         assert res.peer_id == group[liar].peer_id, res
         assert "not the published combination" in str(res), res
+        assert torch.equal(outputs[i], inputs[i])  # nothing applied
+
+
+@pytest.mark.timeout(120)
+def test_a_reducer_that_inflates_the_automatic_radius_is_caught_and_named(group):
+    # The liar runs modified settings after grouping (same schema as everyone): its CenteredClip
+    # uses ten times the agreed radius, which would let member 7's x1000 input through ten times
+    # as far; its published scales and combination are consistent with that radius.
+    inputs = _honest_inputs(seed=11)
+    inputs[7] = inputs[7] * 1000
+    liar = 2
+
+    def tamper(avgs):
+        cfg = avgs[liar].config
+        avgs[liar].config = dataclasses.replace(cfg, allreduce=dataclasses.replace(cfg.allreduce, clip_tau_scale=10.0))
+
+    results, outputs = _round(group, inputs, ROBUST, tamper=tamper)
+    for i, res in enumerate(results):
+        assert isinstance(res, ReducerLied), (i, res)
+        assert res.peer_id == group[liar].peer_id, res
+        assert "exceeds what the inputs' spread allows" in str(res), res
         assert torch.equal(outputs[i], inputs[i])  # nothing applied
 
 

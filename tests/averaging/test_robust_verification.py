@@ -171,3 +171,23 @@ def test_a_reducer_grinding_a_two_coordinate_lie_through_the_sketches_rarely_suc
         forged = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest))
         passed += _check(forged, lie, xs, 0, w) == ""
     assert passed <= 3, f"{passed} of 128 forged parts passed"
+
+
+def test_an_inflated_automatic_radius_is_caught_and_an_honest_one_passes_across_seeds():
+    # With tau=None members cannot recompute the radius (it is the median distance of inputs
+    # they do not see from their medoid); they bound it from the sketches. A reducer that
+    # inflates it (here: an honest CenteredClip run with ten times the radius, so scales and
+    # combination are consistent) would let its accomplices' inputs through unclipped.
+    w = [1.0] * 5
+    for seed in range(40):
+        xs = _inputs(seed=seed)
+        claim, values = _honest_claim(xs, w)
+        assert all(_check(claim, values, xs, me, w) == "" for me in range(5)), seed
+    xs = _inputs(seed=3)
+    honest = centered_clip(xs, w, torch.empty_like(xs[0]))
+    out = torch.empty_like(xs[0])
+    inflated = centered_clip(xs, w, out, tau=10 * honest.tau)
+    digest = part_digest(out)
+    forged = PartClaim(digest, inflated.scales, inflated.tau, inflated.step, sketch(xs, ROUND, 0, digest))
+    for me in range(4):  # every honest member catches it (the attacker, member 4, is unclipped now)
+        assert "exceeds what the inputs' spread allows" in _check(forged, out, xs, me, w), me
