@@ -194,6 +194,43 @@ def test_a_contributor_clipped_hard_in_several_rounds_is_kept_out_of_the_leaders
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("excluded_role", ["leader", "member"])
+def test_a_follower_does_not_average_with_a_peer_its_reputation_excluded(excluded_role):
+    # A follower whose reputation excluded the leader does not join its group; one that finds an
+    # excluded peer in the group the leader formed leaves it (that round fails for the others,
+    # who lose the part it reduces) and stays away from that leader. Either way the others then
+    # average without it and its tensors stay as they were.
+    peers = [Peer() for _ in range(4)]
+    try:
+        order = sorted(range(4), key=lambda i: peers[i].peer_id)
+        leader, follower, other = order[0], order[2], order[1]  # the static group's leader is the smallest
+        excluded = leader if excluded_role == "leader" else other
+        inputs = _honest_inputs(seed=13)[:4]
+        tensors = [[x.clone()] for x in inputs]
+        addrs = [p.addrs[0] for p in peers]
+        avgs = [Averager(p, t, prefix=f"refuse-{excluded_role}", target_group_size=4, initial_group=addrs,
+                         config=ROBUST) for p, t in zip(peers, tensors)]
+        for _ in range(ROBUST.reputation.strikes):
+            avgs[follower].reputation.observe({peers[excluded].peer_id: 1.0})
+        assert avgs[follower].reputation.excluded(peers[excluded].peer_id)
+        if excluded_role == "member":
+            results = run_steps(avgs, timeout=8.0, expected_size=4)
+            assert all(isinstance(r, Exception) for r in results), results
+            assert all(torch.equal(t[0], x) for t, x in zip(tensors, inputs))
+        results = run_steps(avgs, timeout=8.0, expected_size=3)
+        assert isinstance(results[follower], Exception), results[follower]
+        assert torch.equal(tensors[follower][0], inputs[follower])
+        rest = [i for i in range(4) if i != follower]
+        assert all(not isinstance(results[i], Exception) for i in rest), results
+        mean = sum(inputs[i] for i in rest) / 3
+        for i in rest:
+            assert float((tensors[i][0] - mean).norm()) < 1e-3 * float(mean.norm()), i  # without the follower
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("config", [ROBUST, PLAIN], ids=["robust", "plain"])
 def test_a_verified_robust_round_goes_on_without_a_member_that_never_shows(group, config):
     inputs = _honest_inputs(seed=11)
