@@ -209,8 +209,10 @@ def _check_auto_tau(claim: PartClaim, result_sketch: torch.Tensor, weights: Sequ
         return ""
     spread = distances[(len(distances) - 1) // 2]
     size = float(result_sketch.norm()) / math.sqrt(SKETCHES)
-    if spread <= 1e-6 * size:
-        limit = 1.0  # most inputs equal the result: the radius robust.py falls back to
+    if len(distances) <= 2 or spread <= 1e-6 * size:
+        # the radius robust.py falls back to: the median distance from the medoid of one or two
+        # inputs is the medoid's own 0, as it is when most inputs equal the result
+        limit = 1.0
     else:
         limit = TAU_SLACK * tau_scale * spread
     if claim.tau > limit * (1 + 1e-9):

@@ -191,3 +191,14 @@ def test_an_inflated_automatic_radius_is_caught_and_an_honest_one_passes_across_
     forged = PartClaim(digest, inflated.scales, inflated.tau, inflated.step, sketch(xs, ROUND, 0, digest))
     for me in range(4):  # every honest member catches it (the attacker, member 4, is unclipped now)
         assert "exceeds what the inputs' spread allows" in _check(forged, out, xs, me, w), me
+
+
+def test_the_automatic_radius_of_two_small_inputs_is_the_fallback_and_passes():
+    # two contributors: the median distance from the medoid is the medoid's own 0, so the
+    # reducer falls back to tau = 1, far above these small inputs' spread
+    gen = torch.Generator().manual_seed(1)
+    xs = [1e-3 * torch.randn(3000, generator=gen) for _ in range(2)]
+    claim, values = _honest_claim(xs, [1.0, 1.0])
+    assert claim.tau == 1.0
+    for me in range(2):
+        assert _check(claim, values, xs, me, [1.0, 1.0]) == ""
