@@ -127,19 +127,20 @@ def bench_training(args: argparse.Namespace) -> None:
     print(f"training: {args.peers} trainers, {args.seconds:.0f} s each, attack {args.attack}")
     print("byzantine  aggregation    honest-loss  epochs  rounds(failed)  round_s")
     honest_loss = None
-    for byzantine in (0, 1, 2):
-        for aggregation in ("mean", "centered_clip"):
-            results = run_training(args, byzantine, aggregation)
-            honest = [r for r in results if not r["attacker"]]
-            loss = statistics.mean(r["loss"] for r in honest)
-            if byzantine == 0 and aggregation == "mean":
-                honest_loss = loss
-            rel = f"({loss / honest_loss:.2f}x honest)" if honest_loss else ""
-            rounds = max(r["rounds"] for r in honest)
-            failed = max(r["failed"] for r in honest)
-            times = [r["round_s"] for r in honest if r["round_s"] is not None]
-            print(f"{byzantine:9d}  {aggregation:13s}  {loss:11.3f} {rel:14s} {max(r['epochs'] for r in honest):6d}"
-                  f"  {rounds:6d}({failed})  {statistics.median(times) if times else float('nan'):7.3f}", flush=True)
+    for case in args.cases:
+        count, _, aggregation = case.partition(":")
+        byzantine = int(count)
+        results = run_training(args, byzantine, aggregation)
+        honest = [r for r in results if not r["attacker"]]
+        loss = statistics.mean(r["loss"] for r in honest)
+        if byzantine == 0 and aggregation == "mean":
+            honest_loss = loss
+        rel = f"({loss / honest_loss:.2f}x honest)" if honest_loss else ""
+        rounds = max(r["rounds"] for r in honest)
+        failed = max(r["failed"] for r in honest)
+        times = [r["round_s"] for r in honest if r["round_s"] is not None]
+        print(f"{byzantine:9d}  {aggregation:13s}  {loss:11.3f} {rel:14s} {max(r['epochs'] for r in honest):6d}"
+              f"  {rounds:6d}({failed})  {statistics.median(times) if times else float('nan'):7.3f}", flush=True)
 
 
 # -- 2. cost (in-process averagers) ---------------------------------------------------------------
@@ -216,6 +217,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--attack", default="sign_flip", choices=["x1000", "sign_flip", "random", "constant"])
+    parser.add_argument("--cases", nargs="+", default=[f"{n}:{a}" for n in (0, 1, 2) for a in ("mean", "centered_clip")],
+                        help="training runs as BYZANTINE:AGGREGATION, in order (the first 0:mean is the honest baseline)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)

@@ -58,7 +58,8 @@ def check_parts(ar: ButterflyAllReduce, decision: Decision) -> tuple[list[bytes]
         if ar.my_index in contributors and ar.flat is not None and p.size:
             own = _as_sent(ar, ar.flat.read(p.start, p.start + p.size)).clone()
         reason = check_part(claim, p.values, own, ar.my_index, contributors, decision.weights,
-                            ar.group.round_id, p.index, robust, ar.config.clip_tau, int(ar.codec.kind))
+                            ar.group.round_id, p.index, robust, ar.config.clip_tau, int(ar.codec.kind),
+                            ar.config.clip_tau_scale)
         if reason:
             accused.append(p.reducer)
             reasons.append(f"part {p.index}: {reason}")

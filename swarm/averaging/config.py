@@ -99,8 +99,12 @@ class AllReduceConfig:
         if not self.robust and not self.verified:
             return b""
         spec = f"{self.aggregation};{self.clip_tau!r};{self.clip_tau_scale!r};{self.clip_iterations};" \
-               f"{self.clip_tolerance!r};verify={self.verified}"
+               f"{self.clip_tolerance!r};verify={self.verified}" + (f";checks={CHECKS_VERSION}" if self.verified else "")
         return spec.encode()
+
+
+# what verified rounds publish and check (`verification`): peers of different versions do not group
+CHECKS_VERSION = 2
 
 
 def fold_schema(schema: bytes, tag: bytes) -> bytes:

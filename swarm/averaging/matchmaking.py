@@ -148,6 +148,7 @@ class Matchmaking:
         self.peer, self.prefix, self.schema, self.numel = peer, prefix, schema, numel
         self.election = election
         self.refuse: Callable[[str], str | None] | None = None  # PeerID -> why it may not join now (reputation)
+        self._shunned: dict[str, tuple[str, ...]] = {}  # leader -> excluded peers its last group held
         self.config = cfg = config or MatchmakingConfig()
         self.compression, self.chunk_bytes = compression, chunk_bytes
         self.spread = ArrivalSpread(initial=cfg.max_wait, floor=cfg.min_wait, cap=cfg.max_wait)
@@ -244,8 +245,23 @@ class Matchmaking:
                 # background and returns at once; the next `begin` waits for it.
                 await self.election.end(me, group.round_id)
 
+    def _refused(self, peer_id: str) -> str | None:
+        """Why this peer does not average with `peer_id` now (reputation), or None. A leader whose
+        last group held a peer excluded here is avoided while that peer stays excluded."""
+        if self.refuse is None:
+            return None
+        refusal = self.refuse(peer_id)
+        if refusal is None and any(self.refuse(x) is not None for x in self._shunned.get(peer_id, ())):
+            refusal = "its last group held a peer this peer excludes"
+        return refusal
+
     async def _follow(self, me: MemberInfo, leader: Candidate, deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
+        refusal = self._refused(leader.peer_id)
+        if refusal is not None:  # local reputation: this peer does not average with it, led or not
+            logger.debug("not joining %s: %s", leader.peer_id[-8:], refusal)
+            self._down.add(leader.peer_id)
+            return None
         remaining = deadline - loop.time()
         request = averaging_pb2.JoinRequest(
             prefix=self.prefix, schema=self.schema, numel=self.numel, member=me.to_proto(), timeout=remaining,
@@ -280,6 +296,15 @@ class Matchmaking:
             group = GroupInfo.from_proto(response.group)
             if group.prefix != self.prefix or me.peer_id not in group.peer_ids or group.leader.peer_id != leader.peer_id:
                 logger.warning("leader %s sent a group that does not match the request", leader.peer_id[-8:])
+                self._down.add(leader.peer_id)
+                return None
+            excluded = [m.peer_id for m in group.members if self._refused(m.peer_id) is not None]
+            if excluded:
+                # the leader let in a peer this one excludes: leave, and avoid that leader while the
+                # peer stays excluded (the group's round fails without this member's part this once)
+                logger.info("leaving the group of %s: it holds %s, excluded by this peer's reputation",
+                            leader.peer_id[-8:], ", ".join(pid[-8:] for pid in excluded))
+                self._shunned[leader.peer_id] = tuple(excluded)
                 self._down.add(leader.peer_id)
                 return None
             return group
@@ -354,7 +379,7 @@ class Matchmaking:
             return averaging_pb2.JoinResponse(accepted=False, reason=f"bad member: {e}")
         if member.peer_id != ctx.peer_id:
             return averaging_pb2.JoinResponse(accepted=False, reason="a peer may only join as itself")
-        refusal = self.refuse(member.peer_id) if self.refuse is not None else None
+        refusal = self._refused(member.peer_id)
         if refusal is not None:  # local reputation (`reputation`): this peer keeps it out a while
             return averaging_pb2.JoinResponse(accepted=False, reason=refusal)
         if not self._may_lead():

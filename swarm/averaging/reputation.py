@@ -3,9 +3,11 @@
 Each peer keeps its own record (no gossip: one peer's opinion cannot be forged into another's).
 After every robust round the averager calls `Reputation.observe` with the round's result; a
 contributor whose input was cut by at least `clip_threshold` (`AveragingResult.clipped`) gets a
-strike, and one with `strikes` strikes within its last `window` observed rounds is refused by this
-peer's matchmaking (`Matchmaking.refuse`, as a leader) for `exclusion` seconds, after which its
-record starts over. This peer never excludes itself.
+strike, and one with `strikes` strikes within its last `window` observed rounds is kept out of
+this peer's averaging for `exclusion` seconds (`Matchmaking.refuse`): as a leader this peer refuses
+its join; as a follower it does not join a group it leads, and leaves a group that holds it (and
+avoids that group's leader while the exclusion lasts). Then its record starts over. This peer
+never excludes itself.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ the members' checks and named on every member, whose tensors stay untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -54,9 +55,11 @@ def _averagers(peers, tensors, config, faults=None):
                      faults=(faults or {}).get(i)) for i, (p, t) in enumerate(zip(peers, tensors))]
 
 
-def _round(peers, inputs, config, faults=None):
+def _round(peers, inputs, config, faults=None, tamper=None):
     tensors = [[x.clone()] for x in inputs]
     avgs = _averagers(peers, tensors, config, faults)
+    if tamper is not None:
+        tamper(avgs)
     try:
         results = run_steps(avgs, timeout=20.0)
     finally:
@@ -127,6 +130,27 @@ def test_a_lying_reducer_is_caught_and_named_on_every_member(group):
         assert torch.equal(outputs[i], inputs[i])  # nothing applied
 
 
+@pytest.mark.timeout(120)
+def test_a_reducer_that_inflates_the_automatic_radius_is_caught_and_named(group):
+    # The liar runs modified settings after grouping (same schema as everyone): its CenteredClip
+    # uses ten times the agreed radius, which would let member 7's x1000 input through ten times
+    # as far; its published scales and combination are consistent with that radius.
+    inputs = _honest_inputs(seed=11)
+    inputs[7] = inputs[7] * 1000
+    liar = 2
+
+    def tamper(avgs):
+        cfg = avgs[liar].config
+        avgs[liar].config = dataclasses.replace(cfg, allreduce=dataclasses.replace(cfg.allreduce, clip_tau_scale=10.0))
+
+    results, outputs = _round(group, inputs, ROBUST, tamper=tamper)
+    for i, res in enumerate(results):
+        assert isinstance(res, ReducerLied), (i, res)
+        assert res.peer_id == group[liar].peer_id, res
+        assert "exceeds what the inputs' spread allows" in str(res), res
+        assert torch.equal(outputs[i], inputs[i])  # nothing applied
+
+
 def test_reputation_unit_strikes_exclude_for_a_while_then_forgive():
     now = [0.0]
     rep = Reputation("me", ReputationConfig(clip_threshold=0.5, strikes=2, window=3, exclusion=60.0), lambda: now[0])
@@ -164,6 +188,43 @@ def test_a_contributor_clipped_hard_in_several_rounds_is_kept_out_of_the_leaders
             if i != bad:
                 assert not isinstance(results[i], Exception), results[i]
                 assert peers[bad].peer_id not in results[i].group
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("excluded_role", ["leader", "member"])
+def test_a_follower_does_not_average_with_a_peer_its_reputation_excluded(excluded_role):
+    # A follower whose reputation excluded the leader does not join its group; one that finds an
+    # excluded peer in the group the leader formed leaves it (that round fails for the others,
+    # who lose the part it reduces) and stays away from that leader. Either way the others then
+    # average without it and its tensors stay as they were.
+    peers = [Peer() for _ in range(4)]
+    try:
+        order = sorted(range(4), key=lambda i: peers[i].peer_id)
+        leader, follower, other = order[0], order[2], order[1]  # the static group's leader is the smallest
+        excluded = leader if excluded_role == "leader" else other
+        inputs = _honest_inputs(seed=13)[:4]
+        tensors = [[x.clone()] for x in inputs]
+        addrs = [p.addrs[0] for p in peers]
+        avgs = [Averager(p, t, prefix=f"refuse-{excluded_role}", target_group_size=4, initial_group=addrs,
+                         config=ROBUST) for p, t in zip(peers, tensors)]
+        for _ in range(ROBUST.reputation.strikes):
+            avgs[follower].reputation.observe({peers[excluded].peer_id: 1.0})
+        assert avgs[follower].reputation.excluded(peers[excluded].peer_id)
+        if excluded_role == "member":
+            results = run_steps(avgs, timeout=8.0, expected_size=4)
+            assert all(isinstance(r, Exception) for r in results), results
+            assert all(torch.equal(t[0], x) for t, x in zip(tensors, inputs))
+        results = run_steps(avgs, timeout=8.0, expected_size=3)
+        assert isinstance(results[follower], Exception), results[follower]
+        assert torch.equal(tensors[follower][0], inputs[follower])
+        rest = [i for i in range(4) if i != follower]
+        assert all(not isinstance(results[i], Exception) for i in rest), results
+        mean = sum(inputs[i] for i in rest) / 3
+        for i in rest:
+            assert float((tensors[i][0] - mean).norm()) < 1e-3 * float(mean.norm()), i  # without the follower
     finally:
         for p in peers:
             p.shutdown()

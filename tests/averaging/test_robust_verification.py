@@ -151,3 +151,54 @@ def test_verdict_waits_only_its_grace_after_the_first_report():
 
     answers, took = asyncio.run(run())
     assert all(a.ok for a in answers) and took < 30.0  # not the 60 s of `until`
+
+
+def test_a_reducer_grinding_a_two_coordinate_lie_through_the_sketches_rarely_succeeds():
+    # The blind spot of sign projections: moving mass d between coordinates a and b changes
+    # <r, result> by d * (r_a - r_b), zero whenever the two signs agree. A reducer can retry such
+    # a lie under new digests (new vectors) until every sketch agrees at a and b: with SKETCHES
+    # vectors, 2**-SKETCHES of its tries pass (1 in 256; it was 1 in 16 with four vectors).
+    xs, w = _inputs(), [1.0] * 5
+    _, values = _honest_claim(xs, w)
+    outcome = centered_clip(xs, w, torch.empty_like(xs[0]))
+    passed = 0
+    for attempt in range(128):
+        lie = values.clone()
+        shift = 0.5 + attempt / 128
+        lie[7] += shift
+        lie[2024] -= shift
+        digest = part_digest(lie)
+        forged = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest))
+        passed += _check(forged, lie, xs, 0, w) == ""
+    assert passed <= 3, f"{passed} of 128 forged parts passed"
+
+
+def test_an_inflated_automatic_radius_is_caught_and_an_honest_one_passes_across_seeds():
+    # With tau=None members cannot recompute the radius (it is the median distance of inputs
+    # they do not see from their medoid); they bound it from the sketches. A reducer that
+    # inflates it (here: an honest CenteredClip run with ten times the radius, so scales and
+    # combination are consistent) would let its accomplices' inputs through unclipped.
+    w = [1.0] * 5
+    for seed in range(40):
+        xs = _inputs(seed=seed)
+        claim, values = _honest_claim(xs, w)
+        assert all(_check(claim, values, xs, me, w) == "" for me in range(5)), seed
+    xs = _inputs(seed=3)
+    honest = centered_clip(xs, w, torch.empty_like(xs[0]))
+    out = torch.empty_like(xs[0])
+    inflated = centered_clip(xs, w, out, tau=10 * honest.tau)
+    digest = part_digest(out)
+    forged = PartClaim(digest, inflated.scales, inflated.tau, inflated.step, sketch(xs, ROUND, 0, digest))
+    for me in range(4):  # every honest member catches it (the attacker, member 4, is unclipped now)
+        assert "exceeds what the inputs' spread allows" in _check(forged, out, xs, me, w), me
+
+
+def test_the_automatic_radius_of_two_small_inputs_is_the_fallback_and_passes():
+    # two contributors: the median distance from the medoid is the medoid's own 0, so the
+    # reducer falls back to tau = 1, far above these small inputs' spread
+    gen = torch.Generator().manual_seed(1)
+    xs = [1e-3 * torch.randn(3000, generator=gen) for _ in range(2)]
+    claim, values = _honest_claim(xs, [1.0, 1.0])
+    assert claim.tau == 1.0
+    for me in range(2):
+        assert _check(claim, values, xs, me, [1.0, 1.0]) == ""
