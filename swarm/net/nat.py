@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from swarm.core.errors import ConfigError, MultiaddrError, RPCError
 from swarm.core.multiaddr import Multiaddr
 from swarm.net.channels import ChannelPool
+from swarm.net.holepunch import DirectPaths, answer
 from swarm.net.reachability import (
     PRIVATE,
     PUBLIC,
@@ -47,6 +48,7 @@ class NatConfig:
             None: never); the pause doubles while the answer stays the same, up to `recheck_max`,
             and starts over when it changes.
         recheck_max: the longest pause between two checks.
+        holepunch: dial relayed peers directly when a hole punch works (`holepunch.py`).
     """
 
     reachability: str = "auto"
@@ -58,6 +60,7 @@ class NatConfig:
     first_reservation_timeout: float = 10.0
     recheck_interval: float | None = 60.0
     recheck_max: float = 1800.0
+    holepunch: bool = True
 
     def __post_init__(self) -> None:
         if self.reachability not in _MODES:
@@ -97,6 +100,7 @@ class NatTraversal:
         self.relay_addr = ""
         self.on_addrs_changed: list[Callable[[list[str]], None]] = []
         self._watcher: asyncio.Task[None] | None = None
+        self.direct_paths: DirectPaths | None = None
         self._rechecking = asyncio.Lock()
         DialBackService(server, lambda: self.relay_addr, tls=pool.config.tls)
 
@@ -127,9 +131,23 @@ class NatTraversal:
             await self._start_relay()
         if self.status == PRIVATE:
             await self._start_reservations()
+        if cfg.holepunch and self.pool.direct_paths is None:
+            self.direct_paths = DirectPaths(self.public_ip)
+            await self.direct_paths.start()
+            self.pool.direct_paths = self.direct_paths
         if cfg.reachability == "auto" and cfg.recheck_interval is not None:
             self._watcher = asyncio.ensure_future(self._watch(cfg.recheck_interval))
             self._watcher.set_name("nat-recheck")
+
+    def public_ip(self) -> str | None:
+        """This peer's IP address as peers elsewhere see it, for a hole punch: what a relay saw a
+        reservation come from, or a public peer's own address; None on loopback or unknown."""
+        found: str | None = None
+        if self.reservations is not None:
+            found = next((r.observed[0] for r in self.reservations.held.values() if r.observed), None)
+        elif self.status == PUBLIC:
+            found = next((a.host for a in map(Multiaddr.parse, self.direct_addrs) if a.protocol == "ip4"), None)
+        return None if found is None or found.startswith("127.") else found
 
     async def recheck(self) -> bool:
         """Asks peers to dial back again and acts on a changed answer (e.g. a port forwarded, or
@@ -190,6 +208,8 @@ class NatTraversal:
             "127.0.0.1" if self.listen.protocol == "ip4" else "::1")
         self.reservations = Reservations(self.server.identity, self._find_relays, ports, local, self._relayed,
                                          self.config.reservations)
+        if self.config.holepunch:
+            self.reservations.punch_answer = answer
         self.reservations.start()
         if not await self.reservations.wait_ready(self.config.first_reservation_timeout):
             logger.warning("behind NAT and no relay accepted a reservation yet: others cannot dial this peer "
@@ -228,6 +248,8 @@ class NatTraversal:
             callback(list(self.addrs))
 
     async def close(self) -> None:
+        if self.direct_paths is not None:
+            await self.direct_paths.close()
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
