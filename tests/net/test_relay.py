@@ -343,3 +343,44 @@ def test_reachability_is_rechecked_a_forwarded_port_goes_direct_and_a_closed_one
             if peer is not None:
                 peer.shutdown()
         router.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_hole_punch_request_is_checked_and_a_caller_without_a_public_address_stays_relayed(make_peer):
+    from swarm.net import holepunch
+
+    a = make_peer()
+    b = make_peer(initial_peers=a.addrs, nat=PRIVATE)
+    relayed = Multiaddr.parse(b.addrs[0])
+    assert b.nat.public_ip() is None  # on loopback there is no NAT to punch through: nobody tries
+
+    async def punch_to(port: int) -> str:
+        try:
+            await holepunch.punch(relayed, port, "127.0.0.1")
+        except PeerUnreachable as e:
+            return str(e)
+        return "punched"
+
+    assert "not a port this peer serves" in b.run(punch_to(4242))  # never a way into its LAN
+
+    async def garbage() -> bytes:
+        sock = await relay_mod.open_circuit(relayed, relay_mod.PUNCH_PORT, 5.0)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"PUNCH everything now please\n")
+        line = await asyncio.wait_for(reader.readline(), 5.0)
+        writer.close()
+        return line
+
+    assert b.run(garbage()) == b"NO bad request\n"
+    paths = holepunch.DirectPaths(lambda: None)  # no public address known: straight through the relay
+
+    async def through_relay() -> bool:
+        sock = await paths.dial(relayed, b.server.bulk.port, 5.0)
+        sock.close()
+        return True
+
+    assert b.run(through_relay()) and paths.relayed == {b.peer_id: 1} and not paths.direct and not paths.failed
+
+    async def info():
+        return await a.pool.get(b.addrs[0]).info()
+    assert a.run(info()).peer_id == b.peer_id  # and plain relayed calls work as before
