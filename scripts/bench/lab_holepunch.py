@@ -7,7 +7,12 @@ started at the same moment (the coordination DCUtR does over the relayed connect
 harness's clock), connect from that same local port to the other's observed address, retrying
 for a few seconds. A case succeeds when both ends hold one connection and exchange a message.
 
-    sudo .venv/bin/python scripts/bench/lab_holepunch.py
+    sudo .venv/bin/python scripts/bench/lab_holepunch.py            # raw sockets, as above
+    sudo .venv/bin/python scripts/bench/lab_holepunch.py --swarm    # swarm's own upgrade (holepunch.py)
+
+With --swarm, each case runs a relay on a public host, a swarm peer behind side B's NAT and one on
+side A that calls it (a unary call and a state download over the bulk side channel), and says
+whether the connections were punched or went through the relay (docs/relay.md, "Hole punching").
 
 Needs root (the lab). Prints a markdown table.
 """
@@ -69,6 +74,71 @@ def side(observer: str) -> None:
     print(json.dumps(result), flush=True)
 
 
+def swarm_serve(host: str, initial: str) -> None:
+    import torch
+
+    from swarm.averaging import State, StateServer
+    from swarm.peer import Peer
+
+    me = Peer(initial_peers=[initial], listen=f"/ip4/{host}/tcp/0")
+    StateServer(me, "lab", lambda: State({}, [torch.arange(200_000, dtype=torch.float32)]), chunk_bytes=1 << 16)
+    print(json.dumps({"addr": me.addrs[0]}), flush=True)
+    sys.stdin.readline()
+    me.shutdown()
+
+
+def swarm_call(host: str, initial: str, target: str) -> None:
+    from swarm.averaging import load_state_from_peers
+    from swarm.peer import Peer
+
+    me = Peer(initial_peers=[initial], listen=f"/ip4/{host}/tcp/0")
+    paths = me.nat.direct_paths if me.nat is not None else None
+    started = time.monotonic()
+    line: dict[str, object] = {"ok": False}
+    try:
+        async def info() -> str:
+            return (await me.pool.get(target).info()).peer_id
+
+        line["ok"] = bool(me.run(info(), timeout=20))
+        line["first_call_s"] = round(time.monotonic() - started, 2)
+        line["ok"] = line["ok"] and bool(load_state_from_peers(me, "lab", [target], timeout=30).tensors)
+    except Exception as e:  # noqa: BLE001 - reported
+        line["error"] = f"{type(e).__name__}: {e}"
+    if paths is not None:
+        line.update(direct=sum(paths.direct.values()), relayed=sum(paths.relayed.values()), why=paths.last_error)
+    print(json.dumps(line), flush=True)
+    me.shutdown()
+
+
+def swarm_main() -> None:
+    import subprocess
+
+    from swarm.testing import HostSpec, Lab, LinkProfile
+
+    link = LinkProfile(delay_ms=5)
+    print("| caller (A) | callee (B) | call and state download | connections punched / relayed | first call |")
+    print("|---|---|---|---|---|")
+    for kind_a, kind_b in [("public", "masquerade"), ("masquerade", "masquerade"), ("random", "masquerade"),
+                           ("masquerade", "random"), ("random", "random")]:
+        specs = [HostSpec("relay", link)]
+        for name, kind in (("a", kind_a), ("b", kind_b)):
+            specs.append(HostSpec(name, link, nat=kind != "public", nat_type=kind if kind != "public" else "masquerade"))
+        with Lab(specs, seed=1) as lab:
+            relay = lab.spawn("relay", [sys.executable, "-m", "swarm", "--listen", f"/ip4/{lab.address('relay')}/tcp/0",
+                                        "--log-level", "WARNING"])
+            relay_addr = relay.stdout.readline().decode().strip()  # type: ignore[union-attr]
+            server = lab.spawn("b", [sys.executable, __file__, "swarm-serve", lab.address("b"), relay_addr],
+                               stdin=subprocess.PIPE)
+            target = json.loads(server.stdout.readline())["addr"]  # type: ignore[union-attr]
+            done = lab.exec("a", [sys.executable, __file__, "swarm-call", lab.address("a"), relay_addr, target],
+                            timeout=120)
+            result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {"ok": False}
+            server.stdin.write(b"stop\n")  # type: ignore[union-attr]
+            server.stdin.flush()  # type: ignore[union-attr]
+        print(f"| {kind_a} | {kind_b} | {'yes' if result.get('ok') else 'no: ' + str(result.get('error'))} | "
+              f"{result.get('direct')} / {result.get('relayed')} | {result.get('first_call_s')} s |", flush=True)
+
+
 CASES = [("public", "masquerade"), ("masquerade", "masquerade"), ("public", "random"),
          ("masquerade", "random"), ("random", "random")]
 
@@ -108,7 +178,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "observe":
+    if len(sys.argv) > 3 and sys.argv[1] == "swarm-serve":
+        swarm_serve(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) > 4 and sys.argv[1] == "swarm-call":
+        swarm_call(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif "--swarm" in sys.argv:
+        swarm_main()
+    elif len(sys.argv) > 2 and sys.argv[1] == "observe":
         observe(sys.argv[2])
     elif len(sys.argv) > 2 and sys.argv[1] == "side":
         side(sys.argv[2])

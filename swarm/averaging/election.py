@@ -10,6 +10,9 @@ Two elections:
   declaration that expires first leads, because that peer must start soonest (as in hivemind's matchmaking). A vanished leader is
   skipped after one failed call; a leader that sees an earlier one appear steps down.
 
+In both, a peer reached through a relay leads only when no candidate is reached directly (every
+member talks to the leader; docs/relay.md).
+
 Both say who else is coming (`declared`): a leader waits for those peers (see `matchmaking`).
 A DHT declaration carries when its peer will be ready (``ready_at``, DHT time) and whether it
 is looking for a group now; `DHTElection.announce` declares a peer ahead of its step (e.g. when
@@ -26,7 +29,7 @@ from typing import Any, Protocol
 
 from swarm.averaging.group import MemberInfo
 from swarm.core.errors import ConfigError
-from swarm.core.multiaddr import Multiaddr
+from swarm.core.multiaddr import Multiaddr, is_relayed
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import KeyValueStore
 from swarm.dht.validation import marker_owner, owner_marker
@@ -77,7 +80,7 @@ class Election(Protocol):
 
 
 class StaticElection:
-    """A fixed set of peers; the smallest PeerID not known to be down leads.
+    """A fixed set of peers; the smallest PeerID not known to be down leads (a direct one first).
 
     Args:
         addrs: multiaddrs (with /p2p/<PeerID>) of the other server-mode members; may include this peer's own.
@@ -96,8 +99,8 @@ class StaticElection:
             self.candidates.setdefault(me.peer_id, Candidate(me.peer_id, me.addr))
 
     async def leader(self, me: MemberInfo, down: set[str]) -> Candidate | None:
-        alive = sorted(pid for pid in self.candidates if pid not in down)
-        return self.candidates[alive[0]] if alive else None
+        alive = sorted((is_relayed(c.addr), pid) for pid, c in self.candidates.items() if pid not in down)
+        return self.candidates[alive[0][1]] if alive else None
 
     async def end(self, me: MemberInfo, started: bytes | None = None) -> None:
         return None
@@ -166,7 +169,7 @@ class DHTElection:
             entries.append((self._expiration, me.peer_id, me.addr))  # our own store may not be visible yet
         if not entries:
             return None
-        _, peer_id, addr = min(entries)
+        _, peer_id, addr = min(entries, key=lambda entry: (is_relayed(entry[2]), entry))
         return Candidate(peer_id, addr)
 
     def declared(self, me: MemberInfo) -> dict[str, Declaration]:

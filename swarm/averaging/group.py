@@ -12,10 +12,13 @@ Roles follow from each member's declaration:
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swarm.core.errors import ConfigError
+from swarm.core.multiaddr import is_relayed
 from swarm.proto import averaging_pb2
 
 
@@ -153,3 +156,18 @@ class GroupInfo:
             members=tuple(MemberInfo.from_proto(m) for m in msg.members), numel=msg.numel,
             timeout=msg.timeout, compression=msg.compression, chunk_bytes=msg.chunk_bytes, schema=msg.schema,
         )
+
+
+def cap_relayed_parts(members: Sequence[MemberInfo]) -> tuple[MemberInfo, ...]:
+    """The members as a leader puts them in its group: a reducer reached through a relay gets a
+    bandwidth no larger than the smallest direct reducer's, so it never reduces a larger part than
+    a peer reached directly (docs/relay.md); unchanged when no direct reducer declares any bandwidth.
+
+    Every member uses the group the leader sent, so the partition stays the same on all of them.
+    """
+    direct = [m.bandwidth for m in members if m.is_reducer and not is_relayed(m.addr) and m.bandwidth > 0]
+    if not direct:
+        return tuple(members)
+    ceiling = min(direct)
+    return tuple(dataclasses.replace(m, bandwidth=ceiling) if m.is_reducer and is_relayed(m.addr)
+                 and m.bandwidth > ceiling else m for m in members)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.averaging.election import Candidate, DHTElection, Election, StaticElection
-from swarm.averaging.group import GroupInfo, MemberInfo
+from swarm.averaging.group import GroupInfo, MemberInfo, cap_relayed_parts
 from swarm.averaging.service import JOIN, REPORT, AveragingService
 from swarm.averaging.timing import ArrivalSpread, RoundTiming
 from swarm.core.errors import AveragingError, ConfigError, DeadlineExceeded, PeerUnreachable, RPCError
@@ -517,7 +517,8 @@ class Matchmaking:
             if j.member.peer_id in expected_at:
                 self.spread.observe(j.arrived - expected_at[j.member.peer_id])
         group = GroupInfo(
-            round_id=os.urandom(16), prefix=self.prefix, members=(me, *(j.member for j in chosen)), numel=self.numel,
+            round_id=os.urandom(16), prefix=self.prefix, members=cap_relayed_parts((me, *(j.member for j in chosen))),
+            numel=self.numel,
             timeout=max(0.01, timeout), compression=self.compression, chunk_bytes=self.chunk_bytes, schema=self.schema,
         )
         self._report_start(group, why, now - led_at, bound, outstanding, cap)

@@ -19,7 +19,7 @@ import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
@@ -45,6 +45,9 @@ from swarm.net.estimates import LinkEstimates
 from swarm.net.tls import SERVER_NAME, trust_anchor
 from swarm.net.tls import probe as tls_probe
 from swarm.proto import peer_pb2
+
+if TYPE_CHECKING:
+    from swarm.net.holepunch import DirectPaths
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +150,9 @@ class PeerChannel:
             ]
             target = self.addr.grpc_target
             if self.addr.relay_id:  # through its relay, an HTTP CONNECT proxy for this channel (docs/relay.md)
-                options.append(("grpc.http_proxy", f"http://{target}"))
+                paths = self.pool.direct_paths  # or a local one that punches a hole first (holepunch.py)
+                proxy = (paths.proxy_for(self.addr) if paths is not None else None) or target
+                options.append(("grpc.http_proxy", f"http://{proxy}"))
                 target = f"{self.peer_id}:{relay.GRPC_PORT}"  # what the CONNECT asks the relay for
             if cfg.tls:
                 # the only root is the dialed PeerID's key: nothing else can complete the handshake
@@ -439,7 +444,9 @@ class PeerChannel:
         """How a relayed peer's bulk port is dialed: a circuit through its relay (docs/relay.md)."""
         if not self.addr.relay_id:
             return None
-        addr = self.addr
+        addr, paths = self.addr, self.pool.direct_paths
+        if paths is not None and paths.should_punch(self.peer_id):
+            return lambda timeout: paths.dial(addr, port, timeout)  # direct if a hole punch works (holepunch.py)
         return lambda timeout: relay.open_circuit(addr, port, timeout)
 
     async def stream_unary(
@@ -493,6 +500,7 @@ class ChannelPool:
         self._channels: dict[str, PeerChannel] = {}
         self.metrics = RPCMetrics("client")  # metrics (issue #7)
         self.estimates = LinkEstimates()  # measured RTT and throughput per peer (issue #14)
+        self.direct_paths: DirectPaths | None = None  # hole punching to relayed peers, set by `NatTraversal`
 
     def __len__(self) -> int:
         """Channels open to other peers (metrics, issue #7: known peers when there is no DHT)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from swarm.core.errors import ConfigError, MultiaddrError, RPCError
 from swarm.core.multiaddr import Multiaddr
 from swarm.net.channels import ChannelPool
+from swarm.net.holepunch import DirectPaths, answer
 from swarm.net.reachability import (
     PRIVATE,
     PUBLIC,
@@ -43,6 +44,11 @@ class NatConfig:
         reservations: how many relays a private peer holds, and how.
         detect_timeout: seconds for the dial-back round.
         first_reservation_timeout: seconds a private peer waits at start for its first relay.
+        recheck_interval: seconds after start before reachability is asked again ("auto" only;
+            None: never); the pause doubles while the answer stays the same, up to `recheck_max`,
+            and starts over when it changes.
+        recheck_max: the longest pause between two checks.
+        holepunch: dial relayed peers directly when a hole punch works (`holepunch.py`).
     """
 
     reachability: str = "auto"
@@ -52,6 +58,9 @@ class NatConfig:
     reservations: ReservationsConfig = field(default_factory=ReservationsConfig)
     detect_timeout: float = 3.0
     first_reservation_timeout: float = 10.0
+    recheck_interval: float | None = 60.0
+    recheck_max: float = 1800.0
+    holepunch: bool = True
 
     def __post_init__(self) -> None:
         if self.reachability not in _MODES:
@@ -60,6 +69,8 @@ class NatConfig:
             raise ConfigError(f"relay must be auto, on or off, got {self.relay!r}")
         if not 0 <= self.relay_port <= 65535:
             raise ConfigError(f"relay port must be a TCP port, got {self.relay_port}")
+        if (self.recheck_interval is not None and self.recheck_interval <= 0) or self.recheck_max <= 0:
+            raise ConfigError("reachability recheck intervals must be positive (recheck_interval None: never)")
 
 
 class NatTraversal:
@@ -88,6 +99,9 @@ class NatTraversal:
         self.reservations: Reservations | None = None
         self.relay_addr = ""
         self.on_addrs_changed: list[Callable[[list[str]], None]] = []
+        self._watcher: asyncio.Task[None] | None = None
+        self.direct_paths: DirectPaths | None = None
+        self._rechecking = asyncio.Lock()
         DialBackService(server, lambda: self.relay_addr, tls=pool.config.tls)
 
     @property
@@ -117,6 +131,64 @@ class NatTraversal:
             await self._start_relay()
         if self.status == PRIVATE:
             await self._start_reservations()
+        if cfg.holepunch and self.pool.direct_paths is None:
+            self.direct_paths = DirectPaths(self.public_ip)
+            await self.direct_paths.start()
+            self.pool.direct_paths = self.direct_paths
+        if cfg.reachability == "auto" and cfg.recheck_interval is not None:
+            self._watcher = asyncio.ensure_future(self._watch(cfg.recheck_interval))
+            self._watcher.set_name("nat-recheck")
+
+    def public_ip(self) -> str | None:
+        """This peer's IP address as peers elsewhere see it, for a hole punch: what a relay saw a
+        reservation come from, or a public peer's own address; None on loopback or unknown."""
+        found: str | None = None
+        if self.reservations is not None:
+            found = next((r.observed[0] for r in self.reservations.held.values() if r.observed), None)
+        elif self.status == PUBLIC:
+            found = next((a.host for a in map(Multiaddr.parse, self.direct_addrs) if a.protocol == "ip4"), None)
+        return None if found is None or found.startswith("127.") else found
+
+    async def recheck(self) -> bool:
+        """Asks peers to dial back again and acts on a changed answer (e.g. a port forwarded, or
+        the address changed): a peer that became reachable announces its direct addresses and drops
+        its reservations (and relays, with `relay="auto"`); one that became private stops relaying
+        and reserves on relays. Nobody answering changes nothing. Returns whether it changed."""
+        cfg = self.config
+        async with self._rechecking:
+            found = await detect(self.pool, list(self.known_peers()), self.direct_addrs, timeout=cfg.detect_timeout)
+            was_private = self.status == PRIVATE
+            if found.status == UNKNOWN or (found.status == PRIVATE) == was_private:
+                if found.status == self.status:
+                    self.reachability = found
+                return False
+            self.reachability = found
+            logger.info("reachability changed: %s", found.summary())
+            if found.status == PRIVATE:
+                if self.relay is not None and cfg.relay == "auto":
+                    relay, self.relay, self.relay_addr = self.relay, None, ""
+                    await relay.stop()  # nobody can dial it now
+                await self._start_reservations()
+            else:
+                if self.reservations is not None:
+                    reservations, self.reservations = self.reservations, None
+                    await reservations.close()
+                self._announce(self.direct_addrs)
+                if self.relay is None and cfg.relay == "auto":
+                    await self._start_relay()
+            return True
+
+    async def _watch(self, interval: float) -> None:
+        """Rechecks reachability with a backoff: the pause doubles while nothing changes."""
+        pause = interval
+        while True:
+            await asyncio.sleep(pause)  # a period, not a wait for an event
+            try:
+                changed = await self.recheck()
+            except Exception as e:  # noqa: BLE001 - a failed check is tried again later, never fatal
+                logger.debug("reachability recheck failed: %s", e)
+                changed = False
+            pause = interval if changed else min(2 * pause, self.config.recheck_max)
 
     async def _start_relay(self) -> None:
         self.relay = Relay(self.server.identity, self.config.relay_limits)
@@ -136,6 +208,8 @@ class NatTraversal:
             "127.0.0.1" if self.listen.protocol == "ip4" else "::1")
         self.reservations = Reservations(self.server.identity, self._find_relays, ports, local, self._relayed,
                                          self.config.reservations)
+        if self.config.holepunch:
+            self.reservations.punch_answer = answer
         self.reservations.start()
         if not await self.reservations.wait_ready(self.config.first_reservation_timeout):
             logger.warning("behind NAT and no relay accepted a reservation yet: others cannot dial this peer "
@@ -163,12 +237,24 @@ class NatTraversal:
         return list(found.values())
 
     def _relayed(self, addresses: list[str]) -> None:
-        self.addrs[:] = addresses or self.direct_addrs
         logger.info("relayed addresses: %s", ", ".join(addresses) or "(none: no relay holds a reservation)")
+        self._announce(addresses or self.direct_addrs)
+
+    def _announce(self, addresses: list[str]) -> None:
+        if addresses == self.addrs:
+            return
+        self.addrs[:] = addresses
         for callback in self.on_addrs_changed:
             callback(list(self.addrs))
 
     async def close(self) -> None:
+        if self.direct_paths is not None:
+            await self.direct_paths.close()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+        async with self._rechecking:  # a recheck in progress ends first: nothing is started after this
+            pass
         if self.reservations is not None:
             await self.reservations.close()
         if self.relay is not None:

@@ -39,6 +39,7 @@ from swarm.core.multiaddr import Multiaddr
 logger = logging.getLogger(__name__)
 
 GRPC_PORT = 1  # the port a CONNECT names to reach the callee's gRPC server (its real port is its own)
+PUNCH_PORT = 2  # the port a CONNECT names to coordinate a hole punch with the callee (`holepunch.py`)
 _RESERVE_CONTEXT = b"swarm-relay-reserve-v1"
 _LINE_LIMIT = 1024
 _HEAD_LIMIT = 8192
@@ -276,6 +277,10 @@ class Relay:
             old.writer.close()  # the same peer again (it reconnected): the newer one holds
         reservation = self.reservations[peer_id] = _Reservation(peer_id, ip, writer)
         writer.write(f"OK {cfg.reservation_ttl:g}\n".encode())
+        peername = writer.get_extra_info("peername")
+        if isinstance(peername, tuple) and len(peername) >= 2:
+            # the address the peer's NAT gave it, for a hole punch (docs/relay.md); older peers ignore the line
+            writer.write(f"OBSERVED {peername[0]} {peername[1]}\n".encode())
         logger.info("relay: reservation for %s from %s", peer_id, ip)
         try:
             while True:
@@ -391,6 +396,8 @@ class Reservation:
         self.relay = relay
         self.ready = asyncio.Event()
         self.error = ""
+        self.observed: tuple[str, int] | None = None
+        """The address and port the relay saw this reservation come from (its NAT's public side)."""
         self.task = asyncio.ensure_future(self._hold())
         self.task.set_name(f"relay-reservation-{relay.peer_id}")
 
@@ -442,6 +449,9 @@ class Reservation:
                 if received.startswith(b"CIRCUIT "):
                     _, circuit_id, port_text = received.decode(errors="replace").split()
                     self.owner.spawn(self._answer(circuit_id, int(port_text)))
+                elif received.startswith(b"OBSERVED "):
+                    _, host, port_text = received.decode(errors="replace").split()
+                    self.observed = (host, int(port_text))
         except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
             self.error = f"{type(e).__name__}: {e}"
             logger.info("reservation on relay %s ended: %s", self.relay, self.error)
@@ -451,11 +461,25 @@ class Reservation:
             self.owner.lost(self)
 
     async def _answer(self, circuit_id: str, port: int) -> None:
-        """Connection reversal: a fresh connection to the relay, spliced with the local server."""
+        """Connection reversal: a fresh connection to the relay, spliced with the local server (or,
+        for `PUNCH_PORT`, the callee's side of a hole punch, `holepunch.py`)."""
+        punch = port == PUNCH_PORT and self.observed is not None and self.owner.punch_answer is not None
         local_port = self.owner.local_port(port)
-        if local_port is None:
+        if local_port is None and not punch:
             return  # a port this peer does not serve: never a way into its LAN
         cfg = self.owner.config
+        if punch:
+            try:
+                back = await asyncio.wait_for(asyncio.open_connection(self.relay.host, self.relay.port),
+                                              cfg.connect_timeout)
+            except (OSError, TimeoutError) as e:
+                logger.debug("circuit %s not answered: %s", circuit_id, e)
+                return
+            back[1].write(f"ACCEPT {circuit_id}\n".encode())
+            assert self.observed is not None and self.owner.punch_answer is not None
+            await self.owner.punch_answer(back[0], back[1], self.observed[0], self.owner.local_port,
+                                          self.owner.local_host)
+            return
         try:
             back = await asyncio.wait_for(asyncio.open_connection(self.relay.host, self.relay.port), cfg.connect_timeout)
             local = await asyncio.wait_for(asyncio.open_connection(self.owner.local_host, local_port),
@@ -517,6 +541,8 @@ class Reservations:
         self._keeper: asyncio.Task[None] | None = None
         self._published: list[str] = []
         self._closing = False
+        self.punch_answer: Callable[..., Awaitable[None]] | None = None
+        """The callee's side of a hole punch (`holepunch.answer`), for circuits to `PUNCH_PORT`."""
 
     def local_port(self, port: int) -> int | None:
         return self.ports.get(port)

@@ -57,6 +57,7 @@ _HOME_ROUTER_RULES = """*nat
 COMMIT
 *filter
 :FORWARD DROP [0:0]
+-A INPUT -i eth0 -p tcp --syn -m conntrack --ctstate NEW -j DROP
 -A FORWARD -i lan0 -o eth0 -j ACCEPT
 -A FORWARD -i eth0 -o lan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
 COMMIT

@@ -8,6 +8,7 @@ import asyncio
 import socket
 
 import pytest
+from proxy import LoopbackProxy
 from test_bulk import call, serve_echo
 
 from swarm.core.errors import MultiaddrError, PeerUnreachable
@@ -308,3 +309,78 @@ def test_a_reservation_busy_with_circuits_still_keeps_alive(make_peer):
 
     assert a.run(busy(), timeout=30) > 3
     assert relay.reservations.get(b.peer_id) is held  # the same reservation: its PINGs kept coming
+
+
+@pytest.mark.timeout(90)
+def test_reachability_is_rechecked_a_forwarded_port_goes_direct_and_a_closed_one_back_to_relays(make_peer):
+    a = make_peer()  # public: it relays and dials back
+    router = LoopbackProxy(None)  # the "router's" public port: nothing forwarded yet (it closes each connection)
+    try:
+        announced = f"/ip4/127.0.0.1/tcp/{router.port}"
+        nat = NatConfig(recheck_interval=0.3, recheck_max=0.6, reservations=ReservationsConfig(target=1))
+        c = make_peer(initial_peers=a.addrs, announce=[announced], nat=nat)
+        assert c.nat.status == "private" and c.nat.relay is None
+        assert Multiaddr.parse(c.addrs[0]).relay_id == a.peer_id and c.peer_id in a.nat.relay.reservations
+        seen: list[list[str]] = []
+        c.nat.on_addrs_changed.append(seen.append)
+
+        router.target = ("127.0.0.1", c.server.port)  # the port gets forwarded: the watcher finds out by itself
+        assert wait_until(c, lambda: c.nat.status == "public", timeout=20)
+        assert wait_until(c, lambda: c.peer_id not in a.nat.relay.reservations)  # the reservation is dropped
+        assert c.addrs == [f"{announced}/p2p/{c.peer_id}"] and seen[-1] == c.addrs
+        assert c.nat.reservations is None and c.nat.relay is not None  # reachable now: it relays for others
+
+        async def info():
+            return await a.pool.get(c.addrs[0]).info()
+        assert a.run(info()).peer_id == c.peer_id  # dialed directly, through the forwarded port
+
+        router.target = None  # the forwarding is gone again
+        assert wait_until(c, lambda: c.nat.status == "private", timeout=20)
+        assert wait_until(c, lambda: bool(c.addrs) and Multiaddr.parse(c.addrs[0]).relay_id == a.peer_id)
+        assert c.nat.relay is None and c.peer_id in a.nat.relay.reservations
+    finally:
+        for peer in (locals().get("c"), a):  # their connections through the router end first
+            if peer is not None:
+                peer.shutdown()
+        router.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_hole_punch_request_is_checked_and_a_caller_without_a_public_address_stays_relayed(make_peer):
+    from swarm.net import holepunch
+
+    a = make_peer()
+    b = make_peer(initial_peers=a.addrs, nat=PRIVATE)
+    relayed = Multiaddr.parse(b.addrs[0])
+    assert b.nat.public_ip() is None  # on loopback there is no NAT to punch through: nobody tries
+
+    async def punch_to(port: int) -> str:
+        try:
+            await holepunch.punch(relayed, port, "127.0.0.1")
+        except PeerUnreachable as e:
+            return str(e)
+        return "punched"
+
+    assert "not a port this peer serves" in b.run(punch_to(4242))  # never a way into its LAN
+
+    async def garbage() -> bytes:
+        sock = await relay_mod.open_circuit(relayed, relay_mod.PUNCH_PORT, 5.0)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"PUNCH everything now please\n")
+        line = await asyncio.wait_for(reader.readline(), 5.0)
+        writer.close()
+        return line
+
+    assert b.run(garbage()) == b"NO bad request\n"
+    paths = holepunch.DirectPaths(lambda: None)  # no public address known: straight through the relay
+
+    async def through_relay() -> bool:
+        sock = await paths.dial(relayed, b.server.bulk.port, 5.0)
+        sock.close()
+        return True
+
+    assert b.run(through_relay()) and paths.relayed == {b.peer_id: 1} and not paths.direct and not paths.failed
+
+    async def info():
+        return await a.pool.get(b.addrs[0]).info()
+    assert a.run(info()).peer_id == b.peer_id  # and plain relayed calls work as before

@@ -125,3 +125,44 @@ def test_two_peers_behind_nat_and_two_public_ones_average_exactly_and_hand_over_
         for proc, _ in procs:
             proc.stdin.write(b"stop\n")  # type: ignore[union-attr]
             proc.stdin.flush()  # type: ignore[union-attr]
+
+
+PUNCH = str(Path(__file__).with_name("nat_punch.py"))
+
+
+def _punch_case(lab: Lab) -> tuple[dict, subprocess.Popen[bytes], Lines, subprocess.Popen[bytes]]:
+    """A relay on a public host, a server on `home2`, a caller on `home1` (both behind NAT)."""
+    relay, relay_addrs = peer_process(lab, "relay")
+    server = lab.spawn("home2", [PY, PUNCH, "serve", lab.address("home2"), relay_addrs[0]], stdin=subprocess.PIPE)
+    ready = json.loads(Lines(server).next(90))
+    assert ready["reachability"] == "private" and Multiaddr.parse(ready["addr"]).relay_id, ready
+    caller = lab.spawn("home1", [PY, PUNCH, "call", lab.address("home1"), relay_addrs[0], ready["addr"]],
+                       stdin=subprocess.PIPE)
+    lines = Lines(caller)
+    result = json.loads(lines.next(120))
+    print(json.dumps(result))
+    return result, caller, lines, relay
+
+
+def test_two_peers_behind_masquerade_nat_punch_a_hole_and_keep_talking_without_the_relay(needs_lab) -> None:
+    hosts = [HostSpec("relay"), HostSpec("home1", nat=True), HostSpec("home2", nat=True)]
+    with Lab(hosts) as lab:
+        result, caller, lines, relay = _punch_case(lab)
+        assert result["ok"] and result["state"], result
+        # the call and the state's bulk stream both went over punched connections
+        assert result["direct"] >= 2 and result["relayed"] == 0 and result["failed"] == 0, result
+        os.killpg(relay.pid, signal.SIGKILL)  # the only relay: only a direct connection still works
+        relay.wait(10)
+        caller.stdin.write(b"again\n")  # type: ignore[union-attr]
+        caller.stdin.flush()  # type: ignore[union-attr]
+        assert json.loads(lines.next(30))["ok"]
+
+
+def test_behind_a_random_port_nat_the_punch_fails_and_traffic_stays_relayed(needs_lab) -> None:
+    hosts = [HostSpec("relay"), HostSpec("home1", nat=True, nat_type="random"), HostSpec("home2", nat=True)]
+    with Lab(hosts) as lab:
+        result, caller, _, _ = _punch_case(lab)
+        assert result["ok"] and result["state"], result
+        assert result["direct"] == 0 and result["failed"] == 1 and result["relayed"] >= 1, result
+        caller.stdin.write(b"stop\n")  # type: ignore[union-attr]
+        caller.stdin.flush()  # type: ignore[union-attr]
