@@ -16,6 +16,10 @@ waiting for its group, and where each trainer process's CPU went, by thread (the
 the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
+        [--variants TARGET:LR[:WARMUP] ...]
+
+`--variants` adds overlapped phases with another target batch, learning rate or warm-up, side by
+side with the default ones in the same invocation (what the held-out loss gap comes from).
 """
 
 from __future__ import annotations
@@ -61,27 +65,51 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
           f"({idle:.1%} waiting for its group); CPU {cpu_total:.1f} s per process: {shares}", flush=True)
 
 
+def parse_variant(text: str) -> tuple[int, float, int]:
+    """`TARGET:LR[:WARMUP]`: target batch, Adam's learning rate, collective steps of linear warm-up."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"a variant is TARGET:LR[:WARMUP], got {text!r}")
+    try:
+        return int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"a variant is TARGET:LR[:WARMUP], got {text!r}") from e
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=60)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--target-batch", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (the plain process's too)")
     parser.add_argument("--skip-sync", action="store_true", help="leave out the max_staleness=0 phase")
+    parser.add_argument("--variants", nargs="*", type=parse_variant, default=[],
+                        help="more overlapped phases, each TARGET:LR[:WARMUP] (target batch, learning rate, "
+                             "collective steps of linear warm-up), run after the default ones in the same "
+                             "invocation, e.g. 512:0.017:3 (the learning rate scaled by sqrt(512/16))")
+    parser.add_argument("--skip-default", action="store_true",
+                        help="run only the --variants phases (the plain baseline still runs first)")
     args = parser.parse_args()
     seconds = str(args.seconds)
     print(f"load average before: {os.getloadavg()}", flush=True)
-    plains = [(threads, bench_training.run_workers("plain", 1, ["--max-seconds", seconds, "--threads", str(threads)],
-                                                   args.seconds + 120)[0])
+    plains = [(threads, bench_training.run_workers(
+        "plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr", str(args.lr)], args.seconds + 120)[0])
               for threads in sorted({1, os.cpu_count() or 1})]
     for threads, result in plains:
         print(f"one plain process, {threads} thread(s): {result['samples_per_s']:.1f} samples/s, held-out loss "
-              f"{result['loss']:.3f} after {args.seconds} s", flush=True)
+              f"{result['loss']:.3f} after {args.seconds} s (batch {bench_training.BATCH}, lr {args.lr})", flush=True)
     threads, plain = max(plains, key=lambda tr: tr[1]["samples_per_s"])
-    common = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(args.target_batch)]
-    for staleness in ([1] if args.skip_sync else [0, 1]):
-        results = bench_training.run_workers("swarm", args.peers, [*common, "--max-staleness", str(staleness)],
-                                             args.seconds + 180)
-        describe(f"{args.peers} trainers, max_staleness={staleness}", results, plain)
+    phases: list[tuple[str, int, float, int, int]] = []  # name, target batch, lr, warm-up, staleness
+    if not args.skip_default:
+        phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
+                    args.lr, 0, staleness) for staleness in ([1] if args.skip_sync else [0, 1])]
+    phases += [(f"max_staleness=1, target {target}, lr {lr}, warm-up {warmup}", target, lr, warmup, 1)
+               for target, lr, warmup in args.variants]
+    for name, target, lr, warmup, staleness in phases:
+        extra = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(target), "--lr", str(lr),
+                 "--warmup-steps", str(warmup), "--max-staleness", str(staleness)]
+        results = bench_training.run_workers("swarm", args.peers, extra, args.seconds + 180)
+        describe(f"{args.peers} trainers, {name}", results, plain)
     print(f"baseline: the plain process with {threads} thread(s); load average after: {os.getloadavg()}",
           flush=True)
 

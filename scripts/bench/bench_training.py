@@ -120,8 +120,13 @@ def worker(args: argparse.Namespace) -> None:
         max_staleness=args.max_staleness)
     diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType.UNIFORM_8BIT,
                           fragments=args.fragments) if args.mode == "diloco" else None
+    scheduler = None
+    if args.warmup_steps:
+        # linear warm-up over the first collective steps (large-batch) or inner steps (DiLoCo)
+        warmup = args.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(adam, lambda step: min(1.0, (step + 1) / warmup))
     opt = swarm.Optimizer(peer, run_id=f"bench-{args.mode}", params=model.parameters(), optimizer=adam,
-                          batch_size_per_step=BATCH, config=collaboration, diloco=diloco)
+                          batch_size_per_step=BATCH, config=collaboration, diloco=diloco, scheduler=scheduler)
     if not opt.wait_for_peers(args.peers, timeout=120):
         raise SystemExit("the other peers did not show up")
     started = time.monotonic()
@@ -263,6 +268,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--lr", type=float, default=3e-3, help=argparse.SUPPRESS)
     parser.add_argument("--max-staleness", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup-steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--address", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--fragments", type=int, default=1, help=argparse.SUPPRESS)
