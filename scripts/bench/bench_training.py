@@ -118,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
         target_batch_size=args.target_batch_size, report_period=0.1 if args.mode == "step" else 0.5,
         min_refresh_period=0.02, max_refresh_period=1.0, averaging_timeout=20.0, matchmaking_window=0.5,
         max_staleness=args.max_staleness)
-    diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType.UNIFORM_8BIT,
+    diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType[args.compression],
                           fragments=args.fragments) if args.mode == "diloco" else None
     scheduler = None
     if args.warmup_steps:
@@ -269,6 +269,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help=argparse.SUPPRESS)
     parser.add_argument("--max-staleness", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--warmup-steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--compression", default="UNIFORM_8BIT", help=argparse.SUPPRESS)  # DiLoCo's outer codec
     parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--address", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--fragments", type=int, default=1, help=argparse.SUPPRESS)
