@@ -66,14 +66,17 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
 
 
 def parse_variant(text: str) -> tuple[int, float, int]:
-    """`TARGET:LR[:WARMUP]`: target batch, Adam's learning rate, collective steps of linear warm-up."""
+    """`TARGET:LR[:WARMUP]`: target batch, Adam's learning rate, collective steps of linear warm-up;
+    or `diloco:H`: DiLoCo with H inner steps per round (target 0, H in the warm-up field)."""
     parts = text.split(":")
-    if len(parts) not in (2, 3):
-        raise argparse.ArgumentTypeError(f"a variant is TARGET:LR[:WARMUP], got {text!r}")
     try:
-        return int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"a variant is TARGET:LR[:WARMUP], got {text!r}") from e
+        if parts[0] == "diloco" and len(parts) == 2:
+            return 0, 0.0, int(parts[1])
+        if len(parts) in (2, 3):
+            return int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"a variant is TARGET:LR[:WARMUP] or diloco:H, got {text!r}")
 
 
 def main() -> None:
@@ -87,6 +90,8 @@ def main() -> None:
                         help="more overlapped phases, each TARGET:LR[:WARMUP] (target batch, learning rate, "
                              "collective steps of linear warm-up), run after the default ones in the same "
                              "invocation, e.g. 512:0.017:3 (the learning rate scaled by sqrt(512/16))")
+    parser.add_argument("--plain-threads", type=int, nargs="*", default=None,
+                        help="thread counts of the plain process (default: 1 and all cores; the better counts)")
     parser.add_argument("--skip-default", action="store_true",
                         help="run only the --variants phases (the plain baseline still runs first)")
     args = parser.parse_args()
@@ -94,7 +99,7 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}", flush=True)
     plains = [(threads, bench_training.run_workers(
         "plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr", str(args.lr)], args.seconds + 120)[0])
-              for threads in sorted({1, os.cpu_count() or 1})]
+              for threads in (args.plain_threads or sorted({1, os.cpu_count() or 1}))]
     for threads, result in plains:
         print(f"one plain process, {threads} thread(s): {result['samples_per_s']:.1f} samples/s, held-out loss "
               f"{result['loss']:.3f} after {args.seconds} s (batch {bench_training.BATCH}, lr {args.lr})", flush=True)
@@ -103,9 +108,16 @@ def main() -> None:
     if not args.skip_default:
         phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
                     args.lr, 0, staleness) for staleness in ([1] if args.skip_sync else [0, 1])]
-    phases += [(f"max_staleness=1, target {target}, lr {lr}, warm-up {warmup}", target, lr, warmup, 1)
+    phases += [(f"max_staleness=1, target {target}, lr {lr}, warm-up {warmup}" if target else
+                f"DiLoCo H={warmup} (8-bit, overlapped), inner lr {args.lr}", target, lr, warmup, 1)
                for target, lr, warmup in args.variants]
     for name, target, lr, warmup, staleness in phases:
+        if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
+            extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(args.lr), "--local-steps", str(warmup),
+                     "--target-loss", "0", "--max-staleness", "1"]
+            results = bench_training.run_workers("diloco", args.peers, extra, args.seconds + 180)
+            describe(f"{args.peers} trainers, {name}", results, plain)
+            continue
         extra = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(target), "--lr", str(lr),
                  "--warmup-steps", str(warmup), "--max-staleness", str(staleness)]
         results = bench_training.run_workers("swarm", args.peers, extra, args.seconds + 180)
