@@ -16,10 +16,12 @@ waiting for its group, and where each trainer process's CPU went, by thread (the
 the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
-        [--variants TARGET:LR[:WARMUP] ...]
+        [--variants TARGET:LR[:WARMUP] | diloco:H[:BITS] ...]
 
 `--variants` adds overlapped phases with another target batch, learning rate or warm-up, side by
-side with the default ones in the same invocation (what the held-out loss gap comes from).
+side with the default ones in the same invocation (what the held-out loss gap comes from);
+`diloco:H[:BITS]` adds a DiLoCo phase: H inner steps of the plain process's batch and learning rate
+per round, 8-bit (or 4-bit) pseudo-gradients, rounds overlapped.
 """
 
 from __future__ import annotations
@@ -65,18 +67,19 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
           f"({idle:.1%} waiting for its group); CPU {cpu_total:.1f} s per process: {shares}", flush=True)
 
 
-def parse_variant(text: str) -> tuple[int, float, int]:
+def parse_variant(text: str) -> tuple[int, float, int, int]:
     """`TARGET:LR[:WARMUP]`: target batch, Adam's learning rate, collective steps of linear warm-up;
-    or `diloco:H`: DiLoCo with H inner steps per round (target 0, H in the warm-up field)."""
+    or `diloco:H[:BITS]`: DiLoCo with H inner steps per round and 8-bit (or 4-bit) pseudo-gradients
+    (target 0, H in the warm-up field). The fourth field is the bits."""
     parts = text.split(":")
     try:
-        if parts[0] == "diloco" and len(parts) == 2:
-            return 0, 0.0, int(parts[1])
+        if parts[0] == "diloco" and len(parts) in (2, 3) and (len(parts) == 2 or parts[2] in ("4", "8")):
+            return 0, 0.0, int(parts[1]), int(parts[2]) if len(parts) == 3 else 8
         if len(parts) in (2, 3):
-            return int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0
+            return int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0, 32
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"a variant is TARGET:LR[:WARMUP] or diloco:H, got {text!r}")
+    raise argparse.ArgumentTypeError(f"a variant is TARGET:LR[:WARMUP] or diloco:H[:BITS], got {text!r}")
 
 
 def main() -> None:
@@ -104,17 +107,18 @@ def main() -> None:
         print(f"one plain process, {threads} thread(s): {result['samples_per_s']:.1f} samples/s, held-out loss "
               f"{result['loss']:.3f} after {args.seconds} s (batch {bench_training.BATCH}, lr {args.lr})", flush=True)
     threads, plain = max(plains, key=lambda tr: tr[1]["samples_per_s"])
-    phases: list[tuple[str, int, float, int, int]] = []  # name, target batch, lr, warm-up, staleness
+    # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients)
+    phases: list[tuple[str, int, float, int, int, int]] = []
     if not args.skip_default:
         phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
-                    args.lr, 0, staleness) for staleness in ([1] if args.skip_sync else [0, 1])]
+                    args.lr, 0, staleness, 32) for staleness in ([1] if args.skip_sync else [0, 1])]
     phases += [(f"max_staleness=1, target {target}, lr {lr}, warm-up {warmup}" if target else
-                f"DiLoCo H={warmup} (8-bit, overlapped), inner lr {args.lr}", target, lr, warmup, 1)
-               for target, lr, warmup in args.variants]
-    for name, target, lr, warmup, staleness in phases:
+                f"DiLoCo H={warmup} ({bits}-bit, overlapped), inner lr {args.lr}", target, lr, warmup, 1, bits)
+               for target, lr, warmup, bits in args.variants]
+    for name, target, lr, warmup, staleness, bits in phases:
         if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
             extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(args.lr), "--local-steps", str(warmup),
-                     "--target-loss", "0", "--max-staleness", "1"]
+                     "--target-loss", "0", "--max-staleness", "1", "--compression", f"UNIFORM_{bits}BIT"]
             results = bench_training.run_workers("diloco", args.peers, extra, args.seconds + 180)
             describe(f"{args.peers} trainers, {name}", results, plain)
             continue
