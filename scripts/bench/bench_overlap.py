@@ -65,6 +65,13 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
           f"{plain_per_cpu:.1f}", flush=True)
     print(f"  per trainer: {compute:.0%} of wall time in compute, {step:.1%} in step() "
           f"({idle:.1%} waiting for its group); CPU {cpu_total:.1f} s per process: {shares}", flush=True)
+    rpcs: dict[str, float] = {}
+    for r in results:
+        for method, count in r.get("rpcs", {}).items():
+            rpcs[method] = rpcs.get(method, 0.0) + count / len(results) / r["elapsed"]
+    top = sorted(rpcs.items(), key=lambda kv: -kv[1])[:8]
+    print("  RPCs per trainer per second (in: served, out: made): "
+          + ", ".join(f"{method} {rate:.1f}" for method, rate in top), flush=True)
 
 
 def parse_variant(text: str) -> tuple[int, float, int, int]:

@@ -86,6 +86,16 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def rpc_calls(peer: Any) -> dict[str, int]:
+    """RPCs this peer served ("in ...") and made ("out ...") so far, by method (swarm.metrics.rpc)."""
+    out: dict[str, int] = {}
+    for side, owner in (("in", getattr(peer, "server", None)), ("out", getattr(peer, "pool", None))):
+        metrics = getattr(owner, "metrics", None)
+        for path, m in (metrics.methods.items() if metrics is not None else ()):
+            out[f"{side} {path.rsplit('/', 1)[-1]}"] = int(m.ok.value + m.failed.value)
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -131,6 +141,7 @@ def worker(args: argparse.Namespace) -> None:
         raise SystemExit("the other peers did not show up")
     started = time.monotonic()
     cpu_before = thread_cpu()
+    rpcs_before = rpc_calls(peer)
     samples, reached, loss = 0, None, None
     compute = stepping = 0.0
     stop_at = started + args.max_seconds
@@ -160,8 +171,9 @@ def worker(args: argparse.Namespace) -> None:
     elapsed = time.monotonic() - started
     cpu_after = thread_cpu()
     cpu = {name: round(cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0), 2) for name in cpu_after}
+    rpcs = {name: count - rpcs_before.get(name, 0) for name, count in rpc_calls(peer).items()}
     result = {"index": args.index, "mode": args.mode, "elapsed": elapsed, "compute_s": compute, "step_s": stepping,
-              "idle_s": opt.idle_seconds, "cpu": cpu, "before_flush": before_flush,
+              "idle_s": opt.idle_seconds, "cpu": cpu, "rpcs": rpcs, "before_flush": before_flush,
               "staleness": sorted({r.staleness for r in opt.history if r.ok}), "seconds": reached if reached is not None else elapsed,
               "reached": reached is not None, "bytes_sent": opt.bytes_sent, "samples": samples,
               "samples_per_s": samples / elapsed, "epochs": opt.epoch, "loss": loss,
