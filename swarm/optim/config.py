@@ -107,7 +107,9 @@ class DiLoCoConfig:
         outer_lr: learning rate of the outer SGD (the paper uses 0.7).
         outer_momentum: momentum of the outer SGD (the paper uses 0.9).
         nesterov: use Nesterov momentum (the paper does).
-        compression: wire format of the averaged pseudo-gradient.
+        compression: wire format of the averaged pseudo-gradient: UNIFORM_8BIT (the default),
+            or UNIFORM_4BIT (blockwise 4-bit, ~0.53x the bytes; its loss against 8-bit:
+            BENCHMARKS.md, "Communication overlapped with compute").
         fragments: the parameters are cut into this many fragments, synced in turn (Streaming
             DiLoCo, Douillard et al. 2025): one fragment every `local_steps / fragments` inner
             steps, so each fragment is still synced every `local_steps` steps while a round sends
