@@ -36,7 +36,9 @@ class CollaborationConfig:
             (peers notice that the swarm is ready within about `report_period` of each other).
         max_failed_rounds: consecutive failed rounds after which a peer gives up averaging its
             current gradients, discards them and re-synchronizes its state (large-batch mode).
-        report_period: least seconds between two progress reports of this peer to the DHT.
+        report_period: least seconds between two progress reports of this peer to the DHT (with no
+            target batch, as in DiLoCo mode, reports between epoch changes come once per
+            `progress_expiration / 3` instead).
         min_refresh_period: least seconds between two reads of the swarm's progress.
         max_refresh_period: most seconds between two reads of the swarm's progress.
         progress_expiration: seconds a progress report lives; a peer that stops reporting
