@@ -39,7 +39,7 @@ def _report_for(peer, run_id: str, config: CollaborationConfig, seconds: float) 
 def test_without_a_target_batch_progress_is_written_at_the_heartbeat_only(make_peer) -> None:
     peer = make_peer()
     make_peer()  # a second node: the reports are stored on it over RPC
-    common = dict(report_period=0.05, progress_expiration=30.0)  # heartbeat 10 s: not reached
+    common = {"report_period": 0.05, "progress_expiration": 30.0}  # heartbeat 10 s: not reached
     large_batch = _report_for(peer, "lb", CollaborationConfig(target_batch_size=10**6, **common), 1.5)
     diloco = _report_for(peer, "dl", CollaborationConfig(**common), 1.5)
     assert large_batch >= 4  # ~30 report periods passed; a busy loop may merge many of them
