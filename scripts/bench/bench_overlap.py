@@ -16,6 +16,12 @@ waiting for its group, and where each trainer process's CPU went, by thread (the
 the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
+        [--variants TARGET:LR[:WARMUP] | diloco:H[:BITS] ...]
+
+`--variants` adds overlapped phases with another target batch, learning rate or warm-up, side by
+side with the default ones in the same invocation (what the held-out loss gap comes from);
+`diloco:H[:BITS]` adds a DiLoCo phase: H inner steps of the plain process's batch and learning rate
+per round, 8-bit (or 4-bit) pseudo-gradients, rounds overlapped.
 """
 
 from __future__ import annotations
@@ -54,11 +60,34 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
     print(f"{name}: {total:.1f} samples/s in all = {total / plain['samples_per_s']:.2f}x the plain process; "
           f"held-out loss {loss:.3f} = {loss / plain['loss']:.3f}x; {results[0]['epochs']} collective steps, "
           f"staleness {sorted({s for r in results for s in r['staleness']})}, failed rounds "
-          f"{sum(r['failed_rounds'] for r in results)}", flush=True)
+          f"{sum(r['failed_rounds'] for r in results)}, state downloads {sum(r.get('state_loads', 0) for r in results)}",
+          flush=True)
     print(f"  {per_cpu:.1f} samples per CPU-second = {per_cpu / plain_per_cpu:.2f}x the plain process's "
           f"{plain_per_cpu:.1f}", flush=True)
     print(f"  per trainer: {compute:.0%} of wall time in compute, {step:.1%} in step() "
           f"({idle:.1%} waiting for its group); CPU {cpu_total:.1f} s per process: {shares}", flush=True)
+    rpcs: dict[str, float] = {}
+    for r in results:
+        for method, count in r.get("rpcs", {}).items():
+            rpcs[method] = rpcs.get(method, 0.0) + count / len(results) / r["elapsed"]
+    top = sorted(rpcs.items(), key=lambda kv: -kv[1])[:8]
+    print("  RPCs per trainer per second (in: served, out: made): "
+          + ", ".join(f"{method} {rate:.1f}" for method, rate in top), flush=True)
+
+
+def parse_variant(text: str) -> tuple[int, float, int, int]:
+    """`TARGET:LR[:WARMUP]`: target batch, Adam's learning rate, collective steps of linear warm-up;
+    or `diloco:H[:BITS]`: DiLoCo with H inner steps per round and 8-bit (or 4-bit) pseudo-gradients
+    (target 0, H in the warm-up field). The fourth field is the bits."""
+    parts = text.split(":")
+    try:
+        if parts[0] == "diloco" and len(parts) in (2, 3) and (len(parts) == 2 or parts[2] in ("4", "8")):
+            return 0, 0.0, int(parts[1]), int(parts[2]) if len(parts) == 3 else 8
+        if len(parts) in (2, 3):
+            return int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0, 32
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"a variant is TARGET:LR[:WARMUP] or diloco:H[:BITS], got {text!r}")
 
 
 def main() -> None:
@@ -66,22 +95,45 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=60)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--target-batch", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (the plain process's too)")
     parser.add_argument("--skip-sync", action="store_true", help="leave out the max_staleness=0 phase")
+    parser.add_argument("--variants", nargs="*", type=parse_variant, default=[],
+                        help="more overlapped phases, each TARGET:LR[:WARMUP] (target batch, learning rate, "
+                             "collective steps of linear warm-up), run after the default ones in the same "
+                             "invocation, e.g. 512:0.017:3 (the learning rate scaled by sqrt(512/16))")
+    parser.add_argument("--plain-threads", type=int, nargs="*", default=None,
+                        help="thread counts of the plain process (default: 1 and all cores; the better counts)")
+    parser.add_argument("--skip-default", action="store_true",
+                        help="run only the --variants phases (the plain baseline still runs first)")
     args = parser.parse_args()
     seconds = str(args.seconds)
     print(f"load average before: {os.getloadavg()}", flush=True)
-    plains = [(threads, bench_training.run_workers("plain", 1, ["--max-seconds", seconds, "--threads", str(threads)],
-                                                   args.seconds + 120)[0])
-              for threads in sorted({1, os.cpu_count() or 1})]
+    plains = [(threads, bench_training.run_workers(
+        "plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr", str(args.lr)], args.seconds + 120)[0])
+              for threads in (args.plain_threads or sorted({1, os.cpu_count() or 1}))]
     for threads, result in plains:
         print(f"one plain process, {threads} thread(s): {result['samples_per_s']:.1f} samples/s, held-out loss "
-              f"{result['loss']:.3f} after {args.seconds} s", flush=True)
+              f"{result['loss']:.3f} after {args.seconds} s (batch {bench_training.BATCH}, lr {args.lr})", flush=True)
     threads, plain = max(plains, key=lambda tr: tr[1]["samples_per_s"])
-    common = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(args.target_batch)]
-    for staleness in ([1] if args.skip_sync else [0, 1]):
-        results = bench_training.run_workers("swarm", args.peers, [*common, "--max-staleness", str(staleness)],
-                                             args.seconds + 180)
-        describe(f"{args.peers} trainers, max_staleness={staleness}", results, plain)
+    # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients)
+    phases: list[tuple[str, int, float, int, int, int]] = []
+    if not args.skip_default:
+        phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
+                    args.lr, 0, staleness, 32) for staleness in ([1] if args.skip_sync else [0, 1])]
+    phases += [(f"max_staleness=1, target {target}, lr {lr}, warm-up {warmup}" if target else
+                f"DiLoCo H={warmup} ({bits}-bit, overlapped), inner lr {args.lr}", target, lr, warmup, 1, bits)
+               for target, lr, warmup, bits in args.variants]
+    for name, target, lr, warmup, staleness, bits in phases:
+        if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
+            extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(args.lr), "--local-steps", str(warmup),
+                     "--target-loss", "0", "--max-staleness", "1", "--compression", f"UNIFORM_{bits}BIT"]
+            results = bench_training.run_workers("diloco", args.peers, extra, args.seconds + 180)
+            describe(f"{args.peers} trainers, {name}", results, plain)
+            continue
+        extra = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(target), "--lr", str(lr),
+                 "--warmup-steps", str(warmup), "--max-staleness", str(staleness)]
+        results = bench_training.run_workers("swarm", args.peers, extra, args.seconds + 180)
+        describe(f"{args.peers} trainers, {name}", results, plain)
     print(f"baseline: the plain process with {threads} thread(s); load average after: {os.getloadavg()}",
           flush=True)
 

@@ -86,6 +86,16 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def rpc_calls(peer: Any) -> dict[str, int]:
+    """RPCs this peer served ("in ...") and made ("out ...") so far, by method (swarm.metrics.rpc)."""
+    out: dict[str, int] = {}
+    for side, owner in (("in", getattr(peer, "server", None)), ("out", getattr(peer, "pool", None))):
+        metrics = getattr(owner, "metrics", None)
+        for path, m in (metrics.methods.items() if metrics is not None else ()):
+            out[f"{side} {path.rsplit('/', 1)[-1]}"] = int(m.ok.value + m.failed.value)
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -118,18 +128,24 @@ def worker(args: argparse.Namespace) -> None:
         target_batch_size=args.target_batch_size, report_period=0.1 if args.mode == "step" else 0.5,
         min_refresh_period=0.02, max_refresh_period=1.0, averaging_timeout=20.0, matchmaking_window=0.5,
         max_staleness=args.max_staleness)
-    diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType.UNIFORM_8BIT,
+    diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType[args.compression],
                           fragments=args.fragments) if args.mode == "diloco" else None
+    scheduler = None
+    if args.warmup_steps:
+        # linear warm-up over the first collective steps (large-batch) or inner steps (DiLoCo)
+        warmup = args.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(adam, lambda step: min(1.0, (step + 1) / warmup))
     opt = swarm.Optimizer(peer, run_id=f"bench-{args.mode}", params=model.parameters(), optimizer=adam,
-                          batch_size_per_step=BATCH, config=collaboration, diloco=diloco)
+                          batch_size_per_step=BATCH, config=collaboration, diloco=diloco, scheduler=scheduler)
     if not opt.wait_for_peers(args.peers, timeout=120):
         raise SystemExit("the other peers did not show up")
     started = time.monotonic()
     cpu_before = thread_cpu()
+    rpcs_before = rpc_calls(peer)
     samples, reached, loss = 0, None, None
     compute = stepping = 0.0
     stop_at = started + args.max_seconds
-    steps = 0
+    steps = state_loads = 0
     while time.monotonic() < stop_at and (not args.max_steps or steps < args.max_steps):
         steps += 1
         t0 = time.monotonic()
@@ -139,6 +155,7 @@ def worker(args: argparse.Namespace) -> None:
         t1 = time.monotonic()
         out = opt.step()
         opt.zero_grad()
+        state_loads += bool(out.state_loaded)
         compute, stepping = compute + t1 - t0, stepping + time.monotonic() - t1
         samples += BATCH
         evaluate_now = out.stepped and args.target_loss and opt.epoch % args.eval_every == 0
@@ -155,8 +172,9 @@ def worker(args: argparse.Namespace) -> None:
     elapsed = time.monotonic() - started
     cpu_after = thread_cpu()
     cpu = {name: round(cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0), 2) for name in cpu_after}
+    rpcs = {name: count - rpcs_before.get(name, 0) for name, count in rpc_calls(peer).items()}
     result = {"index": args.index, "mode": args.mode, "elapsed": elapsed, "compute_s": compute, "step_s": stepping,
-              "idle_s": opt.idle_seconds, "cpu": cpu, "before_flush": before_flush,
+              "idle_s": opt.idle_seconds, "cpu": cpu, "rpcs": rpcs, "state_loads": state_loads, "before_flush": before_flush,
               "staleness": sorted({r.staleness for r in opt.history if r.ok}), "seconds": reached if reached is not None else elapsed,
               "reached": reached is not None, "bytes_sent": opt.bytes_sent, "samples": samples,
               "samples_per_s": samples / elapsed, "epochs": opt.epoch, "loss": loss,
@@ -263,6 +281,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--lr", type=float, default=3e-3, help=argparse.SUPPRESS)
     parser.add_argument("--max-staleness", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup-steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--compression", default="UNIFORM_8BIT", help=argparse.SUPPRESS)  # DiLoCo's outer codec
     parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--address", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--fragments", type=int, default=1, help=argparse.SUPPRESS)

@@ -9,7 +9,9 @@ held locally, 1 torch thread each), each on its own lab host with a `--mbit` lin
    `--steps` inner steps per trainer;
 2. the same with each outer round averaging while the next inner steps compute (max_staleness 1),
    and with `--fragments` fragments synced in turn when given;
-3. large-batch mode (rounds overlapped) for `--seconds`, in the lab and then on loopback.
+3. with `--compare-4bit`, overlapped DiLoCo again with 4-bit pseudo-gradients (UNIFORM_4BIT):
+   its held-out loss and bytes over the 8-bit phase's;
+4. large-batch mode (rounds overlapped) for `--seconds`, in the lab and then on loopback.
 
 Figures: the share of each trainer's wall time in compute (not waiting for its group: the forward,
 backward, inner optimizer steps and swarm's bookkeeping), until its last step (the last round,
@@ -85,7 +87,8 @@ def summary(name: str, results: list[dict[str, Any]]) -> dict[str, float]:
           f"trainer; {sps:.1f} samples/s in all; staleness {sorted({s for r in results for s in r['staleness']})}; "
           f"failed rounds {sum(r['failed_rounds'] for r in results)}; {statistics.mean(r['elapsed'] for r in results):.0f} s",
           flush=True)
-    return {"compute": min(busy), "loss": loss, "sps": sps}
+    return {"compute": min(busy), "loss": loss, "sps": sps,
+            "bytes": statistics.mean(r["bytes_sent"] for r in results)}
 
 
 def main() -> None:
@@ -99,6 +102,8 @@ def main() -> None:
     parser.add_argument("--mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=12.5)
     parser.add_argument("--skip", nargs="*", default=[], choices=["diloco", "large-batch"])
+    parser.add_argument("--compare-4bit", action="store_true",
+                        help="also run overlapped DiLoCo with 4-bit pseudo-gradients (UNIFORM_4BIT) against 8-bit")
     args = parser.parse_args()
 
     from swarm.testing import HostSpec, Lab, LinkProfile
@@ -118,6 +123,13 @@ def main() -> None:
             print(f"overlap: compute share {overlapped['compute']:.1%} (target >= 95%) vs {waited['compute']:.1%} "
                   f"waited; held-out loss {overlapped['loss'] / waited['loss']:.3f}x the waited-for rounds' after "
                   f"the same inner steps (target within 1.05x)", flush=True)
+            if args.compare_4bit:
+                low_bit = summary(f"DiLoCo H={args.local_steps}, rounds overlapped, 4-bit pseudo-gradients",
+                                  run_in_lab(lab, "diloco", args.peers, [*common, "--max-staleness", "1",
+                                                                         "--compression", "UNIFORM_4BIT"], timeout))
+                print(f"4-bit: held-out loss {low_bit['loss'] / overlapped['loss']:.3f}x the 8-bit overlapped rounds' "
+                      f"after the same inner steps, {low_bit['bytes'] / overlapped['bytes']:.2f}x the bytes",
+                      flush=True)
             if args.fragments > 1:
                 streamed = summary(f"DiLoCo H={args.local_steps}, {args.fragments} fragments, overlapped",
                                    run_in_lab(lab, "diloco", args.peers, [*common, "--max-staleness", "1",

@@ -7,7 +7,7 @@ they arrive with `decode_add`. Policies choose a type per tensor by size or role
     payload = encode(chunk, CompressionType.UNIFORM_8BIT)
     decode_add(payload, accumulator_chunk, weight=0.25)
 
-Non-finite values: lossy types (SCALED_FLOAT16, UNIFORM_8BIT, QUANTILE_8BIT) refuse NaN/inf with
+Non-finite values: lossy types (SCALED_FLOAT16, UNIFORM_8BIT, QUANTILE_8BIT, UNIFORM_4BIT) refuse NaN/inf with
 `CompressionError`; NONE and FLOAT16 carry them through, and callers check with `has_nonfinite`.
 """
 
@@ -36,6 +36,7 @@ from swarm.compression.policy import (
 )
 from swarm.compression.quantile import Quantile8BitQuantization
 from swarm.compression.uniform import Uniform8BitQuantization
+from swarm.compression.uniform4 import Uniform4BitQuantization
 
 __all__ = [
     "HEADER_SIZE",
@@ -53,6 +54,7 @@ __all__ = [
     "ScaledFloat16Compression",
     "SizeAdaptiveCompression",
     "TensorRole",
+    "Uniform4BitQuantization",
     "Uniform8BitQuantization",
     "decode",
     "decode_add",

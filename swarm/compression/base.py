@@ -84,6 +84,8 @@ class CompressionType(enum.IntEnum):
     """256 evenly spaced levels between the chunk's minimum and maximum."""
     QUANTILE_8BIT = 4
     """Blockwise 8-bit codes into a codebook of 256 equal-population bucket means per block."""
+    UNIFORM_4BIT = 5
+    """16 evenly spaced levels between each 256-element block's minimum and maximum."""
 
 
 @dataclass(frozen=True)
@@ -233,7 +235,7 @@ class Codec(abc.ABC):
         _check_numel(chunk_bytes)
         _check_dtype(dtype)
         # encoded_size is non-decreasing in numel: binary search the largest count that fits.
-        low, high = 1, max(1, chunk_bytes)
+        low, high = 1, max(1, 8 * chunk_bytes)  # no codec spends less than a bit per element
         while low < high:
             mid = (low + high + 1) // 2
             if self.encoded_size(mid, dtype) <= chunk_bytes:

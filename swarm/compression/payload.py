@@ -12,6 +12,7 @@ from swarm.compression.base import Buffer, Codec, CompressionError, CompressionT
 from swarm.compression.floating import Float16Compression, NoCompression, ScaledFloat16Compression
 from swarm.compression.quantile import Quantile8BitQuantization
 from swarm.compression.uniform import Uniform8BitQuantization
+from swarm.compression.uniform4 import Uniform4BitQuantization
 
 __all__ = ["decode", "decode_add", "encode", "get_codec"]
 
@@ -23,6 +24,7 @@ _CODECS: dict[CompressionType, Codec] = {
         ScaledFloat16Compression(),
         Uniform8BitQuantization(),
         Quantile8BitQuantization(),
+        Uniform4BitQuantization(),
     )
 }
 

@@ -36,7 +36,9 @@ class CollaborationConfig:
             (peers notice that the swarm is ready within about `report_period` of each other).
         max_failed_rounds: consecutive failed rounds after which a peer gives up averaging its
             current gradients, discards them and re-synchronizes its state (large-batch mode).
-        report_period: least seconds between two progress reports of this peer to the DHT.
+        report_period: least seconds between two progress reports of this peer to the DHT (with no
+            target batch, as in DiLoCo mode, reports between epoch changes come once per
+            `progress_expiration / 3` instead).
         min_refresh_period: least seconds between two reads of the swarm's progress.
         max_refresh_period: most seconds between two reads of the swarm's progress.
         progress_expiration: seconds a progress report lives; a peer that stops reporting
@@ -107,7 +109,9 @@ class DiLoCoConfig:
         outer_lr: learning rate of the outer SGD (the paper uses 0.7).
         outer_momentum: momentum of the outer SGD (the paper uses 0.9).
         nesterov: use Nesterov momentum (the paper does).
-        compression: wire format of the averaged pseudo-gradient.
+        compression: wire format of the averaged pseudo-gradient: UNIFORM_8BIT (the default),
+            or UNIFORM_4BIT (blockwise 4-bit, ~0.53x the bytes; its loss against 8-bit:
+            BENCHMARKS.md, "Communication overlapped with compute").
         fragments: the parameters are cut into this many fragments, synced in turn (Streaming
             DiLoCo, Douillard et al. 2025): one fragment every `local_steps / fragments` inner
             steps, so each fragment is still synced every `local_steps` steps while a round sends

@@ -3,7 +3,8 @@
 One owned background task on the peer's event loop does all DHT traffic; the training thread only
 sets fields and reads a snapshot, so a training step never waits for the network to learn where
 the swarm is. Reports are throttled to one per `report_period` (plus one at once when the epoch
-changes); the swarm's reports are read again when the target batch is expected to be reached
+changes; with no target batch, as in DiLoCo mode, where nobody waits on sample counts, one per
+heartbeat of `progress_expiration / 3` in between); the swarm's reports are read again when the target batch is expected to be reached
 (clamped between `min_refresh_period` and `max_refresh_period`), as hivemind's ProgressTracker
 does, so a peer idles on a timer instead of asking the DHT every step.
 """
@@ -170,18 +171,22 @@ class ProgressTracker:
     async def _run(self) -> None:
         assert self._wake is not None
         heartbeat = self.config.progress_expiration / 3
+        # with no target batch (DiLoCo) no peer's round waits for the others' sample counts: a
+        # report that only moves them on is not worth its DHT stores, so between epoch changes
+        # (urgent, at once) a peer reports at the heartbeat only
+        period = self.config.report_period if self.config.target_batch_size is not None else heartbeat
         while not self._closed:
             now = self.clock()
             if not self._dirty and now >= self._last_report + heartbeat:
                 self._dirty = True  # keep the record alive while training waits (averaging, downloads)
-            if self._dirty and (self._urgent or now >= self._last_report + self.config.report_period):
+            if self._dirty and (self._urgent or now >= self._last_report + period):
                 await self._report()
             if now >= self._next_fetch:
                 await self._fetch()
             now = self.clock()
             due = min(self._next_fetch, self._last_report + heartbeat)
             if self._dirty:
-                due = min(due, now if self._urgent else self._last_report + self.config.report_period)
+                due = min(due, now if self._urgent else self._last_report + period)
             self._wake.clear()
             if due > now:
                 try:

@@ -64,6 +64,7 @@ def test_chunk_numel_of_one_mebibyte() -> None:
         CompressionType.SCALED_FLOAT16: 524_276,
         CompressionType.UNIFORM_8BIT: 1_048_544,
         CompressionType.QUANTILE_8BIT: 1_047_528,
+        CompressionType.UNIFORM_4BIT: 1_973_760,
     }
     assert {kind: get_codec(kind).chunk_numel() for kind in KINDS} == expected
     assert get_codec(CompressionType.NONE).chunk_numel(dtype=torch.float16) == 524_280
@@ -177,7 +178,7 @@ def test_unsupported_dtypes_and_types_are_refused() -> None:
     with pytest.raises(CompressionError):
         encode(_normal(10), 17)
     with pytest.raises(CompressionError):
-        get_codec(5)
+        get_codec(6)
     with pytest.raises(ValueError):
         decode_add(encode(_normal(10), CompressionType.NONE), torch.zeros(10), float("nan"))
 
