@@ -52,7 +52,9 @@ TAU_SLACK = 4.0
 # A lossy codec sends the part as the codec rounds it, so the combination check allows the
 # codec's own error, relative to the part's scale (the codecs' bounds on values of order 1): a
 # lie within it passes, as the codec's rounding does.
-CODEC_RTOL = {0: SKETCH_RTOL, 1: 2e-3, 2: 2e-3, 3: 0.03, 4: 0.25}
+# UNIFORM_4BIT (5): its relative L2 error is 0.07-0.11 on uniform and normal values and 0.25 on
+# heavy-tailed ones, against 0.004-0.01 (0.04) for UNIFORM_8BIT, whose entry is about 3x its error.
+CODEC_RTOL = {0: SKETCH_RTOL, 1: 2e-3, 2: 2e-3, 3: 0.03, 4: 0.25, 5: 0.35}
 
 
 class ReducerLied(RoundFailed):

@@ -254,14 +254,15 @@ def test_a_verified_robust_round_goes_on_without_a_member_that_never_shows(group
 
 
 @pytest.mark.timeout(120)
-def test_robust_mode_with_a_lossy_codec_and_a_client_mode_member_passes_its_checks():
+@pytest.mark.parametrize("codec", [CompressionType.UNIFORM_8BIT, CompressionType.UNIFORM_4BIT])
+def test_robust_mode_with_a_lossy_codec_and_a_client_mode_member_passes_its_checks(codec):
     peers = [Peer(client_mode=(i == 3)) for i in range(4)]
     try:
         inputs = _honest_inputs(seed=5)[:4]
         inputs[2] = inputs[2] * 1000
         tensors = [[x.clone()] for x in inputs]
         config = AveragerConfig(allreduce=AllReduceConfig(aggregation="centered_clip", chunk_bytes=16384),
-                                compression=CompressionType.UNIFORM_8BIT, matchmaking=ROOMY)
+                                compression=codec, matchmaking=ROOMY)
         addrs = [p.addrs[0] for p in peers if p.addrs]
         avgs = [Averager(p, t, prefix="lossy", target_group_size=4, initial_group=addrs, config=config)
                 for p, t in zip(peers, tensors)]
