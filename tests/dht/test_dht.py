@@ -16,7 +16,7 @@ from swarm.core.multiaddr import Multiaddr
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import DHT, DHTConfig, FaultPlan, LinkFault, SchemaValidator, ValueWithExpiration, owner_marker
 from swarm.dht.keys import key_to_bytes
-from swarm.dht.wire import FIND
+from swarm.dht.wire import FIND, PING
 
 
 def dead_addr() -> str:
@@ -324,6 +324,21 @@ def test_joining_fails_clearly_when_no_initial_peer_answers(swarm):
         swarm.add(initial=dead)
     assert time.monotonic() - start < 5
     assert dead[0] in str(error.value) and "Connection refused" in str(error.value)
+
+
+@pytest.mark.timeout(90)
+def test_a_joins_first_ping_that_is_lost_is_sent_again_without_waiting_out_its_timeout(swarm):
+    holder = swarm.add()
+    plan = FaultPlan()
+    plan.set_peer(holder.peer_id, LinkFault(lose_first=1))  # the newcomer's first request to it is lost
+    config = DHTConfig(request_timeout=30.0, min_request_timeout=30.0, lookup_timeout=30.0, fault_plan=plan)
+    start = time.monotonic()
+    newcomer = swarm.add(config=config)
+    # before, the join's ping waited its whole 30 s timeout before the second attempt
+    assert time.monotonic() - start < config.request_timeout
+    assert plan.stats.lost == 1
+    assert newcomer.dht.node.protocol.calls_sent[PING] >= 2
+    assert newcomer.dht.node.routing_table.get(peer_id=holder.peer_id) is not None
 
 
 @pytest.mark.timeout(60)
