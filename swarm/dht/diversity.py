@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from swarm.core.errors import ConfigError
 from swarm.dht.buckets import NodeInfo
+from swarm.net.server import network_of
 
 __all__ = ["DEFAULT_EXEMPT", "PrefixDiversity"]
 
@@ -102,19 +103,6 @@ def _prefix(addr: str, bits_v4: int, bits_v6: int, exempt: tuple[str, ...]) -> s
         return "dns:" + host.lower()
     if protocol not in ("ip4", "ip6"):
         return ""
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return ""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    for net in _networks(exempt):
-        if address.version == net.version and address in net:
-            return ""
-    bits = bits_v4 if address.version == 4 else bits_v6
-    return str(ipaddress.ip_network(f"{address}/{bits}", strict=False))
+    return network_of(host, exempt, bits_v4, bits_v6)
 
 
-@functools.lru_cache(maxsize=16)
-def _networks(nets: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
-    return tuple(ipaddress.ip_network(net) for net in nets)

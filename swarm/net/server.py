@@ -135,15 +135,22 @@ def source_of(peer: str, config: ServerConfig) -> str:
 
 def source_of_host(host: str, config: ServerConfig) -> str:
     """The source network of a caller's IP address ("10.1.2.3" -> "10.1.2.0/24"); "" if exempt or not an IP."""
+    return network_of(host, tuple(config.source_exempt), config.source_prefix_v4, config.source_prefix_v6)
+
+
+def network_of(host: str, exempt: tuple[str, ...], bits_v4: int, bits_v6: int) -> str:
+    """The /`bits_v4` (/`bits_v6`) network of an IP address, "" if it lies in an `exempt` network or
+    is not an IP; IPv4 seen as IPv6 (``::ffff:a.b.c.d``) counts as IPv4. Also the DHT's diversity
+    filter's (`swarm/dht/diversity.py`)."""
     try:
         address = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return ""
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
-    if any(address.version == net.version and address in net for net in _networks(tuple(config.source_exempt))):
+    if any(address.version == net.version and address in net for net in _networks(exempt)):
         return ""
-    bits = config.source_prefix_v4 if address.version == 4 else config.source_prefix_v6
+    bits = bits_v4 if address.version == 4 else bits_v6
     return str(ipaddress.ip_network(f"{address}/{bits}", strict=False))
 
 
