@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 import simnet  # scripts/bench is no package
 
-simnet.install_virtual_time()
+
+@pytest.fixture(autouse=True)
+def _virtual_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation's clock stands in for `time.time` and `time.monotonic` during each test only:
+    installed for the whole process (at import), it made later tests in the suite read virtual
+    time (a verdict's grace, a state download's deadlines failed)."""
+    monkeypatch.setattr("time.time", time.time)  # restored after the test, whatever replaces them
+    monkeypatch.setattr("time.monotonic", time.monotonic)
+    simnet.install_virtual_time()
 
 
 class _SlowWithdrawal:
