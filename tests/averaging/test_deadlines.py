@@ -183,7 +183,12 @@ def test_a_killed_reducer_is_found_gone_from_its_refused_port_instead_of_waited_
         results = group.round(1, timeout=30)
         assert results[victim] is None, "the victim should have died"
         assert check_agreement(results, 30) == "failed", results
-        for index, result in results.items():
-            if index != victim:
-                assert result is not None and "refused connections" in result["message"], result
+        survivors = [result for index, result in results.items() if index != victim]
+        assert all(result is not None for result in survivors), results
+        # the survivors that learned of the failure first name the refusal (without the probes: a
+        # plain "did not report"); a member whose own reducer the leader's failed decision closed
+        # first may name that instead ("the peer is shutting down", seen once under CI load)
+        messages = [result["message"] for result in survivors]
+        assert any("refused connections" in m for m in messages), messages
+        assert all("refused connections" in m or "shutting down" in m for m in messages), messages
         assert check_agreement(group.round(2, timeout=30), 30) == "ok"
