@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 from typing import Any
+
+from netns import add_addresses
 
 ATTACKER_HOST = "10.77.0.1"
 HONEST_HOST = "10.88.0.1"
@@ -38,9 +39,7 @@ async def _held(stall: asyncio.Event) -> Any:
 
 
 def main() -> None:
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    for host in (ATTACKER_HOST, HONEST_HOST):
-        subprocess.run(["ip", "addr", "add", f"{host}/32", "dev", "lo"], check=True)
+    add_addresses(ATTACKER_HOST, HONEST_HOST)
 
     from swarm.averaging.service import AVERAGING_LIMIT, JOIN, REDUCE, AveragingService
     from swarm.core.errors import ResourceExhausted, RPCError

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 
 import torch
+from netns import add_addresses
 from torch import nn
 
 ATTACKER_HOST = "10.77.0.1"
@@ -30,9 +30,7 @@ async def _held(stall: asyncio.Event, first: list[bytes]):
 
 
 def main() -> None:
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    for host in (ATTACKER_HOST, HONEST_HOST):
-        subprocess.run(["ip", "addr", "add", f"{host}/32", "dev", "lo"], check=True)
+    add_addresses(ATTACKER_HOST, HONEST_HOST)
 
     from swarm.core.errors import NotFound, ResourceExhausted, RPCError
     from swarm.core.multiaddr import Multiaddr

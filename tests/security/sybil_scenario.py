@@ -10,7 +10,8 @@ nearest nodes are all Sybils, and the victim stores a record under it.
 from __future__ import annotations
 
 import json
-import subprocess
+
+from netns import add_addresses
 
 SYBIL_HOST = "10.77.0.1"
 VICTIM_HOST = "10.99.0.1"
@@ -19,9 +20,7 @@ SYBILS = 50
 
 
 def main() -> None:
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    for host in (SYBIL_HOST, VICTIM_HOST, *HONEST):
-        subprocess.run(["ip", "addr", "add", f"{host}/32", "dev", "lo"], check=True)
+    add_addresses(SYBIL_HOST, VICTIM_HOST, *HONEST)
 
     from swarm.core.timeutil import get_dht_time
     from swarm.dht import DHTConfig

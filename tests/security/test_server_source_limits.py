@@ -7,14 +7,10 @@ service (streams in flight per source), all admitted by the server's one limiter
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_source_limits import _namespaces_missing
+from netns import run_scenario
 
 SCENARIO = Path(__file__).with_name("server_limit_scenario.py")
 
@@ -22,16 +18,7 @@ SCENARIO = Path(__file__).with_name("server_limit_scenario.py")
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_many_identities_from_one_network_are_held_to_one_share_of_the_dht_and_the_averager() -> None:
-    missing = _namespaces_missing()
-    if missing:
-        pytest.skip(missing)
-    root = Path(__file__).parents[2]
-    done = subprocess.run(
-        ["unshare", "--net", sys.executable, str(SCENARIO)], check=False, capture_output=True, text=True,
-        timeout=230, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_scenario(SCENARIO, timeout=230)
     # 5 identities x 10 stores from one /24: the network's 20 records, however many identities
     assert result["sybil_stored"] == 20 and result["sybil_refused_per_source"] == 30, result
     assert result["honest_stores"] == ["stored"] * 10, result  # another /24 has its own share

@@ -8,14 +8,10 @@ and one-host setups keep their behaviour."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from netns import run_scenario
 
 from swarm.core.errors import ConfigError, ResourceExhausted
 from swarm.moe.server.admission import Admission
@@ -65,27 +61,10 @@ def test_admission_holds_one_source_to_its_share_whatever_its_identities() -> No
     assert admission.by_source == {} and admission.requests == 0
 
 
-def _namespaces_missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create a network namespace"
-    for tool in ("unshare", "ip"):
-        if shutil.which(tool) is None:
-            return f"needs `{tool}` (Debian packages util-linux and iproute2)"
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_many_identities_from_one_network_cannot_lock_out_an_expert_server() -> None:
-    missing = _namespaces_missing()
-    if missing:
-        pytest.skip(missing)
-    done = subprocess.run(
-        ["unshare", "--net", sys.executable, str(SCENARIO)], check=False, capture_output=True, text=True,
-        timeout=170, cwd=Path(__file__).parents[2], env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_scenario(SCENARIO, timeout=170)
     assert result["honest"] == "ok", result  # served from another /24 while the attack holds its streams
     assert result["by_source"] == {"10.77.0.0/24": 128}, result  # the default max_inflight_per_source
     assert result["refused_per_source"] == 5 * 64 - 128 and result["refused_server_full"] == 0, result

@@ -5,14 +5,10 @@ still get in. Runs real DHT nodes in a network namespace of its own (`sybil_scen
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_source_limits import _namespaces_missing
+from netns import run_scenario
 
 SCENARIO = Path(__file__).with_name("sybil_scenario.py")
 
@@ -20,16 +16,7 @@ SCENARIO = Path(__file__).with_name("sybil_scenario.py")
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fifty_sybils_from_one_address_neither_fill_the_table_nor_take_every_replica() -> None:
-    missing = _namespaces_missing()
-    if missing:
-        pytest.skip(missing)
-    root = Path(__file__).parents[2]
-    done = subprocess.run(
-        ["unshare", "--net", sys.executable, str(SCENARIO)], check=False, capture_output=True, text=True,
-        timeout=230, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_scenario(SCENARIO, timeout=230)
     assert result["sybils_in_table"] <= 10 and result["sybils_per_depth"] <= 2, result  # PrefixDiversity defaults
     assert result["honest_in_table"] == 6, result  # every honest node from another /24 got in
     assert result["stored"] and result["sybil_replicas"] <= 2, result  # per_key
