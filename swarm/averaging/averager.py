@@ -226,6 +226,7 @@ class Averager:
         self.reputation = Reputation(peer.peer_id, self.config.reputation)
         if self.config.allreduce.robust:
             self.matchmaking.refuse = self.reputation.refusal
+            self.matchmaking.excluding = self.reputation.excluded_peers
         peer.attach(self)
 
     # -- public API --------------------------------------------------------------------------
