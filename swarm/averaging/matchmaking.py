@@ -559,9 +559,9 @@ class Matchmaking:
         for j in self._live(now):
             if j.member.peer_id in apart:
                 who = ", ".join(pid[-8:] for pid in apart[j.member.peer_id])
-                why = f"kept apart from {who} (one of each pair excludes the other)"
-                j.answer.set_result(averaging_pb2.JoinResponse(
-                    accepted=False, reason=f"{_STARTED}: round {group.round_id.hex()[:8]} {why}" if cfg.adaptive else why))
+                apart_why = f"kept apart from {who} (one of each pair excludes the other)"
+                j.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason=(
+                    f"{_STARTED}: round {group.round_id.hex()[:8]} {apart_why}" if cfg.adaptive else apart_why)))
         return group
 
     def _round_timeout(self, cap: float, size: int) -> float:
