@@ -34,6 +34,7 @@ from swarm.averaging.matchmaking import Matchmaking, MatchmakingConfig
 from swarm.averaging.partition import FlatTensors, schema_digest
 from swarm.averaging.parts import RoundFailed, scratch_numel
 from swarm.averaging.reputation import Reputation, ReputationConfig
+from swarm.averaging.robust import MIN_CONTRIBUTORS
 from swarm.averaging.service import REPORT, VERIFY, AveragingService, RoundEntry
 from swarm.averaging.timing import clamp
 from swarm.averaging.verification import Verdict
@@ -163,6 +164,18 @@ def _with_group_sizes(config: AveragerConfig | None, target: int | None, minimum
     ))
 
 
+def _robust_sizes(config: AveragerConfig) -> AveragerConfig:
+    """Robust mode groups at least `MIN_CONTRIBUTORS` peers: two cannot tell a liar from an
+    honest member (docs/architecture.md, "Robust averaging", small groups)."""
+    matchmaking = config.matchmaking
+    if not config.allreduce.robust or matchmaking.min_group_size >= MIN_CONTRIBUTORS:
+        return config
+    if matchmaking.target_group_size < MIN_CONTRIBUTORS:
+        raise ConfigError(f"robust mode needs groups of at least {MIN_CONTRIBUTORS} (of two, nobody can tell the "
+                          f"liar from the honest one), got target_group_size={matchmaking.target_group_size}")
+    return dataclasses.replace(config, matchmaking=dataclasses.replace(matchmaking, min_group_size=MIN_CONTRIBUTORS))
+
+
 class Averager:
     """Averages `tensors` in place with other peers, one group per `step`.
 
@@ -174,7 +187,7 @@ class Averager:
         target_group_size: a group starts as soon as it has this many members; given, it replaces
             ``config.matchmaking.target_group_size`` (default 4), where the setting lives.
         min_group_size: fewest members a round may have; given, it replaces
-            ``config.matchmaking.min_group_size`` (default 2).
+            ``config.matchmaking.min_group_size`` (default 2; robust mode raises it to 3).
         initial_group: multiaddrs of the peers to average with (a "static group": the smallest
             PeerID leads). Without it the group is found through the DHT (`peer.dht`).
         auxiliary: this peer has no tensors and only helps reduce (needs a server).
@@ -198,7 +211,7 @@ class Averager:
             raise ConfigError("an averager needs tensors (an auxiliary one: tensors of the same shapes, never written)")
         if auxiliary and peer.server is None:
             raise ConfigError("an auxiliary averager must accept connections (not client mode)")
-        self.config = _with_group_sizes(config, target_group_size, min_group_size)
+        self.config = _robust_sizes(_with_group_sizes(config, target_group_size, min_group_size))
         self.faults = faults if faults is not None else FaultPlan()
         self.numel = sum(t.numel() for t in self.tensors)
         self.flat = None if auxiliary else FlatTensors(self.tensors)
@@ -226,6 +239,7 @@ class Averager:
         self.reputation = Reputation(peer.peer_id, self.config.reputation)
         if self.config.allreduce.robust:
             self.matchmaking.refuse = self.reputation.refusal
+            self.matchmaking.excluding = self.reputation.excluded_peers
         peer.attach(self)
 
     # -- public API --------------------------------------------------------------------------

@@ -125,6 +125,7 @@ class _Joiner:
     timeout_at: float  # loop time
     answer: asyncio.Future[averaging_pb2.JoinResponse]
     arrived: float = 0.0  # loop time
+    excludes: frozenset[str] = frozenset()  # peers it will not average with (`JoinRequest.excludes`)
 
 
 class Matchmaking:
@@ -148,6 +149,7 @@ class Matchmaking:
         self.peer, self.prefix, self.schema, self.numel = peer, prefix, schema, numel
         self.election = election
         self.refuse: Callable[[str], str | None] | None = None  # PeerID -> why it may not join now (reputation)
+        self.excluding: Callable[[], list[str]] | None = None  # peers this one excludes now, told to leaders
         self._shunned: dict[str, tuple[str, ...]] = {}  # leader -> excluded peers its last group held
         self.config = cfg = config or MatchmakingConfig()
         self.compression, self.chunk_bytes = compression, chunk_bytes
@@ -265,6 +267,7 @@ class Matchmaking:
         remaining = deadline - loop.time()
         request = averaging_pb2.JoinRequest(
             prefix=self.prefix, schema=self.schema, numel=self.numel, member=me.to_proto(), timeout=remaining,
+            excludes=self.excluding() if self.excluding is not None else (),
         )
         channel = self.peer.pool.get(leader.addr)
         join = asyncio.ensure_future(channel.unary(JOIN, request, averaging_pb2.JoinResponse, timeout=max(0.01, remaining)))
@@ -382,6 +385,8 @@ class Matchmaking:
         refusal = self._refused(member.peer_id)
         if refusal is not None:  # local reputation (`reputation`): this peer keeps it out a while
             return averaging_pb2.JoinResponse(accepted=False, reason=refusal)
+        if self.peer.peer_id in request.excludes:
+            return averaging_pb2.JoinResponse(accepted=False, reason="the follower excludes this leader")
         if not self._may_lead():
             if self._looking is None and self._last_round is not None and self.config.adaptive:
                 return averaging_pb2.JoinResponse(
@@ -391,7 +396,8 @@ class Matchmaking:
         previous = self._joiners.pop(member.peer_id, None)
         if previous is not None and not previous.answer.done():
             previous.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason="joined again"))
-        joiner = _Joiner(member, loop.time() + max(0.0, request.timeout), loop.create_future(), loop.time())
+        joiner = _Joiner(member, loop.time() + max(0.0, request.timeout), loop.create_future(), loop.time(),
+                         frozenset(request.excludes))
         self._joiners[member.peer_id] = joiner
         self._arrived.set()
         try:
@@ -411,6 +417,27 @@ class Matchmaking:
 
     def _live(self, now: float) -> list[_Joiner]:
         return [j for j in self._joiners.values() if not j.answer.done() and j.timeout_at > now + 0.05]
+
+    def _keep_apart(self, joiners: list[_Joiner]) -> tuple[list[_Joiner], dict[str, list[str]]]:
+        """Splits `joiners` into those that may share this leader's group and those kept out of it
+        (PeerID -> the peers it conflicts with): no member is grouped with a peer that excludes it
+        or that it excludes (`JoinRequest.excludes`, local reputation), nor with one this leader
+        excludes now. Of conflicting joiners the one in the most conflicts goes first, the latest
+        arrival on ties, so the side more members agree on stays (docs/architecture.md,
+        "Robust averaging")."""
+        kept = [j for j in joiners if self._refused(j.member.peer_id) is None]
+        apart = {j.member.peer_id: [self.peer.peer_id] for j in joiners if j not in kept}
+        if not any(j.excludes for j in kept):
+            return kept, apart
+        while True:
+            present = {j.member.peer_id: j for j in kept}
+            rivals = {pid: [o for o, k in present.items() if o != pid and (o in j.excludes or pid in k.excludes)]
+                      for pid, j in present.items()}
+            worst = max(kept, key=lambda j: (len(rivals[j.member.peer_id]), j.arrived), default=None)
+            if worst is None or not rivals[worst.member.peer_id]:
+                return kept, apart
+            kept.remove(worst)
+            apart[worst.member.peer_id] = rivals[worst.member.peer_id]
 
     def _outstanding(self, me: MemberInfo, now: float, expected_at: dict[str, float], bound: float) -> dict[str, float]:
         """Declared peers not in yet -> loop time until which this leader waits for them.
@@ -454,7 +481,7 @@ class Matchmaking:
         why = ""
         while True:
             now = loop.time()
-            size = 1 + len(self._live(now))
+            size = 1 + len(self._keep_apart(self._live(now))[0])
             if cfg.adaptive:
                 outstanding = self._outstanding(me, now, expected_at, bound)
             if size >= self._start_size:
@@ -509,7 +536,8 @@ class Matchmaking:
             except TimeoutError:
                 pass
         now = loop.time()
-        live = sorted(self._live(now), key=lambda j: j.member.peer_id)
+        kept, apart = self._keep_apart(self._live(now))
+        live = sorted(kept, key=lambda j: j.member.peer_id)
         chosen, rest = live[: cfg.target_group_size - 1], live[cfg.target_group_size - 1:]
         cap = min([deadline - now] + [j.timeout_at - now for j in chosen]) - 0.05
         timeout = self._round_timeout(cap, 1 + len(chosen)) if cfg.adaptive else cap
@@ -528,6 +556,12 @@ class Matchmaking:
         full = f"{_STARTED}: round {group.round_id.hex()[:8]} is full"
         for j in rest:
             j.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason=full if cfg.adaptive else "group full"))
+        for j in self._live(now):
+            if j.member.peer_id in apart:
+                who = ", ".join(pid[-8:] for pid in apart[j.member.peer_id])
+                apart_why = f"kept apart from {who} (one of each pair excludes the other)"
+                j.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason=(
+                    f"{_STARTED}: round {group.round_id.hex()[:8]} {apart_why}" if cfg.adaptive else apart_why)))
         return group
 
     def _round_timeout(self, cap: float, size: int) -> float:

@@ -33,7 +33,7 @@ from swarm.averaging.config import AllReduceConfig
 from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import FlatTensors, chunk_bounds
-from swarm.averaging.robust import ClipOutcome, centered_clip
+from swarm.averaging.robust import ClipOutcome, centered_clip, too_few
 from swarm.averaging.verification import part_digest, sketch
 from swarm.compression import Codec, CompressionError, has_nonfinite
 from swarm.compression.base import HEADER_SIZE, read_header
@@ -383,6 +383,10 @@ class PartReducer(PartCollector):
                 return
             if decision.abort:
                 self._abort(decision.reason)
+                return
+            if self.config.robust and too_few(len(decision.contributors)):
+                # every reducer refuses the same decision alike, before sending anything
+                self._abort(too_few(len(decision.contributors)))
                 return
             logger.debug("part %d: decided after %.3f s", self.part, loop.time() - self.t0)
             await self._average(decision)

@@ -5,9 +5,10 @@ After every robust round the averager calls `Reputation.observe` with the round'
 contributor whose input was cut by at least `clip_threshold` (`AveragingResult.clipped`) gets a
 strike, and one with `strikes` strikes within its last `window` observed rounds is kept out of
 this peer's averaging for `exclusion` seconds (`Matchmaking.refuse`): as a leader this peer refuses
-its join; as a follower it does not join a group it leads, and leaves a group that holds it (and
-avoids that group's leader while the exclusion lasts). Then its record starts over. This peer
-never excludes itself.
+its join; as a follower it does not join a group it leads, names it in every join request
+(`JoinRequest.excludes`: the leader keeps the two apart, keeping the side fewer peers object to),
+and leaves a group that holds it all the same (a leader that ignores the field; it avoids that
+leader while the exclusion lasts). Then its record starts over. This peer never excludes itself.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ class Reputation:
             del self._excluded_until[peer_id]
             return False
         return True
+
+    def excluded_peers(self) -> list[str]:
+        """The peers excluded now, sorted (what a follower tells a leader: `JoinRequest.excludes`)."""
+        return sorted(p for p in list(self._excluded_until) if self.excluded(p))
 
     def refusal(self, peer_id: str) -> str | None:
         """Why this peer refuses `peer_id` in its groups now, or None."""

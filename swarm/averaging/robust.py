@@ -33,6 +33,13 @@ most its weight share of `tau`, whatever it sends (docs/architecture.md, "Robust
 `tau`: an absolute radius, or (None) `tau_scale` times the median distance of the inputs from
 the starting centre; the median of distances cannot be inflated by a minority of inputs.
 `coordinate_median` is kept as a robust reference for tests and benchmarks.
+
+Fewer than `MIN_CONTRIBUTORS` inputs have no robust aggregate: of two, no rule that treats its
+inputs alike can tell the liar from the honest one (it lands between them, where the liar
+chooses), and one has nothing to compare against. `centered_clip` still computes them (the
+radius falls back to 1.0, the median distance from the medoid being the medoid's own 0), but
+averaging rounds never ask it to: robust mode forms groups of at least three and fails a round
+whose decision keeps fewer contributors (docs/architecture.md, "Robust averaging", small groups).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+MIN_CONTRIBUTORS = 3  # fewest contributors a robust round aggregates (see above)
 MEDIAN_COLUMNS = 1 << 15  # columns of the coordinate median computed at once (bounds its memory)
 
 
@@ -199,4 +207,12 @@ def honest_bound(byzantine_weight: float, honest_weight: float, tau: float, step
     return byzantine_weight / honest_weight * (tau + step)
 
 
-__all__ = ["ClipOutcome", "centered_clip", "coordinate_median", "honest_bound"]
+def too_few(contributors: int) -> str:
+    """Why a robust round with `contributors` contributors cannot aggregate, or ""."""
+    if contributors >= MIN_CONTRIBUTORS:
+        return ""
+    return (f"robust mode needs at least {MIN_CONTRIBUTORS} contributors, the decision keeps {contributors}: "
+            "of two, nobody can tell the liar from the honest one")
+
+
+__all__ = ["MIN_CONTRIBUTORS", "ClipOutcome", "centered_clip", "coordinate_median", "honest_bound", "too_few"]

@@ -42,20 +42,22 @@ class AvgGroup(_message.Message):
     def __init__(self, round_id: _Optional[bytes] = ..., prefix: _Optional[str] = ..., members: _Optional[_Iterable[_Union[AvgMember, _Mapping]]] = ..., timeout: _Optional[float] = ..., numel: _Optional[int] = ..., compression: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., schema: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("prefix", "group_key", "schema", "numel", "member", "timeout")
+    __slots__ = ("prefix", "group_key", "schema", "numel", "member", "timeout", "excludes")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDES_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     group_key: str
     schema: bytes
     numel: int
     member: AvgMember
     timeout: float
-    def __init__(self, prefix: _Optional[str] = ..., group_key: _Optional[str] = ..., schema: _Optional[bytes] = ..., numel: _Optional[int] = ..., member: _Optional[_Union[AvgMember, _Mapping]] = ..., timeout: _Optional[float] = ...) -> None: ...
+    excludes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prefix: _Optional[str] = ..., group_key: _Optional[str] = ..., schema: _Optional[bytes] = ..., numel: _Optional[int] = ..., member: _Optional[_Union[AvgMember, _Mapping]] = ..., timeout: _Optional[float] = ..., excludes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("accepted", "reason", "group")

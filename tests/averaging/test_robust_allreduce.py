@@ -214,6 +214,8 @@ def test_a_follower_does_not_average_with_a_peer_its_reputation_excluded(exclude
             avgs[follower].reputation.observe({peers[excluded].peer_id: 1.0})
         assert avgs[follower].reputation.excluded(peers[excluded].peer_id)
         if excluded_role == "member":
+            # as with a leader that ignores `JoinRequest.excludes` (the next test: one that reads it)
+            avgs[follower].matchmaking.excluding = None
             results = run_steps(avgs, timeout=8.0, expected_size=4)
             assert all(isinstance(r, Exception) for r in results), results
             assert all(torch.equal(t[0], x) for t, x in zip(tensors, inputs))
@@ -225,6 +227,40 @@ def test_a_follower_does_not_average_with_a_peer_its_reputation_excluded(exclude
         mean = sum(inputs[i] for i in rest) / 3
         for i in rest:
             assert float((tensors[i][0] - mean).norm()) < 1e-3 * float(mean.norm()), i  # without the follower
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_keeps_a_follower_apart_from_the_peer_it_excludes_and_the_round_goes_on():
+    # The follower names the peer its reputation excluded in its join request; the leader forms
+    # its group without one of the two (the later of them to ask: each is in one conflict), so no
+    # member leaves the group it was given and nobody's round fails for it.
+    peers = [Peer() for _ in range(4)]
+    try:
+        order = sorted(range(4), key=lambda i: peers[i].peer_id)
+        leader, other, follower = order[0], order[1], order[2]
+        inputs = _honest_inputs(seed=17)[:4]
+        tensors = [[x.clone()] for x in inputs]
+        addrs = [p.addrs[0] for p in peers]
+        avgs = [Averager(p, t, prefix="apart", target_group_size=4, initial_group=addrs, config=ROBUST)
+                for p, t in zip(peers, tensors)]
+        for _ in range(ROBUST.reputation.strikes):
+            avgs[follower].reputation.observe({peers[other].peer_id: 1.0})
+        assert avgs[follower].reputation.excluded_peers() == [peers[other].peer_id]
+        results = run_steps(avgs, timeout=8.0, expected_size=4)
+        assert not isinstance(results[leader], Exception), results[leader]
+        group = results[leader].group
+        assert len(group) == 3 and not {peers[other].peer_id, peers[follower].peer_id} <= set(group), group
+        left_out = next(i for i in (other, follower) if peers[i].peer_id not in group)
+        assert isinstance(results[left_out], Exception), results[left_out]
+        assert torch.equal(tensors[left_out][0], inputs[left_out])
+        members = [i for i in range(4) if i != left_out]
+        mean = sum(inputs[i] for i in members) / 3
+        for i in members:
+            assert not isinstance(results[i], Exception), (i, results[i])
+            assert float((tensors[i][0] - mean).norm()) < 1e-3 * float(mean.norm()), i
     finally:
         for p in peers:
             p.shutdown()
