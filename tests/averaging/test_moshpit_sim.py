@@ -154,3 +154,71 @@ def test_regrouping_by_survivor_rank_gives_every_survivor_the_exact_mean_in_two_
         for p in members:
             value[p] = mean
     assert all(torch.allclose(value[p], target, atol=1e-12) for p in row_of)
+
+
+class _LeaderCrashes:
+    """Fault plans for a group's peers: the first of them to reach its decision (the leader, with
+    every report in) crashes there (`SimPeer.crash`: it stops answering without a word), so no
+    member learns the decision and the round fails on every survivor."""
+
+    def __init__(self) -> None:
+        self.crashed: simnet.SimPeer | None = None
+
+    def plan(self, peer: simnet.SimPeer) -> Any:
+        from swarm.averaging.faults import FaultPoint
+        from swarm.core.faults import FaultPlan
+
+        outer = self
+
+        class Plan(FaultPlan):
+            async def hit(self, point: Any, count: int = 0) -> None:
+                if point is FaultPoint.BEFORE_DECISION and outer.crashed is None:
+                    outer.crashed = peer
+                    await peer.crash()
+                    raise asyncio.CancelledError  # what the dead peer's own step does next reaches no one
+                await super().hit(point, count)
+
+        return Plan()
+
+
+@pytest.mark.parametrize("attempts", [1, 3])
+def test_survivors_of_a_leader_that_dies_inside_the_all_reduce_average_again_within_the_step(attempts: int) -> None:
+    """Four peers form their group and send their parts; the leader crashes just before it
+    decides: the round fails on every survivor and applies nothing. `moshpit.astep_retrying`
+    averages the three survivors again within the step's time (under `retry_key`), so they hold
+    their own mean at the end of the step; with a single attempt (no retry) each survivor's step
+    fails and keeps its vector."""
+    from swarm.averaging.moshpit import astep_retrying
+    from swarm.averaging.parts import RoundFailed
+
+    n = 4
+    crash = _LeaderCrashes()
+
+    async def main() -> tuple[list[Any], list[float], int]:
+        peers, averagers, tensors = await _swarm(n)
+        for peer, averager in zip(peers, averagers):
+            averager.faults = crash.plan(peer)
+        outcomes = list(await asyncio.gather(
+            *(astep_retrying(a, timeout=30.0, group_key="g", attempts=attempts) for a in averagers),
+            return_exceptions=True))
+        values = [float(t[0]) for t in tensors]
+        victim = peers.index(crash.crashed) if crash.crashed is not None else -1
+        for a in averagers:
+            a.matchmaking.close()
+        for i, p in enumerate(peers):
+            if i != victim:
+                await p.crash()
+        return outcomes, values, victim
+
+    outcomes, values, victim = simnet.run(main())
+    assert victim >= 0
+    survivors = [i for i in range(n) if i != victim]
+    if attempts == 1:
+        assert all(isinstance(outcomes[i], RoundFailed) for i in survivors), outcomes
+        assert [values[i] for i in survivors] == [float(i) for i in survivors]  # nothing applied
+        return
+    assert all(not isinstance(outcomes[i], BaseException) for i in survivors), outcomes
+    assert all(sorted(outcomes[i].group) == sorted(outcomes[survivors[0]].group) for i in survivors)
+    assert len(outcomes[survivors[0]].group) == n - 1
+    mean = sum(survivors) / len(survivors)
+    assert [values[i] for i in survivors] == pytest.approx([mean] * len(survivors))
