@@ -51,7 +51,6 @@ import simnet
 simnet.install_virtual_time()  # before swarm is imported: some of it binds time.time as a default
 simnet.share_parsing()
 
-INCOMPLETE_WEIGHT = 1e-6  # a row's peers from incomplete groups: next to nothing, not 0 (a row of only them)
 AVERAGING = ("/swarm.Averaging/Reduce", "/swarm.Averaging/Report", "/swarm.Averaging/Fetch")
 MATCHMAKING = ("/swarm.Averaging/Join",)
 
@@ -213,7 +212,7 @@ class AveragingSimulation:
 
     async def moshpit(self) -> list[dict[str, Any]]:
         from swarm.averaging import moshpit_group_key
-        from swarm.averaging.moshpit import moshpit_next_coords, row_key
+        from swarm.averaging.moshpit import moshpit_next_coords, row_key, row_weight
 
         args = self.args
         self.make_averagers("moshpit", args.group)
@@ -244,11 +243,12 @@ class AveragingSimulation:
                 # the deaths fell inside the last round, whose groups (the k-th member of every group of
                 # the round before: a full grid's columns) formed with or without them; every group of
                 # the round before meets again, peers whose last group held one of every group (it
-                # output the same mean in every such group) weight 1, the rest next to nothing
+                # output the same mean in every such group) weight 1, the rest 1e-6 per group missing
+                # (`row_weight`: where a whole group died, the groups that held all the others lead)
                 groups_before = max(1, args.peers // self.grid[(r - 2) % len(self.grid)])
                 keys = {p: row_key(r, before_last[p].round_id) for p in self.live if p in before_last}
-                complete = {p for p in self.live if p in last and len(last[p].contributors) == groups_before}
-                weights = {p: 1.0 if p in complete else INCOMPLETE_WEIGHT for p in self.live}
+                weights = {p: row_weight(len(last[p].contributors), groups_before) if p in last else row_weight(1, groups_before)
+                           for p in self.live}
                 key_of = lambda p, keys=keys, r=r: keys.get(p, f"r{r}.orphan")
                 regrouped = True
             elif regrouped:
@@ -340,7 +340,8 @@ def main() -> None:
                              "the k-th survivor of every group with the k-th of every other, weighted by its "
                              "group's survivors; the round after, each group meets again. With --die-when "
                              "inside: in the round after the deaths, each group of the round before meets "
-                             "again, peers whose last group held one of every group weight 1, the rest 1e-6")
+                             "again, peers whose last group held one of every group weight 1, the rest 1e-6 per "
+                             "group missing (moshpit.row_weight)")
     parser.add_argument("--roll-settle", type=float, default=6.0,
                         help="seconds a survivor waits for the others' roll-call records before reading them")
     parser.add_argument("--numel", type=int, default=4096, help="floats averaged per peer")

@@ -82,6 +82,18 @@ def survivor_rank(peer_id: str, survivors: Iterable[str]) -> tuple[int, int]:
     return ordered.index(peer_id), len(ordered)
 
 
+def row_weight(contributors: int, rows: int, base: float = 1e-6, floor: float = 1e-30) -> float:
+    """A peer's weight when its row meets again after a round of one member of every row.
+
+    A group that held `contributors` of the `rows` rows weighs ``base ** (rows - contributors)``:
+    every peer from a group that held all rows (weight 1) outweighs the others, and where none did
+    (a whole row died), the groups that held the most rows (all of them the same rows, so the same
+    mean) outweigh the rest in turn; never 0, so a row of only incomplete peers still averages.
+    """
+    missing = max(0, rows - contributors)
+    return max(floor, base ** missing)
+
+
 class RowRoll:
     """The roll call of one row in the DHT: who of a group's members is still there.
 
