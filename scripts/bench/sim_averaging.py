@@ -149,6 +149,7 @@ class AveragingSimulation:
     async def round(self, r: int, key_of: Any, deaths: int, weight_of: Any = None,
                     size_of: Any = None) -> dict[str, Any]:
         from swarm.averaging import moshpit_group_key  # noqa: F401  (documents where keys come from)
+        from swarm.averaging.moshpit import astep_retrying
 
         args = self.args
         before = Counter(self.net.traffic.by_method)
@@ -162,15 +163,16 @@ class AveragingSimulation:
         try:
             for peer_id in sorted(self.live):
                 weight = 1.0 if weight_of is None else weight_of(peer_id)
-                steps[peer_id] = asyncio.ensure_future(self.averagers[peer_id].astep(
-                    timeout=args.step_timeout, weight=weight, group_key=key_of(peer_id),
+                step = astep_retrying if args.retry else type(self.averagers[peer_id]).astep
+                steps[peer_id] = asyncio.ensure_future(step(
+                    self.averagers[peer_id], timeout=args.step_timeout, weight=weight, group_key=key_of(peer_id),
                     expected_size=None if size_of is None else size_of(peer_id)))
         finally:
             simnet.TAG.reset(token)
         killers = []
         if deaths:
             victims = self.rng.sample(sorted(self.live), deaths)
-            killers = [asyncio.ensure_future(self.kill(v, self.rng.uniform(0.0, args.die_within), steps))
+            killers = [asyncio.ensure_future(self.kill(v, args.die_from + self.rng.uniform(0.0, args.die_within), steps))
                        for v in victims]
         await asyncio.gather(*steps.values(), *killers, return_exceptions=True)
         took = simnet.CLOCK.now - start
@@ -210,7 +212,7 @@ class AveragingSimulation:
 
     async def moshpit(self) -> list[dict[str, Any]]:
         from swarm.averaging import moshpit_group_key
-        from swarm.averaging.moshpit import moshpit_next_coords, row_key
+        from swarm.averaging.moshpit import moshpit_next_coords, row_key, row_weight
 
         args = self.args
         self.make_averagers("moshpit", args.group)
@@ -221,6 +223,7 @@ class AveragingSimulation:
         rows = [{"round": "start", "live": len(self.live), "err_max": err_max, "err_median": err_median,
                  "mean_shift": 0.0}]
         last: dict[str, Any] = {}  # peer -> its result of the last round
+        before_last: dict[str, Any] = {}  # peer -> its result of the round before
         rows_of_regroup: dict[str, Any] = {}  # peer -> its result of the round before the regrouping
         weights: dict[str, float] = {}
         sizes: dict[str, int | None] = {}
@@ -236,6 +239,18 @@ class AveragingSimulation:
                 keys, weights, rows_of_regroup = await self.regroup(r, last)
                 self.row_sizes = dict(weights)  # each row's survivors: how many meet again the round after
                 key_of = keys.__getitem__
+            elif args.regroup and args.die_when == "inside" and r == args.die_round + 1 and r >= 2:
+                # the deaths fell inside the last round, whose groups (the k-th member of every group of
+                # the round before: a full grid's columns) formed with or without them; every group of
+                # the round before meets again, peers whose last group held one of every group (it
+                # output the same mean in every such group) weight 1, the rest 1e-6 per group missing
+                # (`row_weight`: where a whole group died, the groups that held all the others lead)
+                groups_before = max(1, args.peers // self.grid[(r - 2) % len(self.grid)])
+                keys = {p: row_key(r, before_last[p].round_id) for p in self.live if p in before_last}
+                weights = {p: row_weight(len(last[p].contributors), groups_before) if p in last else row_weight(1, groups_before)
+                           for p in self.live}
+                key_of = lambda p, keys=keys, r=r: keys.get(p, f"r{r}.orphan")
+                regrouped = True
             elif regrouped:
                 groups_before = max(1, args.peers // self.grid[(r - 2) % len(self.grid)])  # groups in the round before the deaths
                 keys = {p: row_key(r, rows_of_regroup[p].round_id) for p in self.live if p in rows_of_regroup}
@@ -245,7 +260,7 @@ class AveragingSimulation:
             row = await self.round(r, key_of, deaths, weights.get if regrouped else None,
                                    sizes.get if regrouped and r > args.die_round else None)
             results = row.pop("results")
-            last = results
+            before_last, last = last, results
             for peer_id, result in results.items():
                 if regrouped:
                     continue  # the regrouping rounds leave the grid coordinates as they were
@@ -312,13 +327,21 @@ def main() -> None:
     parser.add_argument("--die", type=float, default=0.1, help="fraction of the peers that crash")
     parser.add_argument("--die-round", type=int, default=1, help="the round in which they crash")
     parser.add_argument("--die-within", type=float, default=2.0, help="they crash within this many seconds of its start")
+    parser.add_argument("--die-from", type=float, default=0.0,
+                        help="they crash from this many seconds into the round on (within --die-within after)")
+    parser.add_argument("--retry", action="store_true",
+                        help="the survivors of a group whose all-reduce failed average again within the step's "
+                             "time (moshpit.astep_retrying)")
     parser.add_argument("--die-when", choices=("inside", "between"), default="inside",
                         help="inside: the crashes happen during the round; between: after the round before, "
                              "before this round's matchmaking")
     parser.add_argument("--regroup", action="store_true",
                         help="with --die-when between: the survivors regroup by roll call (moshpit.RowRoll), "
                              "the k-th survivor of every group with the k-th of every other, weighted by its "
-                             "group's survivors; the round after, each group meets again")
+                             "group's survivors; the round after, each group meets again. With --die-when "
+                             "inside: in the round after the deaths, each group of the round before meets "
+                             "again, peers whose last group held one of every group weight 1, the rest 1e-6 per "
+                             "group missing (moshpit.row_weight)")
     parser.add_argument("--roll-settle", type=float, default=6.0,
                         help="seconds a survivor waits for the others' roll-call records before reading them")
     parser.add_argument("--numel", type=int, default=4096, help="floats averaged per peer")

@@ -136,6 +136,8 @@ class DHTElection:
         self._withdrawal: asyncio.Task[None] | None = None  # `end`'s store, still running
         self.names_round = False
         """Whether `group_key` names one round (e.g. an epoch) rather than being reused by every step."""
+        self.read_seconds = 0.0
+        """The slowest read of the declarations in this step (a read waits out a dead replica)."""
 
     @property
     def key(self) -> str:
@@ -146,6 +148,7 @@ class DHTElection:
             await asyncio.gather(self._withdrawal, return_exceptions=True)
         self._expiration = deadline_wall
         self._declared, self._leaders, self.started = {}, {}, {}
+        self.read_seconds = 0.0
         self._began = get_dht_time()
         value = {"addr": me.addr, "client_mode": me.client_mode, "ready_at": self._began, "looking": True}
         ok = await self.dht.astore(self.key, value, expiration_time=deadline_wall, subkey=owner_marker(me.peer_id))
@@ -176,8 +179,10 @@ class DHTElection:
         return {pid: d for pid, d in self._declared.items() if pid != me.peer_id}
 
     async def refresh(self, me: MemberInfo) -> None:
+        asked = get_dht_time()
         found = await self.dht.aget(self.key, latest=True)
         now = get_dht_time()
+        self.read_seconds = max(self.read_seconds, now - asked)
         declared: dict[str, Declaration] = {}
         leaders: dict[str, tuple[float, str]] = {}
         if found is not None and isinstance(found.value, dict):

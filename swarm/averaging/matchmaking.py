@@ -481,6 +481,9 @@ class Matchmaking:
         why = ""
         while True:
             now = loop.time()
+            # a follower reads the same declarations: the window covers the slowest read this peer
+            # saw (a crashed replica holds each read for the DHT's request timeout; issue #20)
+            window = max(cfg.join_window, getattr(self.election, "read_seconds", 0.0))
             size = 1 + len(self._keep_apart(self._live(now))[0])
             if cfg.adaptive:
                 outstanding = self._outstanding(me, now, expected_at, bound)
@@ -496,11 +499,11 @@ class Matchmaking:
                 if now >= latest_start:
                     why = "matchmaking share of the timeout spent"
                     break
-                if not cfg.adaptive and now >= min_met_at + cfg.join_window:
+                if not cfg.adaptive and now >= min_met_at + window:
                     why = "join window"
                     break
-                if cfg.adaptive and not outstanding and now >= min_met_at + cfg.join_window:
-                    if refreshed_at < min_met_at + cfg.join_window:  # a peer may have declared meanwhile
+                if cfg.adaptive and not outstanding and now >= min_met_at + window:
+                    if refreshed_at < min_met_at + window:  # a peer may have declared meanwhile
                         await self.election.refresh(me)
                         refreshed_at = loop.time()
                         continue
@@ -528,8 +531,8 @@ class Matchmaking:
                 wake = min(wake, led_at + bound)
             if min_met_at is not None:
                 wake = min(wake, latest_start)
-                if now < min_met_at + cfg.join_window:
-                    wake = min(wake, min_met_at + cfg.join_window)
+                if now < min_met_at + window:
+                    wake = min(wake, min_met_at + window)
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), max(0.001, wake - now))

@@ -10,9 +10,14 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
+from swarm.averaging.parts import RoundFailed
 from swarm.dht.handle import KeyValueStore
 from swarm.dht.validation import marker_owner, owner_marker
+
+if TYPE_CHECKING:
+    from swarm.averaging.averager import Averager, AveragingResult
 
 
 def moshpit_group_key(round_number: int, coords: Sequence[int]) -> str:
@@ -77,6 +82,18 @@ def survivor_rank(peer_id: str, survivors: Iterable[str]) -> tuple[int, int]:
     return ordered.index(peer_id), len(ordered)
 
 
+def row_weight(contributors: int, rows: int, base: float = 1e-6, floor: float = 1e-30) -> float:
+    """A peer's weight when its row meets again after a round of one member of every row.
+
+    A group that held `contributors` of the `rows` rows weighs ``base ** (rows - contributors)``:
+    every peer from a group that held all rows (weight 1) outweighs the others, and where none did
+    (a whole row died), the groups that held the most rows (all of them the same rows, so the same
+    mean) outweigh the rest in turn; never 0, so a row of only incomplete peers still averages.
+    """
+    missing = max(0, rows - contributors)
+    return max(floor, base ** missing)
+
+
 class RowRoll:
     """The roll call of one row in the DHT: who of a group's members is still there.
 
@@ -106,3 +123,56 @@ class RowRoll:
                 if owner in self.members:
                     present.add(owner)
         return sorted(present)
+
+
+# -- retrying a round whose all-reduce failed ---------------------------------------------------
+#
+# A member that dies inside a round fails its group's all-reduce, and a failed all-reduce applies
+# nothing on any member (`Averager.step`: "the tensors are untouched"). Its survivors can therefore
+# average again among themselves within the same step's time, so a death costs time, not a round.
+# The retry runs under a key derived from the grid key and the failed round's id, which every
+# survivor of that group (and no one else) knows: the grid key itself still holds the failed
+# attempt's withdrawn declarations, which name the failed round as this key's group that started
+# (a step under a key that names one round reads that as "my round's group started without me"),
+# and a new declaration with the step's unchanged deadline would not outlast them.
+
+
+def retry_key(group_key: str, failed_round: bytes) -> str:
+    """Group key for the survivors of the failed round `failed_round` under `group_key`."""
+    return f"{group_key}.retry.{failed_round.hex()[:16]}"
+
+
+async def astep_retrying(averager: Averager, timeout: float, weight: float = 1.0, group_key: str | None = None,
+                         expected_size: int | None = None, min_left: float = 2.0,
+                         attempts: int = 3) -> AveragingResult:
+    """`Averager.astep`, retried by the survivors of a group whose all-reduce failed.
+
+    Args:
+        averager: the peer's averager (a DHT group: a static group has no one else to retry with).
+        timeout: seconds for the whole step, retries included.
+        weight, expected_size: as for `Averager.astep` (the first attempt's `expected_size` only;
+            a retry does not know how many survived).
+        group_key: the round's group key (None: the averager's current one).
+        min_left: a retry starts only with at least this many seconds of the step left.
+        attempts: at most this many attempts in all.
+
+    Returns:
+        The result of the attempt that succeeded; `result.round_id` names the retry's round.
+
+    Raises:
+        AveragingError: no group formed (not retried: it applied nothing either, but its peers
+            moved on), or the last attempt's round failed; the tensors are untouched.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    base = group_key if group_key is not None else getattr(averager.matchmaking.election, "group_key", None)
+    key, size = group_key, expected_size
+    for attempt in range(1, attempts + 1):
+        try:
+            return await averager.astep(timeout=deadline - loop.time(), weight=weight, group_key=key,
+                                        expected_size=size)
+        except RoundFailed as e:
+            if base is None or attempt == attempts or deadline - loop.time() < min_left:
+                raise
+            key, size = retry_key(base, e.round_id), None
+    raise AssertionError("unreachable")  # the loop returns or raises

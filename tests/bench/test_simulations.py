@@ -103,9 +103,9 @@ def test_a_stream_delivers_every_message_in_order_both_ways() -> None:
     assert simnet.run(main()) == [str(i).encode() + b"!" for i in range(200)]
 
 
-def _run_script(name: str, *args: str, timeout: float) -> dict:
+def _run_script(name: str, *args: str, timeout: float, hashseed: int = 0) -> dict:
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}-{os.getpid()}.json"
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "PYTHONHASHSEED": str(hashseed)}
     try:
         done = subprocess.run([sys.executable, str(BENCH / name), *args, "--json", str(out)], env=env,
                               check=False, capture_output=True, text=True, timeout=timeout)
@@ -157,12 +157,31 @@ def test_survivors_regrouped_by_roll_call_hold_their_exact_mean_after_three_roun
     their round-1 group's roll call from the DHT (`moshpit.RowRoll`), the k-th survivor of every
     group meets the k-th of the others weighted by its group's survivors, and the groups meet again
     in round 3 (complete-group peers weight 1, the others 0): every survivor holds the survivors'
-    exact mean after 3 rounds, but for a member that reaches its round-2 or round-3 group after it
-    started (2 of 4 hash seeds: none; so the median is asserted). (Plain Moshpit keys, same deaths: median
-    5.9e-3, max 3.5e-2.)"""
+    exact mean after 3 rounds. (Plain Moshpit keys, same deaths: median 5.9e-3, max 3.5e-2.) Under
+    this hash seed a member used to miss its round-3 group (max error 4.3e-2): every read of a
+    regroup key's declarations waited 3 s on a crashed replica, longer than the leader's 2 s join
+    window after the last arrival; a leader's window now covers its own slowest read. That made
+    the misses rarer, not impossible (the run is not fully deterministic: in the suite, 3 of 5
+    runs under this seed still had 1-2 members miss their round-3 group), so the median is
+    asserted, and at most 2 failed steps."""
     result = _run_script("sim_averaging.py", "--peers", "16", "--group", "4", "--rounds", "3", "--die", "0.125",
-                         "--die-round", "1", "--die-when", "between", "--regroup", "--numel", "256", timeout=100)
+                         "--die-round", "1", "--die-when", "between", "--regroup", "--numel", "256", timeout=100,
+                         hashseed=2)
     rounds = {row["round"]: row for row in result["moshpit"]}
     assert rounds["start"]["err_max"] > 0.1
     assert rounds[1]["live"] == 14
+    assert rounds[2]["failed"] <= 2
     assert rounds[2]["err_median"] < 1e-5
+
+
+def test_deaths_inside_round_two_leave_every_survivor_at_one_mean_after_three_rounds() -> None:
+    """Issue #20: 16 peers on a 4 x 4 grid, 2 crash in round 2's first 0.5 s (while its groups
+    form). Round 2's groups (the k-th member of every round-1 group) come out complete or not; in
+    round 3 every round-1 group meets again, peers from complete round-2 groups weight 1, the rest
+    1e-6, and every survivor holds the same mean (plain Moshpit keys, same deaths: max 3.5e-2)."""
+    result = _run_script("sim_averaging.py", "--peers", "16", "--group", "4", "--rounds", "3", "--die", "0.125",
+                         "--die-round", "1", "--die-within", "0.5", "--regroup", "--retry", "--numel", "256",
+                         timeout=100)
+    rounds = {row["round"]: row for row in result["moshpit"]}
+    assert rounds[1]["live"] == 14 and rounds[1]["err_max"] > 1e-3  # round 2 alone leaves them apart
+    assert rounds[2]["err_max"] < 1e-5
