@@ -4,7 +4,10 @@
 In one invocation, on the demo's byte-level LM (`swarm.demo.model`, mixture held locally) and the
 same data, each phase `--seconds` of wall time:
 
-1. one plain PyTorch process alone on the machine, with 1 and with all threads (the better counts);
+1. one plain PyTorch process alone on the machine with all threads (the issue's setup: one 2-thread
+   process on this box; `--plain-threads 1 2` runs both and the faster counts), then any
+   `--plain-references BATCH:LR` (e.g. the batch of all trainers together: the loss that
+   data-parallel training at the trainers' step rate can reach in the same wall time);
 2. `--peers` swarm trainers x 1 torch thread in large-batch mode, every round waited for
    (`max_staleness=0`);
 3. the same trainers with each round averaging while they compute the next batches
@@ -16,12 +19,14 @@ waiting for its group, and where each trainer process's CPU went, by thread (the
 the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
-        [--variants TARGET:LR[:WARMUP] | diloco:H[:BITS] ...]
+        [--variants TARGET:LR[:WARMUP] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM]]] ...]
+        [--plain-references BATCH:LR ...]
 
 `--variants` adds overlapped phases with another target batch, learning rate or warm-up, side by
 side with the default ones in the same invocation (what the held-out loss gap comes from);
-`diloco:H[:BITS]` adds a DiLoCo phase: H inner steps of the plain process's batch and learning rate
-per round, 8-bit (or 4-bit) pseudo-gradients, rounds overlapped.
+`diloco:H[:BITS[:OUTER_LR[:MOMENTUM]]]` adds a DiLoCo phase: H inner steps of the plain process's
+batch and learning rate per round, 8-bit (or 4-bit) pseudo-gradients, outer SGD with that learning
+rate and Nesterov momentum (0.7, 0.9; momentum 0: plain SGD), rounds overlapped.
 """
 
 from __future__ import annotations
@@ -75,19 +80,34 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
           + ", ".join(f"{method} {rate:.1f}" for method, rate in top), flush=True)
 
 
-def parse_variant(text: str) -> tuple[int, float, int, int]:
+def parse_variant(text: str) -> tuple[int, float, int, int, float, float]:
     """`TARGET:LR[:WARMUP]`: target batch, Adam's learning rate, collective steps of linear warm-up;
-    or `diloco:H[:BITS]`: DiLoCo with H inner steps per round and 8-bit (or 4-bit) pseudo-gradients
-    (target 0, H in the warm-up field). The fourth field is the bits."""
+    or `diloco:H[:BITS[:OUTER_LR[:MOMENTUM]]]`: DiLoCo with H inner steps per round, 8-bit (or 4-bit)
+    pseudo-gradients, outer SGD learning rate (0.7) and Nesterov momentum (0.9; 0: plain SGD).
+    Returns (target, lr, warm-up or H, bits, outer lr, outer momentum); DiLoCo's target is 0."""
     parts = text.split(":")
     try:
-        if parts[0] == "diloco" and len(parts) in (2, 3) and (len(parts) == 2 or parts[2] in ("4", "8")):
-            return 0, 0.0, int(parts[1]), int(parts[2]) if len(parts) == 3 else 8
-        if len(parts) in (2, 3):
-            return int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0, 32
+        if parts[0] == "diloco" and 2 <= len(parts) <= 5 and (len(parts) == 2 or parts[2] in ("4", "8")):
+            bits = int(parts[2]) if len(parts) >= 3 else 8
+            outer_lr = float(parts[3]) if len(parts) >= 4 else 0.7
+            momentum = float(parts[4]) if len(parts) == 5 else 0.9
+            if outer_lr > 0 and 0 <= momentum < 1:
+                return 0, 0.0, int(parts[1]), bits, outer_lr, momentum
+        elif len(parts) in (2, 3):
+            return int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0, 32, 0.0, 0.0
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"a variant is TARGET:LR[:WARMUP] or diloco:H[:BITS], got {text!r}")
+    raise argparse.ArgumentTypeError(
+        f"a variant is TARGET:LR[:WARMUP] or diloco:H[:BITS[:OUTER_LR[:MOMENTUM]]], got {text!r}")
+
+
+def parse_plain(text: str) -> tuple[int, float]:
+    """`BATCH:LR`: one more plain process (the baseline's threads) with this batch and Adam learning rate."""
+    try:
+        batch, lr = text.split(":")
+        return int(batch), float(lr)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a plain reference is BATCH:LR, got {text!r}") from None
 
 
 def main() -> None:
@@ -102,7 +122,11 @@ def main() -> None:
                              "collective steps of linear warm-up), run after the default ones in the same "
                              "invocation, e.g. 512:0.017:3 (the learning rate scaled by sqrt(512/16))")
     parser.add_argument("--plain-threads", type=int, nargs="*", default=None,
-                        help="thread counts of the plain process (default: 1 and all cores; the better counts)")
+                        help="thread counts of the plain process (default: all cores, the issue's one 2-thread "
+                             "process on this box; with several, the faster counts)")
+    parser.add_argument("--plain-references", nargs="*", type=parse_plain, default=[],
+                        help="more plain processes, each BATCH:LR, after the baseline (e.g. 64:0.006: one process "
+                             "taking the steps of 4 trainers' combined batch, what data-parallel training can reach)")
     parser.add_argument("--skip-default", action="store_true",
                         help="run only the --variants phases (the plain baseline still runs first)")
     args = parser.parse_args()
@@ -110,23 +134,32 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}", flush=True)
     plains = [(threads, bench_training.run_workers(
         "plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr", str(args.lr)], args.seconds + 120)[0])
-              for threads in (args.plain_threads or sorted({1, os.cpu_count() or 1}))]
+              for threads in (args.plain_threads or [os.cpu_count() or 1])]
     for threads, result in plains:
         print(f"one plain process, {threads} thread(s): {result['samples_per_s']:.1f} samples/s, held-out loss "
-              f"{result['loss']:.3f} after {args.seconds} s (batch {bench_training.BATCH}, lr {args.lr})", flush=True)
+              f"{result['loss']:.3f} after {args.seconds} s, {result['steps']} steps (batch {bench_training.BATCH}, "
+              f"lr {args.lr})", flush=True)
     threads, plain = max(plains, key=lambda tr: tr[1]["samples_per_s"])
-    # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients)
-    phases: list[tuple[str, int, float, int, int, int]] = []
+    for batch, lr in args.plain_references:
+        result = bench_training.run_workers("plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr",
+                                                         str(lr), "--batch", str(batch)], args.seconds + 120)[0]
+        print(f"plain reference, {threads} thread(s), batch {batch}, lr {lr}: {result['samples_per_s']:.1f} samples/s, "
+              f"{result['steps']} steps, held-out loss {result['loss']:.3f} = {result['loss'] / plain['loss']:.3f}x "
+              f"the baseline's ({plain['steps']} steps)", flush=True)
+    # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients), outer lr, outer momentum
+    phases: list[tuple[str, int, float, int, int, int, float, float]] = []
     if not args.skip_default:
         phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
-                    args.lr, 0, staleness, 32) for staleness in ([1] if args.skip_sync else [0, 1])]
+                    args.lr, 0, staleness, 32, 0.0, 0.0) for staleness in ([1] if args.skip_sync else [0, 1])]
     phases += [(f"max_staleness=1, target {target}, lr {lr}, warm-up {warmup}" if target else
-                f"DiLoCo H={warmup} ({bits}-bit, overlapped), inner lr {args.lr}", target, lr, warmup, 1, bits)
-               for target, lr, warmup, bits in args.variants]
-    for name, target, lr, warmup, staleness, bits in phases:
+                f"DiLoCo H={warmup} ({bits}-bit, overlapped), inner lr {args.lr}, outer lr {outer_lr}, "
+                f"momentum {momentum}", target, lr, warmup, 1, bits, outer_lr, momentum)
+               for target, lr, warmup, bits, outer_lr, momentum in args.variants]
+    for name, target, lr, warmup, staleness, bits, outer_lr, momentum in phases:
         if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
             extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(args.lr), "--local-steps", str(warmup),
-                     "--target-loss", "0", "--max-staleness", "1", "--compression", f"UNIFORM_{bits}BIT"]
+                     "--target-loss", "0", "--max-staleness", "1", "--compression", f"UNIFORM_{bits}BIT",
+                     "--outer-lr", str(outer_lr), "--outer-momentum", str(momentum)]
             results = bench_training.run_workers("diloco", args.peers, extra, args.seconds + 180)
             describe(f"{args.peers} trainers, {name}", results, plain)
             continue

@@ -106,16 +106,16 @@ def worker(args: argparse.Namespace) -> None:
         started, cpu_started = time.monotonic(), time.process_time()
         samples = 0
         while time.monotonic() - started < args.max_seconds:
-            x, y = train.batch(BATCH, gen)
+            x, y = train.batch(args.batch, gen)
             adam.zero_grad()
             model.loss(x, y).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             adam.step()
-            samples += BATCH
+            samples += args.batch
         elapsed = time.monotonic() - started
         cpu_s = time.process_time() - cpu_started
         print(json.dumps({"samples_per_s": samples / elapsed, "loss": _evaluate(model, held_out), "samples": samples,
-                          "cpu_s": cpu_s}), flush=True)
+                          "cpu_s": cpu_s, "steps": samples // args.batch}), flush=True)
         return
 
     import swarm
@@ -129,7 +129,8 @@ def worker(args: argparse.Namespace) -> None:
         min_refresh_period=0.02, max_refresh_period=1.0, averaging_timeout=20.0, matchmaking_window=0.5,
         max_staleness=args.max_staleness)
     diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType[args.compression],
-                          fragments=args.fragments) if args.mode == "diloco" else None
+                          fragments=args.fragments, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                          nesterov=args.outer_momentum > 0) if args.mode == "diloco" else None
     scheduler = None
     if args.warmup_steps:
         # linear warm-up over the first collective steps (large-batch) or inner steps (DiLoCo)
@@ -286,6 +287,9 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--address", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--fragments", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--outer-lr", type=float, default=0.7, help=argparse.SUPPRESS)  # DiLoCo's outer SGD
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)  # the plain process's batch
     args = parser.parse_args()
     if args.worker:
         if args.mode != "diloco" and args.target_batch_size is None:

@@ -27,6 +27,7 @@ Two extensions, both on by default where the configuration asks for them:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +52,7 @@ class DiLoCoMode:
     """
 
     name = "diloco"
+    paced_alone = True  # a round is due after this peer's own H inner steps
 
     def __init__(self, params: Sequence[torch.nn.Parameter], inner_optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, config: DiLoCoConfig) -> None:
@@ -68,6 +70,7 @@ class DiLoCoMode:
         self._own = [torch.zeros_like(p) for p in self.outer_params]  # this peer's Δ of the round in flight
         self.local_steps = 0  # inner steps since the last round started
         self._samples = 0
+        self._batch = 0  # samples of the last inner step
         self._in_flight: tuple[int, int, int] | None = None  # (fragment, its inner steps, its samples)
 
     @property
@@ -96,9 +99,17 @@ class DiLoCoMode:
             self.scheduler.step()
         self.local_steps += 1
         self._samples += batch_size
+        self._batch = batch_size
 
     def wants_round(self, progress: SwarmProgress) -> bool:
         return self.local_steps >= self.config.steps_per_round
+
+    def eta(self, progress: SwarmProgress, samples_per_second: float) -> float:
+        """The inner steps left before the next round, at this peer's own pace."""
+        if self._batch == 0 or samples_per_second <= 0:
+            return math.inf
+        left = max(0, self.config.steps_per_round - self.local_steps)
+        return left * self._batch / samples_per_second
 
     def prepare_round(self, epoch: int) -> float:
         """Computes Δ = θ - x of the round's fragment into its averaged buffers (and keeps a copy);

@@ -33,6 +33,7 @@ class LargeBatchMode:
     """
 
     name = "large-batch"
+    paced_alone = False  # a round is due when the swarm's samples reach the target
 
     def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
@@ -65,6 +66,10 @@ class LargeBatchMode:
 
     def wants_round(self, progress: SwarmProgress) -> bool:
         return self.accumulator.samples > 0 and progress.ready
+
+    def eta(self, progress: SwarmProgress, samples_per_second: float) -> float:
+        """When the swarm's reports reach the target batch."""
+        return progress.eta
 
     def prepare_round(self, epoch: int) -> float:
         """Writes the local mean gradient into the averaged buffers and opens the next window;

@@ -20,6 +20,10 @@ class TrainingMode(Protocol):
 
     name: str
     optimizer: torch.optim.Optimizer
+    paced_alone: bool
+    """True when a round is due after this peer's own local work (DiLoCo's H inner steps), not
+    when the swarm's reports add up to a target: the others cannot tell when it comes unless it
+    says so, so it announces its next round as soon as that is known (`Optimizer._announce_round`)."""
 
     @property
     def averaged_fragments(self) -> list[list[torch.Tensor]]:
@@ -47,6 +51,10 @@ class TrainingMode(Protocol):
 
     def wants_round(self, progress: SwarmProgress) -> bool:
         """True when this peer should average now."""
+        ...
+
+    def eta(self, progress: SwarmProgress, samples_per_second: float) -> float:
+        """Seconds until this peer's next round is due, at `samples_per_second` (inf: unknown)."""
         ...
 
     def prepare_round(self, epoch: int) -> float:

@@ -54,6 +54,13 @@ from swarm.optim.training_state import TrainingState, state_digest
 
 logger = logging.getLogger(__name__)
 
+# A peer paced by its own steps (DiLoCo) announces its round this many times its pace's estimate
+# later: the pace is a 10 s average, and on a loaded machine a round's steps took up to ~1.6x the
+# estimate (tests/optim/test_diloco.py, three trainers in one process). A leader starts as soon as
+# every expected peer is in, so the slack costs nothing while the peer is on time; it lengthens only
+# the wait for a peer that died after announcing, by at most half the averaging timeout.
+PACE_SLACK = 1.0
+
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 AveragerFactory = Callable[[Sequence[torch.Tensor], str], AveragerLike]
@@ -253,6 +260,8 @@ class Optimizer:
             if not landed.ok and self.tracker.progress.epoch > self.epoch:
                 return self._after_failure(landed)
             return StepOutcome(self.epoch, round=landed)
+        if self.mode.paced_alone:
+            self._announce_round(self._next_round_progress())
         return StepOutcome(self.epoch, round=landed, launched=launched)
 
     def _after_failure(self, outcome: RoundOutcome) -> StepOutcome:
@@ -426,28 +435,37 @@ class Optimizer:
                 round_task.cancel()
 
     def _announce_round(self, progress: SwarmProgress) -> None:
-        """Once the swarm's target batch is near, tells the round's leader when this peer will come.
+        """Once its next round is near, tells the round's leader when this peer will come.
 
-        "Near" is the horizon within which a leader would otherwise start without us: a few
-        progress reports, or many measured round trips, whichever is longer (the measurement
-        counts on slow links), and never beyond the averaging timeout. Runs in the background:
-        the training step does not wait for the DHT.
+        In large-batch mode "near" is the horizon within which a leader would otherwise start
+        without us: a few progress reports, or many measured round trips, whichever is longer (the
+        measurement counts on slow links), and never beyond half the averaging timeout. In DiLoCo
+        mode a peer's round is due after its own H inner steps, and with rounds overlapped nothing
+        keeps the peers in step: a slower one reaches each round later than the others, by more
+        every round, until a group forms without it and it downloads the state, dropping its inner
+        steps. So it announces the round as soon as its pace says when (right after launching the
+        previous one, while the others still wait for that one to land), up to half the timeout
+        ahead and `PACE_SLACK` later than the pace says, and the leader waits for it. Runs in the background: the step does not wait for the DHT.
         """
         epoch = self.epoch + (1 if self._in_flight is not None else 0)  # the next round this peer starts
         averager = self.averagers[self.mode.fragment_of(epoch)]
         aannounce = getattr(averager, "aannounce", None)
-        if aannounce is None or self._announced_epoch == epoch or not math.isfinite(progress.eta):
+        eta = self.mode.eta(progress, self._meter.rate)
+        if aannounce is None or self._announced_epoch == epoch or not math.isfinite(eta):
             return
         rtt_of = getattr(averager, "round_trip", None)
         rtt = rtt_of() if rtt_of is not None else None
-        horizon = min(self.config.averaging_timeout / 2,
-                      max(2 * self.config.report_period, 50 * (rtt or 0.0)))
-        if progress.eta > horizon:
+        horizon = self.config.averaging_timeout / 2
+        if not self.mode.paced_alone:
+            horizon = min(horizon, max(2 * self.config.report_period, 50 * (rtt or 0.0)))
+        if eta > horizon:
             return
+        if self.mode.paced_alone:
+            eta *= 1 + PACE_SLACK
         self._announced_epoch = epoch
         logger.debug("[%s] epoch %d: announcing this peer for the round in %.2f s (horizon %.2f s, rtt %s)",
-                     self.run_id, epoch, progress.eta, horizon, f"{rtt:.4f}" if rtt is not None else "unknown")
-        future = self.peer.loop.submit(aannounce(progress.eta, str(epoch)))
+                     self.run_id, epoch, eta, horizon, f"{rtt:.4f}" if rtt is not None else "unknown")
+        future = self.peer.loop.submit(aannounce(eta, str(epoch)))
         future.add_done_callback(_log_announce_failure)
 
     def _finish_round(self, outcome: RoundOutcome, summary: str) -> RoundOutcome:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -71,3 +72,44 @@ def test_diloco_converges_and_keeps_peers_identical(make_peer, staleness, fragme
         numel = sum(p.numel() for p in models[0].parameters())
         per_round = [opts[0].averagers[i].numel for i in range(fragments)]
         assert sum(per_round) == numel and max(per_round) < numel, per_round
+
+
+def test_overlapped_diloco_groups_wait_for_a_slower_trainer_instead_of_leaving_it_behind(make_peer):
+    # Overlapped DiLoCo trainers are ready at their own pace (H local steps), so a slower one
+    # reaches each round later than the others, by more every round, until its group would form
+    # without it and it would download the state and drop its inner steps. Each trainer announces
+    # when its next round will be due, so the leader waits for it: no state download, every round
+    # with all three.
+    x, y = make_data()
+    models = [make_model() for _ in range(3)]
+    diloco = DiLoCoConfig(local_steps=5, compression=CompressionType.UNIFORM_8BIT)
+    opts = [Optimizer(make_peer(), run_id="dl-slow", params=m.parameters(), optimizer=inner, diloco=diloco,
+                      config=replace(FAST, max_staleness=1, matchmaking_window=0.1)) for m in models]
+    assert all(o.wait_for_peers(3, timeout=10) for o in opts)
+    rounds = 8
+    loads = [0, 0, 0]
+    compute_seconds = [0.02, 0.02, 0.08]  # the third trainer's batches take four times as long
+
+    def run(i: int) -> None:
+        g = torch.Generator().manual_seed(i)
+        opt, model = opts[i], models[i]
+        for _ in range(2000):
+            if opt.epoch >= rounds:
+                break
+            idx = torch.randint(0, DATA_SIZE, (16,), generator=g)
+            loss_on(model, x[idx], y[idx]).backward()
+            time.sleep(compute_seconds[i])  # stands for a bigger model's forward and backward
+            out = opt.step(16)
+            opt.zero_grad()
+            loads[i] += bool(out.state_loaded)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert loads == [0, 0, 0], [[(h.epoch, h.ok, h.group_size, h.error) for h in o.history] for o in opts]
+    assert all(o.epoch >= rounds for o in opts), [o.epoch for o in opts]
+    assert all(h.ok and h.group_size == 3 for o in opts for h in o.history[:rounds]), \
+        [[(h.epoch, h.ok, h.group_size) for h in o.history] for o in opts]
