@@ -636,10 +636,11 @@ def test_sealed_records_bound_for_a_sink_are_opened_straight_into_it():
             payload = os.urandom(3 << 20)
             caller.write_frame(bulk.DATA, (b"HDR1", payload))  # records: header, head, 3 x 1 MiB of payload
             kind, sunk = await asyncio.wait_for(conn.read_frame(), 10)
-            assert isinstance(sunk, bulk.Sunk) and not sunk.dropped and bytes(head) == b"HDR1" and target == payload
+            assert kind == bulk.DATA and isinstance(sunk, bulk.Sunk) and not sunk.dropped
+            assert bytes(head) == b"HDR1" and target == payload
             assert callee_side._plain_buffer is None  # no record went through the scratch buffer
             caller.write_frame(bulk.DATA, b"HDR2" + payload[:100])  # one record for head and target
-            kind, sunk = await asyncio.wait_for(conn.read_frame(), 10)  # index 1: not sunk
+            _, sunk = await asyncio.wait_for(conn.read_frame(), 10)  # index 1: not sunk
             assert bytes(sunk) == b"HDR2" + payload[:100]
         finally:
             caller_side.abort()
@@ -652,7 +653,7 @@ def test_a_sealed_record_that_fails_its_tag_never_completes_the_sinks_frame():
     async def go():
         target = bytearray(1 << 20)
         head = bytearray(4)
-        server, caller, caller_side, conn, callee_side = await _sealed_pair(
+        server, _, caller_side, conn, _ = await _sealed_pair(
             lambda index, length: (head, memoryview(target)) if index == 0 else None)
         try:
             sealer = caller_side._sealer
