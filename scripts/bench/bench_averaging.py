@@ -238,6 +238,38 @@ def round_seconds(reports: list[dict]) -> float:
     return statistics.median(per_round)
 
 
+def seal_open_cpu_per_mb(mb: int = 64) -> float:
+    """CPU seconds to seal and then open 1 MB with the bulk channel's records (`swarm.net.sealed`,
+    1 MiB records into reused buffers): what TLS adds per byte sent and received at the least."""
+    from swarm.net import sealed
+
+    key = sealed.derive_keys(os.urandom(sealed.RANDOM_BYTES), b"bench")[0]
+    sealer, opener = sealed.Sealer(key), sealed.Opener(key)
+    size = sealed.RECORD_BYTES
+    plain = memoryview(bytearray(os.urandom(size)) * mb)  # tensors larger than the caches, as in a round
+    out = memoryview(bytearray(len(plain)))
+    out[:] = plain  # touched once: no page faults in the figure
+    record = bytearray(size + 20)
+    start = time.process_time()
+    for i in range(mb):
+        wire = sealer.seal(plain[i * size:(i + 1) * size], record)
+        opener.open_into(bytes(wire[:4]), wire[4:], out[i * size:(i + 1) * size])
+    return (time.process_time() - start) / (mb * size / 1e6)
+
+
+def cpu_bound(n: int, mbytes: int, plain_s: float, plain_cpu: float, crypto_per_mb: float) -> str:
+    """What the CPU allows: the cores the plaintext round keeps busy, and the best TLS/plaintext
+    ratio if TLS only added its AES-GCM (each peer seals and opens 2(n-1)/n of its tensor's bytes:
+    its parts out and back) and that had to fit into the cores the plaintext round leaves idle."""
+    cores = os.cpu_count() or 1
+    busy = n * plain_cpu / (cores * plain_s)
+    crypto = crypto_per_mb * 2 * (n - 1) / n * mbytes * (1 << 20) / 1e6  # per peer per round
+    best = plain_s / max(plain_s, n * (plain_cpu + crypto) / cores)
+    return (f"plaintext keeps {100 * busy:.0f}% of {cores} cores busy; AES-GCM seal+open {crypto_per_mb * 1e3:.3f} ms/MB"
+            f" = {crypto:.3f} s of CPU per peer per round: TLS at most {100 * best:.0f}% of plaintext"
+            f" if its only extra were the cipher")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8])
@@ -262,6 +294,7 @@ def main() -> None:
     if args.worker == "raw":
         return raw_worker(args)
     goals = {4: 0.4, 8: 0.8}
+    crypto_per_mb = seal_open_cpu_per_mb()
     for n in args.peers:
         raw_reports = run_group("raw", n, args)
         raw = round_seconds(raw_reports)
@@ -290,6 +323,8 @@ def main() -> None:
                   f" {plain_cpu:.3f} s of CPU per peer per round", flush=True)
             print(f"TLS/plaintext         {n} peers: {100 * plain / bulk:.0f}% of plaintext throughput"
                   f" (goal >= 85%); CPU {cpu / plain_cpu:.2f}x", flush=True)
+            print(f"CPU bound             {n} peers: {cpu_bound(n, args.mbytes, plain, plain_cpu, crypto_per_mb)}",
+                  flush=True)
         if args.compare_pool:
             for insecure in (False, True):
                 unpooled_reports = run_group("swarm", n, args, insecure=insecure, pool=False)

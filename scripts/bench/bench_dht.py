@@ -37,11 +37,36 @@ import time
 GOALS = {"store_p50": 2.0, "get_p50": 1.5, "stores_per_s": 1000, "gets_per_s": 2000, "rss_mb": 60}
 
 
-def start_daemon(initial: list[str]) -> subprocess.Popen:
+def start_daemon(initial: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "WARNING"]
     for addr in initial:
         args += ["--initial-peers", addr]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, **env) if env else None)
+
+
+def memory(pid: int) -> dict[str, float]:
+    """RSS of a process and its parts (MB): anonymous (the heap: Python objects, malloc arenas,
+    gRPC's buffers), file-backed (pages of the interpreter and shared libraries, shared with every
+    process on the host that maps them), and its thread count (each thread may get a malloc arena)."""
+    out: dict[str, float] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) / 1024
+            elif key == "Threads":
+                out[key] = int(value)
+    return out
+
+
+def memory_line(label: str, samples: list[dict[str, float]]) -> str:
+    def med(key: str) -> float:
+        return statistics.median(s.get(key, 0.0) for s in samples)
+
+    return (f"{label}: RSS median {med('VmRSS'):.1f} MB, max {max(s['VmRSS'] for s in samples):.1f} MB"
+            f" (anonymous {med('RssAnon'):.1f}, file-backed {med('RssFile'):.1f}, shmem {med('RssShmem'):.1f};"
+            f" {med('Threads'):.0f} threads; {len(samples)} daemons)")
 
 
 def read_addr(proc: subprocess.Popen) -> str:
@@ -211,7 +236,11 @@ def main() -> None:
     parser.add_argument("--no-multiplex", action="store_true",
                         help="the client sends every call as a gRPC unary call of its own (the transport before "
                              "swarm.net.calls), for comparison")
+    parser.add_argument("--compare-env", default="", metavar="VAR=VALUE",
+                        help="start every second daemon with this environment variable (e.g. MALLOC_ARENA_MAX=2) "
+                             "and report the memory of both halves, under the same load")
     args = parser.parse_args()
+    other_env = dict([args.compare_env.split("=", 1)]) if args.compare_env else None
 
     from swarm.dht import DHTConfig
     from swarm.net.channels import ChannelConfig
@@ -221,9 +250,10 @@ def main() -> None:
     client = None
     try:
         addrs = [read_addr(daemons[0])]
-        rest = [start_daemon(addrs[:1]) for _ in range(args.nodes - 1)]
+        rest = [start_daemon(addrs[:1], other_env if i % 2 == 0 else None) for i in range(args.nodes - 1)]
         daemons += rest
         addrs += [read_addr(p) for p in rest]
+        idle = [memory(p.pid) for p in daemons]
         client = Peer(initial_peers=addrs, client_mode=True, dht_config=DHTConfig(cache_size=0),
                       channel_config=ChannelConfig(multiplex=not args.no_multiplex))
         dht = client.dht
@@ -250,6 +280,16 @@ def main() -> None:
         disjoint = disjoint_cost(
             addrs, args.disjoint_paths, args.disjoint_ops, args.disjoint_bucket_size) if args.disjoint_paths > 1 else None
         rss = [rss_mb(p.pid) for p in daemons]
+        loaded = [memory(p.pid) for p in daemons]
+        if other_env is not None:
+            for label, pick in ((f"with {args.compare_env}", 1), ("without", 0)):
+                idle_half = [m for i, m in enumerate(idle) if i % 2 == pick]
+                loaded_half = [m for i, m in enumerate(loaded) if i % 2 == pick]
+                print(memory_line(f"daemons {label}, just started", idle_half))
+                print(memory_line(f"daemons {label}, after the load", loaded_half))
+        else:
+            print(memory_line("daemons just started", idle))
+            print(memory_line("daemons after the load", loaded))
         torch_loaded = [p.pid for p in daemons if loaded_torch(p.pid)]
     finally:
         if client is not None:

@@ -190,11 +190,6 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._got = 0
         self._push(self._kind, payload)
 
-    def owns_buffer(self) -> bool:
-        """Whether the buffer `get_buffer` returns is this connection's own (handed out only once
-        its frame is complete) rather than a sink's."""
-        return self._sunk is None
-
     def set_sink(self, sink: Callable[[int, int], Any] | None, offset: int = 0) -> None:
         """Lets `sink(index, length)` choose where each later DATA frame's payload is received.
 

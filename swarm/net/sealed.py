@@ -203,9 +203,12 @@ class SealedProtocol(asyncio.BufferedProtocol):
         assert self._opener is not None
         size = len(record) - _TAG
         target = self.inner.get_buffer(size)
-        direct = len(target) >= size and getattr(self.inner, "owns_buffer", lambda: False)()
-        # the inner protocol's own buffer is never handed out before its frame is complete, so the
-        # plaintext may go straight there; a consumer's buffer (a sink) only gets authentic bytes
+        # Straight into the inner protocol's buffer when the whole record fits: its own buffer is
+        # handed out only once its frame is complete, and a consumer's (a sink's) frame is handed
+        # out only once every byte of it arrived; a record that fails its tag aborts the
+        # connection first, so its frame never completes (docs/security.md, "Failure"). Only a
+        # record that spans two buffers goes through the scratch buffer.
+        direct = len(target) >= size
         if not direct and self._plain_buffer is None:
             self._plain_buffer = memoryview(bytearray(RECORD_BYTES))
         out = target[:size] if direct else self._plain_buffer[:size]  # type: ignore[index]

@@ -593,3 +593,78 @@ def test_a_record_altered_on_the_way_back_fails_the_callers_stream(make_peer):
             b.run(go())
     finally:
         proxy.close()
+
+
+async def _sealed_pair(sink_choose):
+    """A caller's and a callee's FrameConnection over a real loopback TCP connection with the TLS
+    handshake and sealed records (swarm.net.sealed); the callee's has the sink."""
+    from swarm.core.identity import Identity
+
+    identity = Identity.generate()
+    context = tls.server_context(tls.PeerCertificate.issue(identity))
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future = loop.create_future()
+
+    def make_callee_side():
+        conn = bulk.FrameConnection(1 << 23)
+        conn.set_sink(sink_choose)
+        protocol = sealed.SealedProtocol(conn, context, server_side=True, certificate=context.certificate_der)
+        accepted.set_result((conn, protocol))
+        return protocol
+
+    server = await loop.create_server(make_callee_side, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    caller = bulk.FrameConnection(1 << 23)
+    _, caller_side = await loop.create_connection(
+        lambda: sealed.SealedProtocol(caller, tls.client_context(identity.peer_id), server_side=False,
+                                      server_hostname=tls.SERVER_NAME), "127.0.0.1", port)
+    await asyncio.wait_for(caller_side.ready, 10)
+    conn, callee_side = await asyncio.wait_for(accepted, 10)
+    await asyncio.wait_for(callee_side.ready, 10)
+    return server, caller, caller_side, conn, callee_side
+
+
+def test_sealed_records_bound_for_a_sink_are_opened_straight_into_it():
+    """A record that fits the sink's buffer is decrypted there, with no scratch copy; one that
+    spans two of its buffers still arrives whole; the sink's frame is handed out only when done."""
+    async def go():
+        target = bytearray(3 << 20)
+        head = bytearray(4)
+        server, caller, caller_side, conn, callee_side = await _sealed_pair(
+            lambda index, length: (head, memoryview(target)[:length - 4]) if index == 0 else None)
+        try:
+            payload = os.urandom(3 << 20)
+            caller.write_frame(bulk.DATA, (b"HDR1", payload))  # records: header, head, 3 x 1 MiB of payload
+            kind, sunk = await asyncio.wait_for(conn.read_frame(), 10)
+            assert kind == bulk.DATA and isinstance(sunk, bulk.Sunk) and not sunk.dropped
+            assert bytes(head) == b"HDR1" and target == payload
+            assert callee_side._plain_buffer is None  # no record went through the scratch buffer
+            caller.write_frame(bulk.DATA, b"HDR2" + payload[:100])  # one record for head and target
+            _, sunk = await asyncio.wait_for(conn.read_frame(), 10)  # index 1: not sunk
+            assert bytes(sunk) == b"HDR2" + payload[:100]
+        finally:
+            caller_side.abort()
+            server.close()
+
+    asyncio.run(go())
+
+
+def test_a_sealed_record_that_fails_its_tag_never_completes_the_sinks_frame():
+    async def go():
+        target = bytearray(1 << 20)
+        head = bytearray(4)
+        server, _, caller_side, conn, _ = await _sealed_pair(
+            lambda index, length: (head, memoryview(target)) if index == 0 else None)
+        try:
+            sealer = caller_side._sealer
+            frame_header = struct.pack("<BI", bulk.DATA, 4 + len(target))
+            wire = [sealer.seal(frame_header), sealer.seal(b"HDR1"), bytearray(sealer.seal(b"\x07" * len(target)))]
+            wire[2][-1] ^= 1  # the tag of the payload's record
+            caller_side._transport.write(b"".join(bytes(w) for w in wire))
+            with pytest.raises(bulk.BulkProtocolError, match="failed authentication"):
+                await asyncio.wait_for(conn.read_frame(), 10)
+        finally:
+            caller_side.abort()
+            server.close()
+
+    asyncio.run(go())
