@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -35,8 +36,8 @@ def worker(args: argparse.Namespace) -> None:
     from swarm.peer import Peer
 
     torch.set_num_threads(1)
+    import logging
     if args.diag:
-        import logging
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                             format=f"%(created).3f h{args.index} %(name)s %(message)s")
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
@@ -53,6 +54,8 @@ def worker(args: argparse.Namespace) -> None:
     times, failures = [], []
     for _ in range(args.rounds + 1):
         start = time.time()
+        if args.diag:
+            logging.getLogger("lab").warning("step called")
         try:
             avg.step(timeout=300)
         except Exception as e:  # noqa: BLE001 - reported, the benchmark goes on
@@ -160,6 +163,45 @@ def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool
                 p.kill()
 
 
+_POINT = re.compile(r"^(?P<t>\d+\.\d+) h(?P<h>\d+) \S+ (?P<msg>.*)$")
+_PHASES = [  # (label, regex on the message, first or last occurrence in the round)
+    ("step", r"^step called$", "last"),
+    ("send start", r"part \d+: sending to its reducer", "first"),
+    ("send end", r"part \d+: sent to its reducer", "last"),
+    ("senders in", r"part \d+: sender \d+ complete", "last"),
+    ("report", r"part \d+: reporting after", "first"),
+    ("decided", r"part \d+: decided after", "first"),
+    ("result out", r"part \d+: result to sender \d+ starts", "first"),
+    ("1st result in", r"part \d+: first result chunk in", "first"),
+    ("result out end", r"part \d+: result to sender \d+ queued", "last"),
+    ("all in", r"all parts in after", "first"),
+    ("applied", r"applied after", "first"),
+]
+
+
+def timeline(paths: list[str]) -> str:
+    """Per peer, when each phase of its last round began or ended (seconds after the last peer
+    called `step`), from the `--diag` logs: where the round's time goes."""
+    points: list[dict[str, float]] = []
+    for path in paths:
+        with open(path, errors="replace") as f:
+            lines = [m for m in map(_POINT.match, f) if m]
+        steps = [i for i, m in enumerate(lines) if m["msg"] == "step called"]
+        lines = lines[steps[-1]:] if steps else lines
+        mine: dict[str, float] = {}
+        for label, pattern, which in _PHASES:
+            times = [float(m["t"]) for m in lines if re.search(pattern, m["msg"])]
+            if times:
+                mine[label] = times[0] if which == "first" else times[-1]
+        points.append(mine)
+    origin = max((p["step"] for p in points if "step" in p), default=0.0)
+    rows = ["    " + "".join(f"{label:>15}" for label, _, _ in _PHASES)]
+    for i, mine in enumerate(points):
+        rows.append(f"  h{i} " + "".join(f"{mine[label] - origin:15.3f}" if label in mine else f"{'-':>15}"
+                                         for label, _, _ in _PHASES))
+    return "\n".join(rows)
+
+
 def round_seconds(reports: list[dict]) -> list[float]:
     for r in reports:
         for failure in r.get("failures", []):
@@ -215,6 +257,10 @@ def main() -> None:
                 print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "
                       f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core", flush=True)
+                if args.diag and not raw:
+                    kind = "swarm" if pool else "swarm-nopool"
+                    print(timeline([os.path.join(args.diag, f"{n}-{compression}-{kind}-h{i}.log") for i in range(n)]),
+                          flush=True)
 
 
 if __name__ == "__main__":

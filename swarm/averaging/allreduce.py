@@ -297,6 +297,7 @@ class ButterflyAllReduce:
         ).SerializeToString()
         if has_data:
             assert self.flat is not None
+            self._timeline("part %d: sending to its reducer", p.index)
             for a, b in chunk_bounds(p.size, self.chunk_numel):
                 try:
                     # views of our tensors where the codec allows (NONE): the bulk channel sends
@@ -312,6 +313,7 @@ class ButterflyAllReduce:
                 except FaultInjected:
                     cancel.set()
                     await asyncio.Event().wait()  # the exchange cancels the call
+            self._timeline("part %d: sent to its reducer", p.index)
         await p.resolved.wait()
         if p.state is PartState.COMPLETE:
             yield averaging_pb2.SenderAck(part=p.index).SerializeToString()
@@ -407,6 +409,7 @@ class ButterflyAllReduce:
                 if header.decision and not p.decision:
                     p.decision = header.decision  # known decided: a stall from here on is a lost reducer
                     self._changed.set()
+                self._timeline("part %d: result header in", p.index)
                 if header.abort:
                     self.resolve(p, PartState.ABORTED, header.reason)
                     self.doomed.set()
@@ -432,9 +435,18 @@ class ButterflyAllReduce:
             i += 1
             self.received_chunks += 1
             await self.faults.hit(FaultPoint.AFTER_RESULTS_RECEIVED, self.received_chunks)
+            if i == 1:
+                self._timeline("part %d: first result chunk in", p.index)
             if i == len(bounds):
+                self._timeline("part %d: last result chunk in", p.index)
                 self.resolve(p, PartState.COMPLETE, decision=header.decision)
                 self._observe_link(p)
+
+    def _timeline(self, what: str, *args: Any) -> None:
+        """A point of the round's timeline in the debug log (`lab_averaging.py --diag`)."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("round %s: " + what + " at %.3f s", self.round_tag, *args,
+                         asyncio.get_running_loop().time() - self.t0)
 
     def _observe_link(self, p: Part) -> None:
         """What this part's exchange says of the link to its reducer: its bytes out and back over

@@ -239,6 +239,7 @@ class PartCollector:
                     await self.faults.hit(FaultPoint.AFTER_CHUNKS_RECEIVED, self.received_chunks)
             if not self.frozen and not sender.failed:
                 sender.complete = True
+                logger.debug("part %d: sender %d complete after %.3f s", self.part, sender.index, loop.time() - self.t0)
                 self._changed.set()
             async for message in it:  # the acknowledgement, then the sender closes its side
                 averaging_pb2.SenderAck.FromString(message)
@@ -524,6 +525,7 @@ class PartReducer(PartCollector):
         if n == 0 and sender.client_mode:
             await self._wait_server_acks(deadline)
         yield result_header
+        logger.debug("part %d: result to sender %d starts after %.3f s", self.part, header.sender, loop.time() - self.t0)
         for i in range(n):
             if i == n - 1 and sender.client_mode:
                 await self._wait_server_acks(deadline)
@@ -532,6 +534,7 @@ class PartReducer(PartCollector):
             yield self._payload(i)
             self.sent_chunks += 1
             await self.faults.hit(FaultPoint.DURING_ALL_GATHER, self.sent_chunks)
+        logger.debug("part %d: result to sender %d queued after %.3f s", self.part, header.sender, loop.time() - self.t0)
         # keep the call open until the sender holds every part and closes its side
         await asyncio.wait({reader}, timeout=max(0.0, deadline + self.config.linger - loop.time()))
 
