@@ -332,6 +332,10 @@ class Relay:
                 self._refuse("not accepted")
                 writer.write(b"HTTP/1.1 504 Gateway Timeout\r\n\r\n")
                 return
+            if int(port_text) == PUNCH_PORT:
+                # where the caller's connection comes from: the only address the callee will punch to
+                peername = writer.get_extra_info("peername")
+                back_writer.write(f"CALLER {ip} {peername[1] if peername else 0}\n".encode())
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await splice(reader, writer, back_reader, back_writer, self.bucket, self._count)
         finally:
