@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -266,4 +267,23 @@ class NatTraversal:
             await self.relay.stop()
 
 
-__all__ = ["PRIVATE", "PUBLIC", "UNKNOWN", "NatConfig", "NatTraversal"]
+async def client_direct_paths(pool: ChannelPool, peers: Sequence[Multiaddr], timeout: float = 3.0) -> DirectPaths | None:
+    """Hole punching for a client-mode peer (Colab: it runs no `NatTraversal`, holds no relay): its
+    public IPv4 address is what the first of up to three `peers` to answer an empty `DialBack` saw
+    it come from (nothing is dialed back); None (no punching, relayed peers are reached through
+    their relays as before) when nobody answered or the address is loopback."""
+    answers = await asyncio.gather(*(asyncio.wait_for(call_dial_back(pool, p, (), timeout), timeout)
+                                     for p in list(peers)[:3]), return_exceptions=True)
+    seen = next((a.observed for a in answers if not isinstance(a, BaseException) and a.observed), "")
+    try:
+        ip = ipaddress.IPv4Address(seen)
+    except ValueError:
+        return None
+    if ip.is_loopback:
+        return None
+    paths = DirectPaths(lambda: str(ip))
+    await paths.start()
+    return paths
+
+
+__all__ = ["PRIVATE", "PUBLIC", "UNKNOWN", "NatConfig", "NatTraversal", "client_direct_paths"]
