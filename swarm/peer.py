@@ -135,7 +135,7 @@ class Peer:
             self.nat = self.services.add(NatTraversal(self.pool, self.server, self.listen, self.addrs,
                                                       self._known_peers, self._nat_config))
             await self.nat.start()
-        else:  # a client punches too, to reach relayed peers directly (docs/relay.md, "Hole punching")
+        elif self._nat_config.holepunch:  # a client punches too (docs/relay.md, "Hole punching")
             self.pool.direct_paths = await client_direct_paths(self.pool, self.initial_peers)
         await self._start_dht()
         logger.info("peer %s ready at %s", self.peer_id, ", ".join(self.addrs) or "(client mode)")
