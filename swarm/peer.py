@@ -24,7 +24,7 @@ from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
 from swarm.metrics.registry import Registry
 from swarm.net.channels import ChannelConfig, ChannelPool
-from swarm.net.nat import NatConfig, NatTraversal
+from swarm.net.nat import NatConfig, NatTraversal, client_direct_paths
 from swarm.net.peer_service import PeerService
 from swarm.net.server import RPCServer, ServerConfig, reachable_addrs
 from swarm.proto import peer_pb2
@@ -135,6 +135,8 @@ class Peer:
             self.nat = self.services.add(NatTraversal(self.pool, self.server, self.listen, self.addrs,
                                                       self._known_peers, self._nat_config))
             await self.nat.start()
+        elif self._nat_config.holepunch:  # a client punches too (docs/relay.md, "Hole punching")
+            self.pool.direct_paths = await client_direct_paths(self.pool, self.initial_peers)
         await self._start_dht()
         logger.info("peer %s ready at %s", self.peer_id, ", ".join(self.addrs) or "(client mode)")
 
@@ -187,6 +189,8 @@ class Peer:
         self._components.clear()
         if self.nat is not None:
             await self.nat.close()
+        elif self.pool.direct_paths is not None:
+            await self.pool.direct_paths.close()  # a client's (client_direct_paths)
         if self.server is not None:
             await self.server.stop()
         await self.pool.close()

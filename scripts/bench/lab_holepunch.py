@@ -12,7 +12,10 @@ for a few seconds. A case succeeds when both ends hold one connection and exchan
 
 With --swarm, each case runs a relay on a public host, a swarm peer behind side B's NAT and one on
 side A that calls it (a unary call and a state download over the bulk side channel), and says
-whether the connections were punched or went through the relay (docs/relay.md, "Hole punching").
+whether the connections were punched or went through the relay (docs/relay.md, "Hole punching"),
+how long the caller's start took (its DHT join already dials the callee), what a fresh connection
+costs (a new punch, or a failed one and the circuit: what a first call waits for before TLS) and
+the median round trip of 100 calls on the path taken (5 ms each way on every link).
 
 Needs root (the lab). Prints a markdown table.
 """
@@ -22,10 +25,12 @@ from __future__ import annotations
 import json
 import select
 import socket
+import statistics
 import sys
 import time
 
 PORT = 40001
+RTT_CALLS = 100  # Info calls whose median round trip is reported, after the first
 OBSERVER_PORT = 9000
 
 
@@ -89,12 +94,15 @@ def swarm_serve(host: str, initial: str) -> None:
 
 def swarm_call(host: str, initial: str, target: str) -> None:
     from swarm.averaging import load_state_from_peers
+    from swarm.core.multiaddr import Multiaddr
+    from swarm.net import holepunch, relay
     from swarm.peer import Peer
 
+    started = time.monotonic()
     me = Peer(initial_peers=[initial], listen=f"/ip4/{host}/tcp/0")
     paths = me.nat.direct_paths if me.nat is not None else None
+    line: dict[str, object] = {"ok": False, "start_s": round(time.monotonic() - started, 2)}
     started = time.monotonic()
-    line: dict[str, object] = {"ok": False}
     try:
         async def info() -> str:
             return (await me.pool.get(target).info()).peer_id
@@ -102,6 +110,26 @@ def swarm_call(host: str, initial: str, target: str) -> None:
         line["ok"] = bool(me.run(info(), timeout=20))
         line["first_call_s"] = round(time.monotonic() - started, 2)
         line["ok"] = line["ok"] and bool(load_state_from_peers(me, "lab", [target], timeout=30).tensors)
+
+        async def round_trips() -> list[float]:  # on the path the channel took (punched or relayed)
+            times = []
+            for _ in range(RTT_CALLS):
+                sent = time.perf_counter()
+                await me.pool.get(target).info()
+                times.append(time.perf_counter() - sent)
+            return times
+
+        line["rtt_ms"] = round(statistics.median(me.run(round_trips(), timeout=60)) * 1e3, 1)
+
+        async def fresh_connection() -> tuple[float, bool]:  # what a first call's connection costs (no TLS)
+            fresh = holepunch.DirectPaths(me.nat.public_ip if me.nat is not None else lambda: None)
+            sent = time.perf_counter()
+            sock = await fresh.dial(Multiaddr.parse(target), relay.GRPC_PORT, 10.0)
+            sock.close()
+            return time.perf_counter() - sent, bool(fresh.direct)
+
+        took, punched = me.run(fresh_connection(), timeout=30)
+        line["connect_s"], line["connect_punched"] = round(took, 2), punched
     except Exception as e:  # noqa: BLE001 - reported
         line["error"] = f"{type(e).__name__}: {e}"
     if paths is not None:
@@ -116,8 +144,9 @@ def swarm_main() -> None:
     from swarm.testing import HostSpec, Lab, LinkProfile
 
     link = LinkProfile(delay_ms=5)
-    print("| caller (A) | callee (B) | call and state download | connections punched / relayed | first call |")
-    print("|---|---|---|---|---|")
+    print("| caller (A) | callee (B) | call and state download | connections punched / relayed | peer start "
+          "| a fresh connection: set-up, path | Info RTT (median) |")
+    print("|---|---|---|---|---|---|---|")
     for kind_a, kind_b in [("public", "masquerade"), ("masquerade", "masquerade"), ("random", "masquerade"),
                            ("masquerade", "random"), ("random", "random")]:
         specs = [HostSpec("relay", link)]
@@ -136,7 +165,9 @@ def swarm_main() -> None:
             server.stdin.write(b"stop\n")  # type: ignore[union-attr]
             server.stdin.flush()  # type: ignore[union-attr]
         print(f"| {kind_a} | {kind_b} | {'yes' if result.get('ok') else 'no: ' + str(result.get('error'))} | "
-              f"{result.get('direct')} / {result.get('relayed')} | {result.get('first_call_s')} s |", flush=True)
+              f"{result.get('direct')} / {result.get('relayed')} | {result.get('start_s')} s | "
+              f"{result.get('connect_s')} s, {'punched' if result.get('connect_punched') else 'relayed'} | "
+              f"{result.get('rtt_ms')} ms |", flush=True)
 
 
 CASES = [("public", "masquerade"), ("masquerade", "masquerade"), ("public", "random"),

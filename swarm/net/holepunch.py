@@ -6,9 +6,15 @@ A caller that would reach a relayed peer through its relay first asks for a circ
 each its own: the `OBSERVED` line of a reservation, or a public peer's own address) with a port
 each side has just bound:
 
+    relay:  CALLER <caller ip> <port>          (to the callee only: where the circuit came from)
     caller: PUNCH <port> <caller ip> <caller port>     (port: GRPC_PORT or the callee's bulk port)
     callee: ADDR <callee ip> <callee port>   or   NO <reason>
     caller: SYNC                              (sent once the caller measured the round trip)
+
+The callee sends SYNs only to the address its relay saw the caller come from (`CALLER`): a
+caller that names another address is refused, so a punch cannot be aimed at a third party. And
+it answers at most `PunchLimits` punches per caller address, per source network and in all per
+minute (each costs some 80 SYNs), refusing the others with `NO too many punches ...`.
 
 The callee dials the caller as soon as it reads `SYNC`; the caller dials half a round trip after
 sending it, so both SYNs cross the NATs at about the same time (a TCP simultaneous open), each
@@ -32,15 +38,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from swarm.core.errors import PeerUnreachable
+from swarm.core.errors import ConfigError, PeerUnreachable
 from swarm.core.multiaddr import Multiaddr
 from swarm.net import relay
+from swarm.net.server import network_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +67,92 @@ class PunchConfig:
     punch_timeout: float = 4.0
     attempt_timeout: float = 0.5
     retry_after: float = 600.0
+
+
+@dataclass(frozen=True)
+class PunchLimits:
+    """How many hole punches a callee answers (each sends up to ~80 SYNs to the caller's address).
+
+    Attributes:
+        per_caller: punches per `window` for one caller IP address (as its relay saw it).
+        per_network: for one source network (/`network_bits_v4`, /`network_bits_v6`).
+        total: for all callers together.
+        concurrent: punches in progress at once.
+        window: seconds in which each of those counts refills (a token bucket).
+    """
+
+    per_caller: int = 8
+    per_network: int = 16
+    total: int = 64
+    concurrent: int = 8
+    window: float = 60.0
+    network_bits_v4: int = 24
+    network_bits_v6: int = 48
+
+    def __post_init__(self) -> None:
+        if min(self.per_caller, self.per_network, self.total, self.concurrent) < 1 or self.window <= 0:
+            raise ConfigError("hole punch limits must be at least 1 (and the window positive)")
+
+
+class PunchGuard:
+    """The callee's account of the punches it answers (`PunchLimits`); `refused` counts why not.
+
+    Args:
+        limits: the limits.
+        clock: monotonic seconds (a test's clock can stand in).
+    """
+
+    def __init__(self, limits: PunchLimits | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits or PunchLimits()
+        self.clock = clock
+        self.active = 0
+        self.admitted = 0
+        self.refused: Counter[str] = Counter()
+        self._buckets: dict[tuple[str, str], tuple[float, float, int]] = {}  # (kind, key) -> tokens, stamp, capacity
+
+    def _tokens(self, kind: str, key: str, capacity: int, now: float) -> float:
+        tokens, stamp, _ = self._buckets.get((kind, key), (float(capacity), now, capacity))
+        return min(float(capacity), tokens + (now - stamp) * capacity / self.limits.window)
+
+    def admit(self, ip: str) -> str:
+        """Counts a punch to `ip` and returns "" if it may go ahead, else why not (for its `NO`)."""
+        cfg, now = self.limits, self.clock()
+        network = network_of(ip, (), cfg.network_bits_v4, cfg.network_bits_v6) or ip
+        checks = (("caller", ip, cfg.per_caller, "from your address"),
+                  ("network", network, cfg.per_network, "from your network"),
+                  ("total", "", cfg.total, "from all callers"))
+        reason = ""
+        if self.active >= cfg.concurrent:
+            reason = "too many punches at once"
+        for kind, key, capacity, whose in checks:
+            if not reason and self._tokens(kind, key, capacity, now) < 1.0:
+                reason = f"too many punches {whose} ({capacity} per {cfg.window:g} s)"
+        if reason:
+            self.refused[reason.split(" (")[0]] += 1
+            return reason
+        if len(self._buckets) > 4 * cfg.total:  # forget the full ones: the table stays small
+            self._buckets = {k: b for k, b in self._buckets.items() if self._tokens(*k, b[2], now) < b[2]}
+        for kind, key, capacity, _ in checks:
+            self._buckets[(kind, key)] = (self._tokens(kind, key, capacity, now) - 1.0, now, capacity)
+        self.active += 1
+        self.admitted += 1
+        return ""
+
+    def release(self) -> None:
+        """A punch `admit` let through is over."""
+        self.active -= 1
+
+
+def _same_ip(a: str, b: str) -> bool:
+    try:
+        x, y = ipaddress.ip_address(a.split("%", 1)[0]), ipaddress.ip_address(b.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(x, ipaddress.IPv6Address) and x.ipv4_mapped is not None:
+        x = x.ipv4_mapped
+    if isinstance(y, ipaddress.IPv6Address) and y.ipv4_mapped is not None:
+        y = y.ipv4_mapped
+    return x == y
 
 
 def _bound(port: int, family: int = socket.AF_INET) -> socket.socket:
@@ -98,15 +193,21 @@ async def _line(reader: asyncio.StreamReader, deadline: float) -> list[str]:
 
 
 async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, observed_ip: str,
-                 local_port: Callable[[int], int | None], local_host: str,
+                 local_port: Callable[[int], int | None], local_host: str, *, guard: PunchGuard,
                  config: PunchConfig | None = None) -> None:
-    """The callee's side, on a circuit its relay spliced to `PUNCH_PORT`: agrees on addresses,
+    """The callee's side, on a circuit its relay spliced to `PUNCH_PORT`: checks the caller's
+    address against the relay's `CALLER` line and the punch against `guard`, agrees on addresses,
     dials on SYNC, and splices the punched connection to its own server's port."""
     cfg = config or PunchConfig()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + cfg.punch_timeout
     holder: socket.socket | None = None
+    admitted = False
     try:
+        seen = await _line(reader, deadline)
+        if len(seen) != 3 or seen[0] != "CALLER":
+            writer.write(b"NO the relay did not say where the caller is\n")  # an older relay: no punch
+            return
         request = await _line(reader, deadline)
         if len(request) != 4 or request[0] != "PUNCH" or not request[1].isdigit() or not request[3].isdigit():
             writer.write(b"NO bad request\n")
@@ -115,6 +216,15 @@ async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, obs
         if target is None:
             writer.write(b"NO not a port this peer serves\n")  # never a way into its LAN
             return
+        if not _same_ip(request[2], seen[1]):  # never SYNs to a third party
+            guard.refused["not the caller's address"] += 1
+            writer.write(f"NO {request[2][:64]} is not the address your relay saw ({seen[1]})\n".encode())
+            return
+        reason = guard.admit(seen[1])
+        if reason:
+            writer.write(f"NO {reason}\n".encode())
+            return
+        admitted = True
         remote = (request[2], int(request[3]))
         holder = _bound(0)  # keeps the port ours until the punch is over
         port = holder.getsockname()[1]
@@ -127,6 +237,8 @@ async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, obs
         logger.debug("hole punch (callee side) failed: %s", e)
         return
     finally:
+        if admitted:
+            guard.release()
         if holder is not None:
             holder.close()
         writer.close()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import ipaddress
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from swarm.core.errors import ConfigError, MultiaddrError, RPCError
 from swarm.core.multiaddr import Multiaddr
 from swarm.net.channels import ChannelPool
-from swarm.net.holepunch import DirectPaths, answer
+from swarm.net.holepunch import DirectPaths, PunchGuard, PunchLimits, answer
 from swarm.net.reachability import (
     PRIVATE,
     PUBLIC,
@@ -49,6 +51,7 @@ class NatConfig:
             and starts over when it changes.
         recheck_max: the longest pause between two checks.
         holepunch: dial relayed peers directly when a hole punch works (`holepunch.py`).
+        punch_limits: how many punches this peer answers, per caller, per network and in all.
     """
 
     reachability: str = "auto"
@@ -61,6 +64,7 @@ class NatConfig:
     recheck_interval: float | None = 60.0
     recheck_max: float = 1800.0
     holepunch: bool = True
+    punch_limits: PunchLimits = field(default_factory=PunchLimits)
 
     def __post_init__(self) -> None:
         if self.reachability not in _MODES:
@@ -102,6 +106,8 @@ class NatTraversal:
         self._watcher: asyncio.Task[None] | None = None
         self.direct_paths: DirectPaths | None = None
         self._rechecking = asyncio.Lock()
+        self.punch_guard = PunchGuard(self.config.punch_limits)
+        """The punches this peer answered and refused (as a callee behind NAT)."""
         DialBackService(server, lambda: self.relay_addr, tls=pool.config.tls)
 
     @property
@@ -209,7 +215,7 @@ class NatTraversal:
         self.reservations = Reservations(self.server.identity, self._find_relays, ports, local, self._relayed,
                                          self.config.reservations)
         if self.config.holepunch:
-            self.reservations.punch_answer = answer
+            self.reservations.punch_answer = functools.partial(answer, guard=self.punch_guard)
         self.reservations.start()
         if not await self.reservations.wait_ready(self.config.first_reservation_timeout):
             logger.warning("behind NAT and no relay accepted a reservation yet: others cannot dial this peer "
@@ -261,4 +267,23 @@ class NatTraversal:
             await self.relay.stop()
 
 
-__all__ = ["PRIVATE", "PUBLIC", "UNKNOWN", "NatConfig", "NatTraversal"]
+async def client_direct_paths(pool: ChannelPool, peers: Sequence[Multiaddr], timeout: float = 3.0) -> DirectPaths | None:
+    """Hole punching for a client-mode peer (Colab: it runs no `NatTraversal`, holds no relay): its
+    public IPv4 address is what the first of up to three `peers` to answer an empty `DialBack` saw
+    it come from (nothing is dialed back); None (no punching, relayed peers are reached through
+    their relays as before) when nobody answered or the address is loopback."""
+    answers = await asyncio.gather(*(asyncio.wait_for(call_dial_back(pool, p, (), timeout), timeout)
+                                     for p in list(peers)[:3]), return_exceptions=True)
+    seen = next((a.observed for a in answers if not isinstance(a, BaseException) and a.observed), "")
+    try:
+        ip = ipaddress.IPv4Address(seen)
+    except ValueError:
+        return None
+    if ip.is_loopback:
+        return None
+    paths = DirectPaths(lambda: str(ip))
+    await paths.start()
+    return paths
+
+
+__all__ = ["PRIVATE", "PUBLIC", "UNKNOWN", "NatConfig", "NatTraversal", "client_direct_paths"]

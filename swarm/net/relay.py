@@ -332,6 +332,10 @@ class Relay:
                 self._refuse("not accepted")
                 writer.write(b"HTTP/1.1 504 Gateway Timeout\r\n\r\n")
                 return
+            if int(port_text) == PUNCH_PORT:
+                # where the caller's connection comes from: the only address the callee will punch to
+                peername = writer.get_extra_info("peername")
+                back_writer.write(f"CALLER {ip} {peername[1] if peername else 0}\n".encode())
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await splice(reader, writer, back_reader, back_writer, self.bucket, self._count)
         finally:
@@ -537,6 +541,9 @@ class Reservations:
         self.held: dict[str, Reservation] = {}  # relay PeerID -> reservation
         self._failed: dict[str, float] = {}  # relay PeerID -> monotonic time of its failure
         self._wake = asyncio.Event()
+        self._progress = asyncio.Event()  # a reservation changed, or a search found no relay to try
+        self.searched_in_vain = False
+        """The last search for relays found none to try (none known, or all failed recently)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._keeper: asyncio.Task[None] | None = None
         self._published: list[str] = []
@@ -556,13 +563,14 @@ class Reservations:
         self._keeper.set_name("relay-reservations")
 
     async def wait_ready(self, timeout: float) -> bool:
-        """Waits until one reservation holds (or `timeout`); True if one does."""
+        """Waits until one reservation holds, a search for relays found none to try (nothing to
+        wait for: the keeper goes on looking), or `timeout`; True if one holds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not self.addresses and loop.time() < deadline:
-            self._wake.clear()
+        while not self.addresses and not self.searched_in_vain and loop.time() < deadline:
+            self._progress.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), deadline - loop.time())
+                await asyncio.wait_for(self._progress.wait(), deadline - loop.time())
         return bool(self.addresses)
 
     def spawn(self, coro: Awaitable[None]) -> None:
@@ -578,6 +586,7 @@ class Reservations:
             self._published = addresses
             self.on_change(addresses)
         self._wake.set()
+        self._progress.set()
 
     def lost(self, reservation: Reservation) -> None:
         relay_id = reservation.relay.peer_id or ""
@@ -604,6 +613,9 @@ class Reservations:
                             or now - self._failed.get(relay_id, -1e9) < self.config.retry_after):
                         continue
                     self.held[relay_id] = Reservation(self, relay)
+                self.searched_in_vain = not self.held
+                if self.searched_in_vain:
+                    self._progress.set()
             self._wake.clear()
             with contextlib.suppress(TimeoutError):  # a lost reservation wakes it at once
                 await asyncio.wait_for(self._wake.wait(), 10.0)

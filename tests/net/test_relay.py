@@ -169,6 +169,16 @@ def test_relay_off_and_client_mode(make_peer):
     assert client.run(info()).peer_id == b.peer_id
 
 
+@pytest.mark.timeout(60)
+def test_a_private_peer_with_no_relay_to_find_starts_without_waiting_for_one(make_peer):
+    a = make_peer(relay="off")  # the only peer it knows does not relay
+    nat = NatConfig(reachability="private", first_reservation_timeout=600.0)  # the old start waited this long
+    b = make_peer(initial_peers=a.addrs, nat=nat)
+    assert b.nat.reservations.searched_in_vain and not b.nat.reservations.addresses
+    assert Multiaddr.parse(b.addrs[0]).relay_id is None  # still its direct address: nothing better yet
+    assert "no relay reachable yet" in b.nat.plan()
+
+
 async def _reserve(relay_addr: Multiaddr, identity: Identity, source: str) -> tuple[bytes, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection(relay_addr.host, relay_addr.port, local_addr=(source, 0))
     writer.write(b"RESERVE\n")

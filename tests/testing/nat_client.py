@@ -16,13 +16,15 @@ import torch
 from swarm.moe.client.expert import RemoteExpert
 from swarm.moe.client.mixture import RemoteMixtureOfExperts
 from swarm.moe.dht_declare import get_experts
+from swarm.net.nat import NatConfig
 from swarm.peer import Peer
 
 
 def main() -> None:
     initial, uid, duration, hidden = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(1)
-    peer = Peer(initial_peers=[initial], client_mode=True)  # a Colab-like client: dials out only
+    # a Colab-like client: dials out only; no hole punch, as the test is about relays failing over
+    peer = Peer(initial_peers=[initial], client_mode=True, nat=NatConfig(holepunch=False))
     moe = RemoteMixtureOfExperts(peer, in_features=hidden, grid_size=(2, 2), uid_prefix="ffn.", k_best=4,
                                  k_min=1, forward_timeout=3.0, exclude_failed_for=2.0)
     x = torch.randn(4, hidden)

@@ -3,7 +3,7 @@ a caller behind another NAT that reaches it (unary calls and a state download ov
 channel) and says how: punched directly or through the relay.
 
     python nat_punch.py serve HOST INITIAL_PEER          # prints {"addr", "reachability"}; stdin: stop
-    python nat_punch.py call HOST INITIAL_PEER TARGET    # prints {"ok", "state", "direct", ...};
+    python nat_punch.py call HOST INITIAL_PEER TARGET [client]   # prints {"ok", "state", "direct", ...};
                                                          # stdin "again": one more call on the same channel
 """
 
@@ -28,15 +28,15 @@ def serve(host: str, initial: str) -> None:
     me.shutdown()
 
 
-def call(host: str, initial: str, target: str) -> None:
-    me = Peer(initial_peers=[initial], listen=f"/ip4/{host}/tcp/0")
-    assert me.nat is not None and me.nat.direct_paths is not None
-    paths = me.nat.direct_paths
+def call(host: str, initial: str, target: str, client_mode: bool = False) -> None:
+    me = Peer(initial_peers=[initial], listen=f"/ip4/{host}/tcp/0", client_mode=client_mode)
+    paths = me.pool.direct_paths
+    assert paths is not None
 
     async def info() -> str:
         return (await me.pool.get(target).info()).peer_id
 
-    line: dict[str, object] = {"ok": False, "state": False, "reachability": me.nat.status, "my_ip": paths.my_ip()}
+    line: dict[str, object] = {"ok": False, "state": False, "reachability": me.nat.status if me.nat else "client", "my_ip": paths.my_ip()}
     try:
         line["ok"] = bool(me.run(info(), timeout=20))
         got = load_state_from_peers(me, "lab", [target], timeout=30)
@@ -57,4 +57,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "serve":
         serve(sys.argv[2], sys.argv[3])
     else:
-        call(sys.argv[2], sys.argv[3], sys.argv[4])
+        call(sys.argv[2], sys.argv[3], sys.argv[4], client_mode=sys.argv[5:6] == ["client"])

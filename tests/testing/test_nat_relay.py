@@ -130,13 +130,14 @@ def test_two_peers_behind_nat_and_two_public_ones_average_exactly_and_hand_over_
 PUNCH = str(Path(__file__).with_name("nat_punch.py"))
 
 
-def _punch_case(lab: Lab) -> tuple[dict, subprocess.Popen[bytes], Lines, subprocess.Popen[bytes]]:
-    """A relay on a public host, a server on `home2`, a caller on `home1` (both behind NAT)."""
+def _punch_case(lab: Lab, *caller_mode: str) -> tuple[dict, subprocess.Popen[bytes], Lines, subprocess.Popen[bytes]]:
+    """A relay on a public host, a server on `home2`, a caller on `home1` (both behind NAT;
+    `caller_mode` "client": the caller runs in client mode)."""
     relay, relay_addrs = peer_process(lab, "relay")
     server = lab.spawn("home2", [PY, PUNCH, "serve", lab.address("home2"), relay_addrs[0]], stdin=subprocess.PIPE)
     ready = json.loads(Lines(server).next(90))
     assert ready["reachability"] == "private" and Multiaddr.parse(ready["addr"]).relay_id, ready
-    caller = lab.spawn("home1", [PY, PUNCH, "call", lab.address("home1"), relay_addrs[0], ready["addr"]],
+    caller = lab.spawn("home1", [PY, PUNCH, "call", lab.address("home1"), relay_addrs[0], ready["addr"], *caller_mode],
                        stdin=subprocess.PIPE)
     lines = Lines(caller)
     result = json.loads(lines.next(120))
@@ -164,5 +165,16 @@ def test_behind_a_random_port_nat_the_punch_fails_and_traffic_stays_relayed(need
         result, caller, _, _ = _punch_case(lab)
         assert result["ok"] and result["state"], result
         assert result["direct"] == 0 and result["failed"] == 1 and result["relayed"] >= 1, result
+        caller.stdin.write(b"stop\n")  # type: ignore[union-attr]
+        caller.stdin.flush()  # type: ignore[union-attr]
+
+
+def test_a_client_mode_caller_behind_nat_punches_too(needs_lab) -> None:
+    hosts = [HostSpec("relay"), HostSpec("home1", nat=True), HostSpec("home2", nat=True)]
+    with Lab(hosts) as lab:
+        result, caller, _, _ = _punch_case(lab, "client")
+        assert result["reachability"] == "client" and result["my_ip"] == lab.public_address("home1"), result
+        assert result["ok"] and result["state"], result
+        assert result["direct"] >= 2 and result["relayed"] == 0 and result["failed"] == 0, result
         caller.stdin.write(b"stop\n")  # type: ignore[union-attr]
         caller.stdin.flush()  # type: ignore[union-attr]
