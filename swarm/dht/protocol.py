@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 DHT_REQUEST_TIMEOUTS = REGISTRY.counter(
     "swarm_dht_request_timeouts_total", "DHT requests unanswered for their timeout (each doubles its node's "
     "timeout until the node answers again)", ("method",))
+DHT_REQUEST_TIMEOUT = REGISTRY.gauge(
+    "swarm_dht_request_timeout_seconds", "The timeout of this peer's last DHT request (from its node's measured "
+    "round trips and backoff, within the floor and request_timeout)", ("method",))
 
 
 class DHTProtocol:
@@ -136,6 +139,7 @@ class DHTProtocol:
         With `resend_lost` (for requests that are safe to repeat), see `_send_or_resend`.
         """
         timeout = self.request_timeout_for(node)
+        DHT_REQUEST_TIMEOUT.labels(method=method.rsplit("/", 1)[-1]).set(timeout)
         self.calls_sent[method] += 1
         loop = asyncio.get_running_loop()
         start = loop.time()

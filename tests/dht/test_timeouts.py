@@ -18,6 +18,7 @@ from swarm.core.faults import FaultPlan, LinkFault
 from swarm.dht import DHTConfig
 from swarm.dht.buckets import NodeInfo
 from swarm.dht.wire import PING, node_id_of
+from swarm.metrics import REGISTRY
 from swarm.net.estimates import MAX_BACKOFF, LinkEstimates
 
 DELAY = 0.3
@@ -105,12 +106,16 @@ def test_a_link_that_slows_after_it_was_measured_gets_its_answer_from_the_backed
 
         plan.set_link(caller.peer_id, slowed.peer_id, LinkFault(delay=1.5))
         node = nodes[slowed.peer_id]
+        timeouts_seen = REGISTRY.value("swarm_dht_request_timeouts_total", method="Ping") or 0.0
         sent = protocol.calls_sent[PING]
         started = time.monotonic()
         caller.run(ping(node), timeout=30)  # with the 1 s timeout alone: DeadlineExceeded
         took = time.monotonic() - started
         assert 1.5 <= took < config.request_timeout, took  # the first request's answer, not the retry's
         assert protocol.timeouts[PING] == 1 and protocol.calls_sent[PING] - sent == 2
+        # what drove it is visible: the timeout counted, the last request's timeout exported
+        assert REGISTRY.value("swarm_dht_request_timeouts_total", method="Ping") >= timeouts_seen + 1
+        assert REGISTRY.value("swarm_dht_request_timeout_seconds", method="Ping") is not None
         assert caller.pool.estimates.get(slowed.peer_id).backoff == 0  # the answer was a fresh sample
         assert protocol.request_timeout_for(node) > 1.5  # its RTT now includes the slow link
 
