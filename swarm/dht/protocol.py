@@ -54,12 +54,6 @@ from swarm.proto import dht_pb2
 __all__ = ["DHTProtocol"]
 
 logger = logging.getLogger(__name__)
-DHT_REQUEST_TIMEOUTS = REGISTRY.counter(
-    "swarm_dht_request_timeouts_total", "DHT requests unanswered for their timeout (each doubles its node's "
-    "timeout until the node answers again)", ("method",))
-DHT_REQUEST_TIMEOUT = REGISTRY.gauge(
-    "swarm_dht_request_timeout_seconds", "The timeout of this peer's last DHT request (from its node's measured "
-    "round trips and backoff, within the floor and request_timeout)", ("method",))
 
 
 class DHTProtocol:
@@ -139,7 +133,6 @@ class DHTProtocol:
         With `resend_lost` (for requests that are safe to repeat), see `_send_or_resend`.
         """
         timeout = self.request_timeout_for(node)
-        DHT_REQUEST_TIMEOUT.labels(method=method.rsplit("/", 1)[-1]).set(timeout)
         self.calls_sent[method] += 1
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -199,7 +192,10 @@ class DHTProtocol:
     def _timed_out(self, node: NodeInfo, method: str, timeout: float) -> None:
         backoff = self.pool.estimates.timed_out(node.peer_id)
         self.timeouts[method] += 1
-        DHT_REQUEST_TIMEOUTS.labels(method=method.rsplit("/", 1)[-1]).inc()
+        # made on the first timeout, not at import: a DHT-only daemon loads no prometheus_client until then
+        REGISTRY.counter("swarm_dht_request_timeouts_total", "DHT requests unanswered for their timeout (each "
+                         "doubles its node's timeout until the node answers again)",
+                         ("method",)).labels(method=method.rsplit("/", 1)[-1]).inc()
         logger.debug("DHT %s to %s timed out after %.3f s: its timeout is now %.3f s (backoff x%d)",
                      method.rsplit("/", 1)[-1], node.peer_id, timeout, self.request_timeout_for(node), 1 << backoff)
 

@@ -113,9 +113,8 @@ def test_a_link_that_slows_after_it_was_measured_gets_its_answer_from_the_backed
         took = time.monotonic() - started
         assert 1.5 <= took < config.request_timeout, took  # the first request's answer, not the retry's
         assert protocol.timeouts[PING] == 1 and protocol.calls_sent[PING] - sent == 2
-        # what drove it is visible: the timeout counted, the last request's timeout exported
+        # what drove it is visible: the timeout counted (each request's timeout is in the debug log)
         assert REGISTRY.value("swarm_dht_request_timeouts_total", method="Ping") >= timeouts_seen + 1
-        assert REGISTRY.value("swarm_dht_request_timeout_seconds", method="Ping") is not None
         assert caller.pool.estimates.get(slowed.peer_id).backoff == 0  # the answer was a fresh sample
         assert protocol.request_timeout_for(node) > 1.5  # its RTT now includes the slow link
 
