@@ -18,7 +18,14 @@ first chunk, through its fault plan). Two settings run in the same invocation:
   before those probes existed.
 
 `--log-dir DIR` writes each worker's debug log of `swarm.averaging` (the kill round's timeline:
-reports, probes, the decision, fetches) to DIR/<mode>-<N>-<index>.log.
+reports, probes, the decision, fetches) to DIR/<N>-<index>-<k>.log (k: 0, or the setting the
+victim's replacement started at).
+
+The N processes start once per N, in parallel, and run the settings in the order given (the
+default: adaptive, then fixed), each with its own Averager and prefix; the victim kills itself in
+every setting's kill round and is started again before the next setting. Tensors are small by
+default (16 Ki float32, 64 KiB): the figures are about matchmaking and deadlines, not bandwidth
+(`--numel` for more).
 
 Figures per (N, setting):
 - left out: (peer, round) pairs where a live peer that was ready for the round (it called `step`
@@ -62,10 +69,12 @@ sys.path.insert(0, ROOT)
 
 
 def worker(cfg: dict[str, Any]) -> None:
+    """One peer process; runs every setting of `cfg["modes"]` in turn, each with its own Averager
+    (its own prefix), so N processes start once per N instead of once per setting."""
     import torch
 
-    from swarm.averaging import Action, Averager, AveragerConfig, FaultPlan, FaultPoint, MatchmakingConfig
-    from swarm.core.errors import AveragingError
+    from swarm.averaging import allreduce as allreduce_module
+    from swarm.averaging import averager as averager_module
     from swarm.peer import Peer
 
     torch.set_num_threads(1)
@@ -75,33 +84,50 @@ def worker(cfg: dict[str, Any]) -> None:
         logging.basicConfig(filename=cfg["log"], level=logging.WARNING,
                             format="%(created).3f %(name)s %(message)s")
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
-    if cfg["mode"] == "noprobe":
-        from swarm.averaging import allreduce as allreduce_module
-        from swarm.averaging import averager as averager_module
-
-        async def never_gone(addr: str) -> bool:
-            return False
-
-        allreduce_module.refuses_connections = never_gone  # type: ignore[assignment]
-        averager_module.refuses_connections = never_gone  # type: ignore[assignment]
-    rng = random.Random(cfg["seed"] * 7919 + cfg["index"])
+    probes = (allreduce_module.refuses_connections, averager_module.refuses_connections)
     peer = Peer(initial_peers=cfg["initial_peers"], listen=cfg["listen"])
+    print(json.dumps({"event": "ready", "addr": peer.addrs[0]}), flush=True)
+    for mode in cfg["modes"]:
+        go = json.loads(sys.stdin.readline() or "{}")
+        if go.get("mode") != mode:
+            break
+        if mode == "noprobe":
+            async def never_gone(addr: str) -> bool:
+                return False
+
+            allreduce_module.refuses_connections = never_gone  # type: ignore[assignment]
+            averager_module.refuses_connections = never_gone  # type: ignore[assignment]
+        else:
+            allreduce_module.refuses_connections, averager_module.refuses_connections = probes  # type: ignore[assignment]
+        run_rounds(peer, mode, go["at"], go["until"], cfg)
+    sys.stdin.readline()
+    peer.shutdown()
+
+
+def run_rounds(peer: Any, mode: str, at: float, until: float, cfg: dict[str, Any]) -> None:
+    """One setting's rounds (stopping at `until`, the setting's wall budget)."""
+    import torch
+
+    from swarm.averaging import Action, Averager, AveragerConfig, FaultPlan, FaultPoint, MatchmakingConfig
+    from swarm.core.errors import AveragingError
+
+    rng = random.Random(cfg["seed"] * 7919 + cfg["index"])
     plan = FaultPlan()
     if cfg.get("kill_round") is not None:
         plan.add(FaultPoint.AFTER_CHUNKS_SENT, Action.KILL, after=1, rounds={cfg["kill_round"]})
-    adaptive = cfg["mode"] != "fixed"
+    adaptive = mode != "fixed"
     config = AveragerConfig(matchmaking=MatchmakingConfig(adaptive=adaptive))
     tensor = torch.zeros(cfg["numel"])
-    avg = Averager(peer, [tensor], prefix="bench", target_group_size=cfg["n"], min_group_size=2,
+    avg = Averager(peer, [tensor], prefix=f"bench-{mode}", target_group_size=cfg["n"], min_group_size=2,
                    config=config, faults=plan)
-    print(json.dumps({"event": "ready", "addr": peer.addrs[0]}), flush=True)
-    go = json.loads(sys.stdin.readline())
     lo, hi = cfg["compute"]
     delay = rng.uniform(0, cfg["spread"])
     if adaptive:
         avg.announce(delay, group_key="r0")
-    time.sleep(max(0.0, go["at"] + delay - time.time()))
+    time.sleep(max(0.0, at + delay - time.time()))
     for r in range(cfg["rounds"]):
+        if time.time() > until:
+            break
         if r:
             compute = rng.uniform(lo, hi)
             if adaptive:
@@ -119,15 +145,13 @@ def worker(cfg: dict[str, Any]) -> None:
                 out["formed"] = time.time() - avg.matchmaking.timing.durations[-1]
         except AveragingError as e:
             out = {"ok": False, "error": str(e)[:200]}
-        out.update(event="round", round=r, ready=ready, end=time.time())
+        out.update(event="round", mode=mode, round=r, ready=ready, end=time.time())
         if avg.matchmaking.last_start:
             out["leader"] = {k: v for k, v in avg.matchmaking.last_start.items() if k != "left_waiting_for"}
             avg.matchmaking.last_start = {}
         print(json.dumps(out), flush=True)
-    print(json.dumps({"event": "done"}), flush=True)
-    sys.stdin.readline()
+    print(json.dumps({"event": "done", "mode": mode}), flush=True)
     avg.shutdown()
-    peer.shutdown()
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,7 +168,7 @@ class Proc:
                                   text=True, env=env)
         self.events: list[dict[str, Any]] = []
         self.ready = threading.Event()
-        self.done = threading.Event()
+        self.done: dict[str, threading.Event] = {m: threading.Event() for m in cfg["modes"]}
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -157,9 +181,10 @@ class Proc:
             if event["event"] == "ready":
                 self.ready.set()
             elif event["event"] == "done":
-                self.done.set()
+                self.done[event["mode"]].set()
         self.ready.set()
-        self.done.set()
+        for done in self.done.values():
+            done.set()
 
     def send(self, msg: dict[str, Any]) -> None:
         try:
@@ -171,6 +196,7 @@ class Proc:
 
     def stop(self) -> None:
         self.send({})
+        self.send({})
         try:
             self.p.wait(10)
         except subprocess.TimeoutExpired:
@@ -178,43 +204,62 @@ class Proc:
             self.p.wait()
 
 
-def run_config(n: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_n(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Starts N workers once (in parallel) and runs every setting with them in turn; the victim,
+    which SIGKILLs itself in each setting's kill round, is started again before the next one."""
     victim = n - 1
-    base = {"n": n, "mode": mode, "numel": args.numel, "rounds": args.rounds, "spread": args.spread,
+    base = {"n": n, "numel": args.numel, "rounds": args.rounds, "spread": args.spread,
             "compute": args.compute, "step_timeout": args.step_timeout, "seed": args.seed}
 
-    def listen(i: int) -> str:
-        return args.listen.format(index=i, host=i + 1)
+    def cfg(i: int, modes: list[str]) -> dict[str, Any]:
+        log = os.path.join(args.log_dir, f"{n}-{i}-{len(args.modes) - len(modes)}.log") if args.log_dir else ""
+        return {**base, "index": i, "modes": modes, "initial_peers": [first] if i else [],
+                "listen": args.listen.format(index=i, host=i + 1), "log": log,
+                "kill_round": args.kill_round if i == victim else None}
 
-    def log(i: int) -> str:
-        return os.path.join(args.log_dir, f"{mode}-{n}-{i}.log") if args.log_dir else ""
-
-    procs = [Proc({**base, "index": 0, "initial_peers": [], "listen": listen(0), "log": log(0)}, args.wrap)]
+    started = time.monotonic()
+    first = ""
+    procs = [Proc(cfg(0, args.modes), args.wrap)]
+    results: list[dict[str, Any]] = []
     try:
         procs[0].ready.wait(120)
         first = procs[0].events[0]["addr"]
-        procs += [Proc({**base, "index": i, "initial_peers": [first], "listen": listen(i), "log": log(i),
-                        "kill_round": args.kill_round if i == victim else None}, args.wrap) for i in range(1, n)]
+        procs += [Proc(cfg(i, args.modes), args.wrap) for i in range(1, n)]
         for p in procs:
             if not p.ready.wait(180):
                 raise RuntimeError("a worker did not start")
-        at = time.time() + 1.0
-        for p in procs:
-            p.send({"at": at})
-        budget = time.monotonic() + args.budget
-        for p in procs:
-            p.done.wait(max(0.0, budget - time.monotonic()))
+        startup = time.monotonic() - started
+        for k, mode in enumerate(args.modes):
+            if k:  # the victim killed itself in the last setting's kill round: a fresh one
+                procs[victim].stop()
+                procs[victim] = Proc(cfg(victim, args.modes[k:]), args.wrap)
+                if not procs[victim].ready.wait(180):
+                    raise RuntimeError("the victim's replacement did not start")
+            began = time.monotonic()
+            at = time.time() + 1.0
+            for p in procs:
+                p.send({"mode": mode, "at": at, "until": at + args.budget})
+            budget = began + args.budget + args.step_timeout + 5.0
+            for p in procs:
+                p.done[mode].wait(max(0.0, budget - time.monotonic()))
+            figures = summarize(n, mode, [[e for e in p.events if e.get("mode") == mode] for p in procs],
+                                victim, args)
+            figures["wall_s"] = round(time.monotonic() - began, 1)
+            figures["startup_s"] = round(startup, 1)
+            print(json.dumps(figures), flush=True)
+            results.append(figures)
     finally:
         for p in procs:
             p.stop()
-    return summarize(n, mode, procs, victim, args)
+    return results
 
 
-def summarize(n: int, mode: str, procs: list[Proc], victim: int, args: argparse.Namespace) -> dict[str, Any]:
+def summarize(n: int, mode: str, events_of: list[list[dict[str, Any]]], victim: int,
+              args: argparse.Namespace) -> dict[str, Any]:
     by_round: dict[int, dict[int, dict[str, Any]]] = {}
     leaders: list[dict[str, Any]] = []
-    for i, p in enumerate(procs):
-        for e in p.events:
+    for i, events in enumerate(events_of):
+        for e in events:
             if e["event"] == "round":
                 by_round.setdefault(e["round"], {})[i] = e
                 if "leader" in e:
@@ -267,7 +312,7 @@ def main() -> None:
     parser.add_argument("--kill-round", type=int, default=25)
     parser.add_argument("--spread", type=float, default=2.0, help="start times spread up to this many seconds")
     parser.add_argument("--compute", type=float, nargs=2, default=[0.2, 0.5], help="seconds of work per round")
-    parser.add_argument("--numel", type=int, default=1 << 20, help="float32 elements averaged")
+    parser.add_argument("--numel", type=int, default=1 << 14, help="float32 elements averaged")
     parser.add_argument("--step-timeout", type=float, default=30.0)
     parser.add_argument("--budget", type=float, default=300.0, help="wall seconds per (N, setting) at most")
     parser.add_argument("--seed", type=int, default=1)
@@ -281,11 +326,7 @@ def main() -> None:
         worker(json.loads(args.worker))
         return
     for n in args.peers:
-        for mode in args.modes:
-            started = time.monotonic()
-            figures = run_config(n, mode, args)
-            figures["wall_s"] = round(time.monotonic() - started, 1)
-            print(json.dumps(figures), flush=True)
+        run_n(n, args)
 
 
 if __name__ == "__main__":

@@ -580,11 +580,12 @@ class Matchmaking:
     def _report_start(self, group: GroupInfo, why: str, waited: float, bound: float,
                       outstanding: dict[str, float], cap: float) -> None:
         expected = self.timing.expected()
+        rtt = self._link.rtt()
         self.last_start = {
             "why": why, "size": len(group.members), "waited": waited, "wait_bound": bound,
             "lags_seen": len(self.spread.lags), "left_waiting_for": sorted(outstanding),
             "round_timeout": group.timeout, "timeout_cap": cap, "expected_round": expected,
-            "backoff": self.timing.backoff, "rtt": self._link.rtt(),
+            "backoff": self.timing.backoff, "rtt": rtt,
         }
         MATCHMAKING_WAIT_BOUND.labels(self.prefix).set(bound)
         MATCHMAKING_WAITED.labels(self.prefix).set(waited)
@@ -592,10 +593,10 @@ class Matchmaking:
         MATCHMAKING_STARTS.labels(self.prefix, why).inc()
         logger.debug(
             "leading round %s of %s: started with %d member(s) after %.3f s (%s); wait bound %.3f s from %d lag(s); "
-            "round timeout %.2f s (expected round %s s x %.0f x backoff %.0f, cap %.2f s)",
+            "round timeout %.2f s (expected round %s s x %.0f x backoff %.0f, cap %.2f s); RTT %s s",
             group.round_id.hex()[:8], self.prefix, len(group.members), waited, why, bound, len(self.spread.lags),
             group.timeout, f"{expected:.3f}" if expected is not None else "unknown", self.timing.multiple,
-            self.timing.backoff, cap)
+            self.timing.backoff, cap, f"{rtt:.4f}" if rtt is not None else "unknown")
 
     async def _should_step_down(self, me: MemberInfo) -> bool:
         """Whether someone else should lead now: a DHT leader that expires earlier appeared, or a

@@ -38,11 +38,12 @@ class DHTConfig:
             caller sees them), within [`min_request_timeout`, `request_timeout`]; a node never
             measured gets `request_timeout`. A dead node on a fast link so costs a small
             multiple of its round trip, and a slow one is not given up on early.
-        min_request_timeout: Floor of a measured node's request timeout, seconds; `request_timeout`
-            wins where it is smaller. The default (3 s, the default `request_timeout`) keeps the
-            fixed timeout: a link that became much slower after it was measured (a 1 ms link
-            turned 1.5 s, `tests/dht/test_replication.py`) would be timed out at the floor until
-            a backoff on timeouts (RFC 6298 §5.5) exists; set it lower (e.g. 0.5) to adapt.
+        min_request_timeout: Floor of a measured node's request timeout, seconds (RFC 6298's
+            1 s floor of the RTO); `request_timeout` wins where it is smaller. A request that
+            times out doubles its node's timeout until the node answers again, and is sent once
+            more with the doubled one while the first may still answer (`DHTProtocol`), so a
+            link that became much slower after it was measured (1 ms, then 1.5 s:
+            `tests/dht/test_replication.py`) still gets its answer, within `request_timeout`.
         request_timeout_multiple: See `request_timeout`.
         lookup_timeout: Deadline of a whole store or get, in seconds.
         refresh_interval: Buckets not touched for this long are refreshed by a lookup of a random
@@ -105,7 +106,7 @@ class DHTConfig:
     num_replicas: int = 5
     depth_modulo: int = 5
     request_timeout: float = 3.0
-    min_request_timeout: float = 3.0
+    min_request_timeout: float = 1.0
     request_timeout_multiple: float = 4.0
     lookup_timeout: float = 10.0
     refresh_interval: float = 600.0

@@ -22,7 +22,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from swarm.core.errors import IdentityError, MultiaddrError, PeerUnreachable, RPCError
+from swarm.core.errors import DeadlineExceeded, IdentityError, MultiaddrError, PeerUnreachable, RPCError
 from swarm.core.multiaddr import Multiaddr
 from swarm.dht.blacklist import Blacklist
 from swarm.dht.buckets import NodeInfo
@@ -46,6 +46,7 @@ from swarm.dht.wire import (
     bare,
     node_id_of,
 )
+from swarm.metrics import REGISTRY
 from swarm.net.channels import ChannelPool, PeerChannel
 from swarm.net.server import RPCServer
 from swarm.proto import dht_pb2
@@ -95,6 +96,8 @@ class DHTProtocol:
         self._peers: dict[tuple[str, str], NodeInfo | None] = {}
         self.calls_sent: Counter[str] = Counter()
         """Requests this node sent, by method path (for monitoring and tests)."""
+        self.timeouts: Counter[str] = Counter()
+        """Requests that went unanswered for their timeout, by method path (each backed off its node)."""
         self.round_trip = 0.005
         pool.estimates.exclude(PING, STORE, FIND)  # `_send` measures these, link delays included
         """Moving average of answered calls' round-trip times, in seconds (to time hedged requests)."""
@@ -134,11 +137,14 @@ class DHTProtocol:
         loop = asyncio.get_running_loop()
         start = loop.time()
         try:
-            if resend_lost and not self.contacts.timeouts_in_a_row(node):
-                response = await self._send_or_resend(node, method, request, response_type, timeout)
+            if not self.contacts.timeouts_in_a_row(node):
+                response = await self._send_or_resend(node, method, request, response_type, timeout,
+                                                      early_resend=resend_lost)
             else:
                 response = await self._send(node, method, request, response_type, timeout)
         except RPCError as e:
+            if isinstance(e, DeadlineExceeded):
+                self._timed_out(node, method, timeout)
             self.contacts.failed(node, e, method)
             if isinstance(e, PeerUnreachable) and node.node_id not in self.routing_table:
                 await self.pool.forget(node.peer_id)  # no channel kept open to a node that is not there
@@ -156,14 +162,17 @@ class DHTProtocol:
         return response
 
     def request_timeout_for(self, node: NodeInfo) -> float:
-        """The deadline of one request to `node` (see `DHTConfig.request_timeout`)."""
+        """The deadline of one request to `node` (see `DHTConfig.request_timeout`): a multiple of
+        its link's RFC 6298 timeout, at least `min_request_timeout`, doubled for each of its
+        requests that timed out since its last answer, at most `request_timeout`."""
         cfg = self.config
         link = self.pool.estimates.get(node.peer_id)
-        rto = link.rto() if link is not None else None
+        rto = link.rto(backed_off=False) if link is not None else None
         if rto is None:
             return cfg.request_timeout
         floor = min(cfg.min_request_timeout, cfg.request_timeout)
-        return max(floor, min(cfg.request_timeout, cfg.request_timeout_multiple * rto))
+        measured = max(floor, cfg.request_timeout_multiple * rto) * link.backoff_factor()
+        return min(cfg.request_timeout, measured)
 
     async def _send(self, node: NodeInfo, method: str, request: Message, response_type: type[Message],
                     timeout: float) -> Any:
@@ -180,32 +189,58 @@ class DHTProtocol:
         self.pool.estimates.observe_rtt(node.peer_id, loop.time() - started)
         return response
 
-    async def _send_or_resend(self, node: NodeInfo, method: str, request: Message, response_type: type[Message],
-                              timeout: float) -> Any:
-        """Sends a request to a node that has been answering, and, if no answer came within a few
-        round trips, once more, racing the first, with the same deadline.
+    def _timed_out(self, node: NodeInfo, method: str, timeout: float) -> None:
+        backoff = self.pool.estimates.timed_out(node.peer_id)
+        self.timeouts[method] += 1
+        # made on the first timeout, not at import: a DHT-only daemon loads no prometheus_client until then
+        REGISTRY.counter("swarm_dht_request_timeouts_total", "DHT requests unanswered for their timeout (each "
+                         "doubles its node's timeout until the node answers again)",
+                         ("method",)).labels(method=method.rsplit("/", 1)[-1]).inc()
+        logger.debug("DHT %s to %s timed out after %.3f s: its timeout is now %.3f s (backoff x%d)",
+                     method.rsplit("/", 1)[-1], node.peer_id, timeout, self.request_timeout_for(node), 1 << backoff)
 
-        The likely cause is a lost request or answer; a lookup that gave up on a live node at the
-        first loss would drop it for every key the request carried, and waiting out the whole
-        timeout before asking again would hold the lookup up. A dead node costs no more than
-        the one timeout; a node that timed out before gets no second request (`_call`).
+    async def _send_or_resend(self, node: NodeInfo, method: str, request: Message, response_type: type[Message],
+                              timeout: float, *, early_resend: bool = True) -> Any:
+        """Sends a request (every DHT request is safe to repeat) to a node that has been answering,
+        and sends it again, racing the first, when it looks lost.
+
+        Two resends, as TCP's (RFC 6298): with `early_resend`, once no answer came within the
+        link's retransmission timeout (a few round trips: a lost request or answer, which a lookup
+        should not wait out); and once `timeout`, the node's measured request timeout, ran out
+        with no answer: the node's timeout then doubles (`LinkEstimates.timed_out`), and the
+        request is sent again with that backed-off timeout while the first may still answer. A
+        link that slowed down after it was measured (1 ms, then 1.5 s) so still gets its answer;
+        a dead node costs the measured timeout plus the backed-off one, at most
+        `DHTConfig.request_timeout` (the cap, which a node never measured gets at once and which
+        is never exceeded). A node that timed out before gets no second request (`_call`).
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        attempts = {asyncio.ensure_future(self._send(node, method, request, response_type, timeout))}
+        started = loop.time()
+        cap = self.config.request_timeout
+        backed_off = min(cap - timeout, 2 * timeout) if timeout < cap else 0.0
+        deadline = started + timeout + backed_off
+        name = method.rsplit("/", 1)[-1]
+        attempts = {asyncio.ensure_future(self._send(node, method, request, response_type, deadline - started))}
         try:
             # the RFC 6298 timeout of this link as measured by the channel layer (issue #14)
             resend_after = self.pool.estimates.retransmit_after(
                 node.peer_id, floor=0.02, cap=timeout / 2, default=5 * self.round_trip)
-            logger.debug("DHT %s to %s: resend after %.3f s, timeout %.3f s (RTT %s)", method.rsplit("/", 1)[-1],
-                         node.peer_id, resend_after, timeout, self.pool.estimates.rtt(node.peer_id))
-            done, _ = await asyncio.wait(attempts, timeout=resend_after)
-            if not done:
-                self.calls_sent[method] += 1
-                logger.debug("DHT %s to %s unanswered for a while: sending it once more", method.rsplit("/", 1)[-1],
-                             node.peer_id)
-                attempts.add(asyncio.ensure_future(
-                    self._send(node, method, request, response_type, deadline - loop.time())))
+            logger.debug("DHT %s to %s: resend after %.3f s, timeout %.3f s, then %.3f s (RTT %s)", name,
+                         node.peer_id, resend_after, timeout, backed_off, self.pool.estimates.rtt(node.peer_id))
+            if early_resend:
+                done, _ = await asyncio.wait(attempts, timeout=resend_after)
+                if not done:
+                    self.calls_sent[method] += 1
+                    logger.debug("DHT %s to %s unanswered for a while: sending it once more", name, node.peer_id)
+                    attempts.add(asyncio.ensure_future(
+                        self._send(node, method, request, response_type, deadline - loop.time())))
+            if backed_off > 0:
+                done, _ = await asyncio.wait(attempts, timeout=max(0.0, started + timeout - loop.time()))
+                if not done:
+                    self._timed_out(node, method, timeout)
+                    self.calls_sent[method] += 1
+                    attempts.add(asyncio.ensure_future(
+                        self._send(node, method, request, response_type, deadline - loop.time())))
             error: BaseException | None = None
             while attempts:
                 done, attempts = await asyncio.wait(attempts, return_when=asyncio.FIRST_COMPLETED)

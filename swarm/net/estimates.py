@@ -5,7 +5,10 @@ Pure logic, no networking: the channel layer feeds it the duration of every answ
 are then derived from it instead of fixed constants:
 
 - `retransmit_after(peer)`: the RFC 6298 retransmission timeout, SRTT + 4 RTTVAR (with the
-  gains 1/8 and 1/4 of that RFC), between a floor and a cap the caller gives;
+  gains 1/8 and 1/4 of that RFC), between a floor and a cap the caller gives; a request to the
+  peer that timed out (`timed_out`) doubles it until the next answered call brings a fresh
+  sample (RFC 6298 §5.5 and §5.7), so a link that slowed down after it was measured is given
+  more time on the next try instead of being timed out at its old pace forever;
 - `deadline(peer, nbytes)`: a small multiple of the time a request of `nbytes` should take
   (round trip plus bytes over the measured throughput), between a floor and the caller's cap
   (the existing fixed setting), so a stalled or dead peer costs a known multiple of what a healthy
@@ -21,11 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["LinkEstimate", "LinkEstimates"]
+__all__ = ["MAX_BACKOFF", "LinkEstimate", "LinkEstimates"]
 
 _ALPHA = 1 / 8   # RFC 6298 §2: gain of the smoothed RTT
 _BETA = 1 / 4    # RFC 6298 §2: gain of the RTT variation
 _THROUGHPUT_GAIN = 1 / 4
+MAX_BACKOFF = 6  # doublings of a link's RTO after timeouts in a row: 64x at most
 
 
 @dataclass
@@ -38,6 +42,8 @@ class LinkEstimate:
         min_rtt: the smallest round trip seen.
         samples: round trips seen.
         throughput: smoothed bytes per second of transfers to or from this peer (None: none yet).
+        backoff: requests timed out since the last fresh sample; each doubles the RTO (capped at
+            `MAX_BACKOFF` doublings).
     """
 
     srtt: float | None = None
@@ -45,9 +51,16 @@ class LinkEstimate:
     min_rtt: float = math.inf
     samples: int = 0
     throughput: float | None = None
+    backoff: int = 0
 
-    def rto(self) -> float | None:
-        return None if self.srtt is None else self.srtt + 4 * self.rttvar
+    def rto(self, backed_off: bool = True) -> float | None:
+        """SRTT + 4 RTTVAR (None before a sample), doubled per timeout since the last sample."""
+        if self.srtt is None:
+            return None
+        return (self.srtt + 4 * self.rttvar) * (self.backoff_factor() if backed_off else 1)
+
+    def backoff_factor(self) -> int:
+        return 1 << self.backoff
 
 
 @dataclass
@@ -83,6 +96,16 @@ class LinkEstimates:
                 link.srtt += _ALPHA * (seconds - link.srtt)
             link.min_rtt = min(link.min_rtt, seconds)
             link.samples += 1
+            link.backoff = 0  # RFC 6298 §5.7: a fresh sample ends the backoff
+
+    def timed_out(self, peer_id: str) -> int:
+        """A request to `peer_id` went unanswered for its timeout: its RTO doubles (RFC 6298 §5.5)
+        until the next answer; returns the doublings now in force."""
+        link = self.links.get(peer_id)
+        if link is None:
+            return 0
+        link.backoff = min(link.backoff + 1, MAX_BACKOFF)
+        return link.backoff
 
     def observe_transfer(self, peer_id: str, nbytes: int, seconds: float) -> None:
         """`nbytes` went to or came from `peer_id` in `seconds` (one round trip included)."""

@@ -8,6 +8,8 @@ are lost) costs its own short timeout, not the fixed `request_timeout`.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from localswarm import Swarm
 
@@ -15,7 +17,9 @@ from swarm.core.errors import DeadlineExceeded
 from swarm.core.faults import FaultPlan, LinkFault
 from swarm.dht import DHTConfig
 from swarm.dht.buckets import NodeInfo
-from swarm.dht.wire import node_id_of
+from swarm.dht.wire import PING, node_id_of
+from swarm.metrics import REGISTRY
+from swarm.net.estimates import MAX_BACKOFF, LinkEstimates
 
 DELAY = 0.3
 
@@ -57,5 +61,71 @@ def test_request_timeouts_follow_each_nodes_round_trip_and_a_dead_fast_node_cost
 
         caller.run(lost_ping(), timeout=30)
         assert lost_after[0] == fast_timeout < config.request_timeout
+    finally:
+        swarm.close()
+
+
+def test_rto_doubles_per_timeout_until_a_fresh_sample():
+    estimates = LinkEstimates()
+    assert estimates.timed_out("never-seen") == 0  # nothing measured: the caller's cap applies anyway
+    estimates.observe_rtt("a", 0.1)  # RFC 6298 §2.2: SRTT 0.1, RTTVAR 0.05, RTO 0.3
+    link = estimates.get("a")
+    assert link.rto() == pytest.approx(0.3)
+    assert estimates.timed_out("a") == 1
+    assert link.rto() == pytest.approx(0.6) and link.rto(backed_off=False) == pytest.approx(0.3)
+    assert estimates.retransmit_after("a", floor=0.0, cap=10.0) == pytest.approx(0.6)  # the resend delay too
+    for _ in range(20):
+        estimates.timed_out("a")
+    assert link.backoff_factor() == 1 << MAX_BACKOFF
+    estimates.observe_rtt("a", 0.1)  # §5.7: an answer ends the backoff
+    assert link.backoff == 0 and link.rto() < 0.3
+
+
+@pytest.mark.timeout(60)
+def test_a_link_that_slows_after_it_was_measured_gets_its_answer_from_the_backed_off_retry():
+    """The default config: a node measured on loopback gets the 1 s floor, not the 3 s cap; when its
+    link then takes 1.5 s, the request times out at 1 s, the node's timeout doubles, the request
+    goes again with the doubled one, and the first answer (1.5 s) is taken. A dead node costs the
+    floor and the backed-off timeout, within the cap."""
+    plan = FaultPlan()
+    config = DHTConfig(fault_plan=plan)
+    assert config.min_request_timeout < config.request_timeout  # measured timeouts are on by default
+    swarm = Swarm()
+    try:
+        caller, slowed, dead = (swarm.add(config=config) for _ in range(3))
+        protocol = caller.dht.node.protocol
+        nodes = {p.peer_id: NodeInfo(node_id_of(p.peer_id), p.peer_id, p.addrs[0]) for p in (slowed, dead)}
+
+        async def ping(node: NodeInfo, times: int = 1) -> None:
+            for _ in range(times):
+                assert await protocol.call_ping(node, reraise=True)
+
+        for node in nodes.values():
+            caller.run(ping(node, 4), timeout=30)
+            assert protocol.request_timeout_for(node) == config.min_request_timeout  # loopback: the floor
+
+        plan.set_link(caller.peer_id, slowed.peer_id, LinkFault(delay=1.5))
+        node = nodes[slowed.peer_id]
+        timeouts_seen = REGISTRY.value("swarm_dht_request_timeouts_total", method="Ping") or 0.0
+        sent = protocol.calls_sent[PING]
+        started = time.monotonic()
+        caller.run(ping(node), timeout=30)  # with the 1 s timeout alone: DeadlineExceeded
+        took = time.monotonic() - started
+        assert 1.5 <= took < config.request_timeout, took  # the first request's answer, not the retry's
+        assert protocol.timeouts[PING] == 1 and protocol.calls_sent[PING] - sent == 2
+        # what drove it is visible: the timeout counted (each request's timeout is in the debug log)
+        assert REGISTRY.value("swarm_dht_request_timeouts_total", method="Ping") >= timeouts_seen + 1
+        assert caller.pool.estimates.get(slowed.peer_id).backoff == 0  # the answer was a fresh sample
+        assert protocol.request_timeout_for(node) > 1.5  # its RTT now includes the slow link
+
+        plan.set_link(caller.peer_id, dead.peer_id, LinkFault(loss=1.0))
+        node = nodes[dead.peer_id]
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            caller.run(ping(node), timeout=30)
+        took = time.monotonic() - started
+        assert 1.0 * config.min_request_timeout <= took <= config.request_timeout + 0.5, took
+        # timed out twice (the floor, then the backed-off retry): 4x the floor, within the cap
+        assert protocol.request_timeout_for(node) == min(config.request_timeout, 4 * config.min_request_timeout)
     finally:
         swarm.close()
