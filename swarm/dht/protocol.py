@@ -168,7 +168,7 @@ class DHTProtocol:
         cfg = self.config
         link = self.pool.estimates.get(node.peer_id)
         rto = link.rto(backed_off=False) if link is not None else None
-        if rto is None:
+        if link is None or rto is None:
             return cfg.request_timeout
         floor = min(cfg.min_request_timeout, cfg.request_timeout)
         measured = max(floor, cfg.request_timeout_multiple * rto) * link.backoff_factor()
