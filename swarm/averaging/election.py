@@ -61,7 +61,13 @@ class Declaration:
 
 
 class Election(Protocol):
-    """Decides who leads the group this peer is looking for."""
+    """Decides who leads the group this peer is looking for.
+
+    `read_seconds`: the slowest look at the declarations in this step (a leader's join window
+    covers it: followers read the same declarations, as slowly).
+    """
+
+    read_seconds: float
 
     async def begin(self, me: MemberInfo, deadline_wall: float) -> None:
         """Called once per step before looking for a leader (e.g. declare in the DHT)."""
@@ -87,6 +93,7 @@ class StaticElection:
     """
 
     def __init__(self, addrs: Sequence[str]) -> None:
+        self.read_seconds = 0.0  # the members are known: nothing to read
         self.candidates: dict[str, Candidate] = {}
         for addr in addrs:
             parsed = Multiaddr.parse(addr)

@@ -483,7 +483,7 @@ class Matchmaking:
             now = loop.time()
             # a follower reads the same declarations: the window covers the slowest read this peer
             # saw (a crashed replica holds each read for the DHT's request timeout; issue #20)
-            window = max(cfg.join_window, getattr(self.election, "read_seconds", 0.0))
+            window = max(cfg.join_window, self.election.read_seconds)
             size = 1 + len(self._keep_apart(self._live(now))[0])
             if cfg.adaptive:
                 outstanding = self._outstanding(me, now, expected_at, bound)

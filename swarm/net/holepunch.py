@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
 import time
@@ -144,15 +143,9 @@ class PunchGuard:
 
 
 def _same_ip(a: str, b: str) -> bool:
-    try:
-        x, y = ipaddress.ip_address(a.split("%", 1)[0]), ipaddress.ip_address(b.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(x, ipaddress.IPv6Address) and x.ipv4_mapped is not None:
-        x = x.ipv4_mapped
-    if isinstance(y, ipaddress.IPv6Address) and y.ipv4_mapped is not None:
-        y = y.ipv4_mapped
-    return x == y
+    """Whether two strings name one IP address (an IPv4 address seen as IPv6 is the same one)."""
+    one = network_of(a, (), 32, 128)
+    return bool(one) and one == network_of(b, (), 32, 128)
 
 
 def _bound(port: int, family: int = socket.AF_INET) -> socket.socket:
