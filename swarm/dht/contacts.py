@@ -141,6 +141,11 @@ class Contacts:
         """How many of `node`'s calls in a row timed out (0 once it answers again)."""
         return self._timeouts.get(node.peer_id, 0)
 
+    def is_suspect(self, peer_id: str) -> bool:
+        """Whether this peer's last call to `peer_id` timed out and it has not answered since
+        (a lookup asks it but does not wait for it: `swarm.dht.traversal`)."""
+        return peer_id in self._timeouts
+
     def unusable(self, node: NodeInfo) -> None:
         """Drops a node whose address cannot be dialled."""
         self.routing_table.remove(node.node_id)

@@ -255,7 +255,8 @@ class DHTNode:
         return Traversal(
             self._initial(query_ids), ask, beam_size=beam_size, alpha=alpha or self.config.alpha,
             max_keys_per_call=self.config.max_keys_per_call, exclude=(self.node_id,),
-            is_banned=self.blacklist.is_banned, on_finished=on_finished, hedge_after=hedge_after,
+            is_banned=self.blacklist.is_banned, is_suspect=self.protocol.contacts.is_suspect,
+            on_finished=on_finished, hedge_after=hedge_after,
             slow_after=slow_after, disjoint_paths=self.config.disjoint_paths,
         )
 

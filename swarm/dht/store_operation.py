@@ -105,8 +105,16 @@ class StoreOperation:
         return self.ledger.results()
 
     def learn(self, key_id: DHTID, nearest: Sequence[NodeInfo]) -> None:
-        """Notes the nearest node an answer names (answers list the nearest first)."""
-        distance = nearest[0].node_id ^ key_id
+        """Notes the nearest node an answer names (answers list the nearest first), passing over
+        suspects (nodes whose last request from this one timed out): a crashed node stays in
+        others' routing tables for minutes, and a store settled only by it would wait out its
+        request timeout every time (issue #20). A reader passes over it the same way
+        (`traversal.py`), so the nearest node that answers is the one it reads first."""
+        is_suspect = self.protocol.contacts.is_suspect
+        node = next((n for n in nearest if not is_suspect(n.peer_id)), None)
+        if node is None:
+            return
+        distance = node.node_id ^ key_id
         if distance < self.closest.get(key_id, math.inf):
             self.closest[key_id] = distance
 

@@ -12,7 +12,12 @@ requests in flight (§2.3: "nodes that fail to respond quickly are removed from 
 so the lookup asks the next candidates instead of idling behind a lost request. A lookup still
 waits for a slow node that may belong to its result, though (until that request fails or the
 deadline): ending without it would store records on, or look them up from, the wrong nodes
-whenever the network is merely congested.
+whenever the network is merely congested. A suspect (`is_suspect`: a node whose last request from
+this peer timed out, and that has not answered since) is asked too, and its answer counts if it
+comes in time, but once any node answered the key, the lookup no longer waits for it: a crashed
+node stays in other nodes' routing tables for minutes, and every lookup near it would otherwise
+wait out a whole request timeout again (issue #20: every read of a declaration key waited 3 s for
+the same crashed replica, round after round, until a leader started without the readers).
 
 With `hedge_after`, each key starts with a single request, to its nearest candidate, and widens
 to `alpha` (on every path) once that request is answered or `hedge_after` seconds have passed (a hedged request,
@@ -81,7 +86,7 @@ class LookupResult:
 
 class _Query:
     __slots__ = ("beam", "done", "early", "heap", "id", "in_flight", "path", "ref", "requests", "slow", "status",
-                 "wide", "worth")
+                 "suspect", "wide", "worth")
 
     def __init__(self, query_id: DHTID, path: int) -> None:
         self.id = query_id  # the key: distances are measured to it
@@ -92,6 +97,7 @@ class _Query:
         self.beam: list[tuple[int, DHTID]] = []  # (-distance, node): the nearest that answered
         self.in_flight: set[DHTID] = set()  # asked, not answered, not yet slow
         self.slow: set[DHTID] = set()  # asked, slow to answer: no longer holds an alpha slot (§2.3)
+        self.suspect: set[DHTID] = set()  # asked, timed out last time: not waited for once one answered
         self.requests = 0
         self.done = False
         self.early = False
@@ -117,6 +123,8 @@ class Traversal:
         max_keys_per_call: Most keys in one request.
         exclude: Node IDs never to ask (this node).
         is_banned: PeerIDs to skip (blacklisted after failing).
+        is_suspect: PeerIDs whose last request timed out: asked, but not waited for once another
+            node answered the key (see the module docstring).
         on_finished: Called with the keys whose lookup ended, as they end, so that the caller
             can act on each key without waiting for the slowest.
         hedge_after: Start each key with one request and widen to `alpha` after its first
@@ -137,6 +145,7 @@ class Traversal:
         max_keys_per_call: int = 128,
         exclude: Collection[DHTID] = (),
         is_banned: Callable[[str], bool] | None = None,
+        is_suspect: Callable[[str], bool] | None = None,
         on_finished: Callable[[list[tuple[DHTID, LookupResult]]], None] | None = None,
         hedge_after: float | None = None,
         slow_after: float | None = None,
@@ -150,6 +159,7 @@ class Traversal:
         self._ask = ask
         self._exclude = set(exclude)
         self._is_banned = is_banned
+        self._is_suspect = is_suspect
         self._on_finished = on_finished
         self._hedge_after = hedge_after
         self._slow_after = slow_after
@@ -226,11 +236,11 @@ class Traversal:
         the beam; if one of them fails, the next candidate becomes worth asking."""
         if query.worth is not None:
             return query.worth
-        if len(query.beam) + len(query.in_flight) < self.beam_size:
+        if len(query.beam) + len(query.in_flight) - len(query.suspect & query.in_flight) < self.beam_size:
             query.worth = math.inf
         else:
             distances = [-negative for negative, _ in query.beam]
-            distances.extend(node_id ^ query.id for node_id in query.in_flight)
+            distances.extend(node_id ^ query.id for node_id in query.in_flight if node_id not in query.suspect)
             query.worth = heapq.nsmallest(self.beam_size, distances)[-1]
         return query.worth
 
@@ -276,9 +286,10 @@ class Traversal:
 
     def _is_done(self, query: _Query) -> bool:
         worst = self._worst(query)
-        if any(node_id ^ query.id < worst for node_id in query.in_flight):
+        waived = query.suspect if query.beam else ()  # with no answer yet, a suspect is all there is
+        if any(node_id ^ query.id < worst and node_id not in waived for node_id in query.in_flight):
             return False
-        if any(node_id ^ query.id < worst for node_id in query.slow):
+        if any(node_id ^ query.id < worst and node_id not in waived for node_id in query.slow):
             return False
         return self._peek(query, worst) is None
 
@@ -288,6 +299,8 @@ class Traversal:
         if claims is not None:
             claims[node_id] = query.path
         query.in_flight.add(node_id)
+        if self._is_suspect is not None and self._is_suspect(self.nodes[node_id].peer_id):
+            query.suspect.add(node_id)
         query.worth = None
         query.requests += 1
         waiting = self._waiting.get(node_id)
@@ -341,6 +354,7 @@ class Traversal:
             query_id = query.id
             query.in_flight.discard(node_id)
             query.slow.discard(node_id)
+            query.suspect.discard(node_id)
             if not query.wide:  # a hedged lookup widens on its first answer, on every path
                 for path in self._paths[query_id]:
                     path.wide = True

@@ -407,3 +407,34 @@ def test_large_values_travel_in_batches_under_the_message_limit(swarm):
     found = client.dht.get_many(keys)
     assert all(found[k].value == v for k, v in zip(keys, values))
     assert peers[2].dht.get("big5").value == values[5]
+
+
+@pytest.mark.timeout(60)
+def test_a_black_holed_replica_costs_a_writer_its_request_timeout_once_not_on_every_store_and_get(swarm):
+    """Issue #20: a crashed node stays in the others' routing tables for minutes, and every store
+    settled by it (the nearest replica) and every fresh get waited out its whole request timeout
+    again. Once a request to it timed out, this peer still asks it, but no longer waits for it."""
+    plan = FaultPlan()
+    config = DHTConfig(request_timeout=4.0, min_request_timeout=4.0, lookup_timeout=30.0, fault_plan=plan)
+    peers = [swarm.add(config=config) for _ in range(6)]
+    writer, hole = peers[1], peers[4]
+
+    def nearest_is_hole(name: str) -> bool:
+        key = int.from_bytes(key_to_bytes(name), "big")
+        return min(peers, key=lambda p: p.dht.node.node_id ^ key) is hole
+
+    names = [n for n in (f"near-the-hole-{i}" for i in range(2000)) if nearest_is_hole(n)][:3]
+    assert len(names) == 3
+    plan.set_peer(hole.peer_id, LinkFault(loss=1.0))  # it crashed: every request to it times out
+    now = get_dht_time()
+    assert writer.dht.store(names[0], 0, now + 60)  # the first store waits for it once
+    assert writer.dht.node.protocol.contacts.is_suspect(hole.peer_id)
+    for i, name in enumerate(names[1:], start=1):
+        lost = plan.stats.lost
+        start = time.monotonic()
+        assert writer.dht.store(name, i, now + 60)
+        found = writer.dht.get(name, latest=True)
+        took = time.monotonic() - start
+        assert found is not None and found.value == i
+        assert plan.stats.lost > lost  # the suspect was asked all the same
+        assert took < config.request_timeout  # but not waited for: before, each store and get waited 4 s

@@ -246,6 +246,33 @@ def test_a_slow_node_frees_its_place_but_the_lookup_still_waits_for_it() -> None
         i for i in net.nearest(key, 8) if i != start_node.node_id][:5]
 
 
+def test_a_suspect_is_asked_but_not_waited_for_once_another_node_answered() -> None:
+    """A node whose last request timed out (`is_suspect`; a crashed node that others still refer
+    to) is asked like any other, but the lookup ends without it once other nodes answered, rather
+    than wait out its request (issue #20: every read near a crashed replica waited 3 s, round after
+    round). Alone, with no answer from anyone else, it is still waited for (until the deadline)."""
+    net = Network(100, seed=18)
+    key = DHTID.generate(rng=random.Random(19))
+    start_node = net.nodes[-1]
+    net.hung = set(net.nearest(key, 2, alive_only=False))
+    hung_peers = {n.peer_id for n in net.nodes if n.node_id in net.hung}
+    waited = run(net.traversal(start_node, [key], beam_size=5, slow_after=0.02).run(timeout=0.3))
+    assert waited[key].timed_out  # not suspected: the hung nodes may belong to the result
+    net.calls.clear()
+    results = run(net.traversal(start_node, [key], beam_size=5, is_suspect=hung_peers.__contains__).run(timeout=5))
+    assert not results[key].timed_out
+    assert {node_id for node_id, _ in net.calls} & net.hung == net.hung  # asked all the same
+    assert [n.node_id for n in results[key].nearest] == [
+        i for i in net.nearest(key, 8) if i != start_node.node_id][:5]
+    # nobody else answers: the suspect is all there is, and the lookup waits for it
+    lonely = Network(3, seed=3)
+    lonely.hung = {lonely.nodes[0].node_id}
+    suspect = {lonely.nodes[0].peer_id}.__contains__
+    initial = {key: [lonely.nodes[0]]}
+    alone = run(Traversal(initial, lonely.ask, beam_size=5, alpha=3, is_suspect=suspect).run(timeout=0.2))
+    assert alone[key].timed_out and alone[key].nearest == []
+
+
 def test_disjoint_paths_find_the_true_nearest_and_ask_no_node_twice() -> None:
     net = Network(400, seed=16)
     rng = random.Random(17)
