@@ -61,8 +61,10 @@ def swarm_worker(args: argparse.Namespace) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s")
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
         logging.getLogger("swarm.net").setLevel(logging.DEBUG)
+    from swarm.net import sealed
     from swarm.net.channels import ChannelConfig
 
+    sealed.OFF_LOOP = not args.seal_inline  # the baseline: every record sealed and opened on the loop's thread
     peer = Peer(insecure=args.insecure, channel_config=ChannelConfig(bulk_pool=not args.no_pool))
     baseline = _rss_mb()
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
@@ -199,7 +201,7 @@ def barrier(socks: dict[int, socket.socket], index: int) -> None:
 
 
 def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0, transport: str = "bulk",
-              insecure: bool = False, pool: bool = True) -> list[dict]:
+              insecure: bool = False, pool: bool = True, seal_inline: bool = False) -> list[dict]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="33554432", MALLOC_TRIM_THRESHOLD_="1073741824",
                PYTHONPATH=ROOT)
     procs = []
@@ -207,7 +209,7 @@ def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0,
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--index", str(i), "--n", str(n),
                "--mbytes", str(args.mbytes), "--rounds", str(args.rounds), "--compression", str(compression),
                "--transport", transport, *(["--insecure"] if insecure else []),
-               *([] if pool else ["--no-pool"])]
+               *([] if pool else ["--no-pool"]), *(["--seal-inline"] if seal_inline else [])]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
     try:
         addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
@@ -287,6 +289,10 @@ def main() -> None:
     parser.add_argument("--no-pool", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compare-pool", action="store_true",
                         help="also run TLS and plaintext with a fresh bulk connection per stream (bulk_pool=False)")
+    parser.add_argument("--seal-inline", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compare-inline", action="store_true",
+                        help="also run TLS with every bulk record sealed and opened on the event loop's thread"
+                             " (swarm.net.sealed.OFF_LOOP = False, the transport before records moved to workers)")
     parser.add_argument("--plaintext-first", action="store_true", help="run the plaintext group before the TLS one")
     args = parser.parse_args()
     if args.worker == "swarm":
@@ -325,6 +331,13 @@ def main() -> None:
                   f" (goal >= 85%); CPU {cpu / plain_cpu:.2f}x", flush=True)
             print(f"CPU bound             {n} peers: {cpu_bound(n, args.mbytes, plain, plain_cpu, crypto_per_mb)}",
                   flush=True)
+        if args.compare_inline:
+            inline_reports = run_group("swarm", n, args, seal_inline=True)
+            inline = round_seconds(inline_reports)
+            inline_cpu = statistics.median(c for r in inline_reports for c in r["cpu"])
+            print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32, TLS with records sealed and opened on the"
+                  f" loop's thread: {inline:.3f} s/round; {inline_cpu:.3f} s of CPU per peer per round"
+                  f"{f'; {100 * plain / inline:.0f}% of plaintext' if not args.skip_plaintext else ''}", flush=True)
         if args.compare_pool:
             for insecure in (False, True):
                 unpooled_reports = run_group("swarm", n, args, insecure=insecure, pool=False)
