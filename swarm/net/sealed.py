@@ -55,8 +55,12 @@ _OFF_LOOP_BYTES = 1 << 16   # smaller records are sealed and opened on the loop'
 _SEAL_AHEAD = 4 * RECORD_BYTES  # bytes written but not yet sealed above which the writer pauses
 _OPEN_AHEAD = 4             # received records waiting to be opened, at most, before reading pauses
 _WORKERS = 2                # sealing and opening threads of the process
+_FREE_BUFFERS = 16          # record buffers the process keeps for its connections' next records
+_BUFFER_BYTES = RECORD_BYTES + 4 + _TAG
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
+_free: list[Any] = []
+_free_lock = threading.Lock()
 
 
 class SealedError(ConnectionError):
@@ -85,6 +89,23 @@ def _workers() -> concurrent.futures.ThreadPoolExecutor:
         if _executor is None:
             _executor = concurrent.futures.ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="swarm-seal")
         return _executor
+
+
+def _record_buffer() -> Any:
+    """A buffer for one record, sent or received: a free one, or a new one that is not zero-filled
+    first (every byte of a record is written before it is read)."""
+    with _free_lock:
+        if _free:
+            return _free.pop()
+    import numpy  # imported on the first record buffer: a peer that never needs one does not pay it
+
+    return numpy.empty(_BUFFER_BYTES, dtype=numpy.uint8)
+
+
+def _recycle(buffers: list[Any]) -> None:
+    """Keeps buffers that nothing refers to any more for later records (up to `_FREE_BUFFERS`)."""
+    with _free_lock:
+        _free.extend(buffers[:max(0, _FREE_BUFFERS - len(_free))])
 
 
 class Sealer:
@@ -202,25 +223,25 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._close_sealed = False  # close the TCP connection once the records being sealed are sent
         # receiving: the length prefix, then the record
         self._header = bytearray(4)
-        self._record: bytearray | None = bytearray()  # allocated once the keys are agreed (a stranger costs no MiB)
+        self._record: Any = bytearray()  # allocated once the keys are agreed (a stranger costs no MiB)
         self._record_view = memoryview(self._record)
         self._plain_buffer: memoryview | None = None  # for records bound for a consumer's buffer
         self._want = 0  # the record's length once its prefix is in; 0 while reading the prefix
         self._got = 0
         # off the loop: records received and waiting (prefix, ciphertext, the buffer to reuse)
-        self._opening: collections.deque[tuple[bytes, Any, bytearray | None]] = collections.deque()
+        self._opening: collections.deque[tuple[bytes, Any, Any]] = collections.deque()
         self._open_job: concurrent.futures.Future[None] | None = None
         self._open_target: tuple[bool, memoryview, int] = (True, memoryview(b""), 0)
-        self._spare: list[bytearray] = []
+        self._spare: list[Any] = []
         self._record_buffers = 0
         self._reading_full = False    # every record buffer waits to be opened
         self._inner_read_paused = False
         self._read_paused = False
         # sending: record buffers, reused once the socket took every byte of theirs
-        self._pool: list[tuple[bytearray, int]] = []
+        self._pool: list[tuple[Any, int]] = []
         self._written = 0
         # off the loop: records in nonce order (the sealing job or the record, its buffer)
-        self._sealing: collections.deque[tuple[concurrent.futures.Future[Any] | None, Any, bytearray | None]] = (
+        self._sealing: collections.deque[tuple[concurrent.futures.Future[Any] | None, Any, Any]] = (
             collections.deque())
         self._unsealed = 0
         self._transport_write_paused = False
@@ -293,7 +314,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._open_next()
 
     def _new_record_buffer(self) -> None:
-        self._record = bytearray(RECORD_BYTES + _TAG)
+        self._record = _record_buffer()
         self._record_view = memoryview(self._record)
         self._record_buffers += 1
 
@@ -429,6 +450,10 @@ class SealedProtocol(asyncio.BufferedProtocol):
         return bool(self.inner.eof_received())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self._lost:  # nothing is sent from or received into these any more
+            _recycle([buffer for buffer, _ in self._pool] + self._spare)
+            self._pool.clear()
+            self._spare.clear()
         self._lost, self._lost_error = True, exc
         self._sealing.clear()
         self._unsealed = 0
@@ -540,7 +565,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
             job.add_done_callback(self._wake_sealed)
         self._update_writing()
 
-    def _send(self, record: Any, buffer: bytearray | None) -> None:
+    def _send(self, record: Any, buffer: Any) -> None:
         self._transport.write(record)
         self._written += len(record)
         if buffer is not None:
@@ -574,19 +599,22 @@ class SealedProtocol(asyncio.BufferedProtocol):
             self._transport.close()
         self._update_writing()
 
-    def _buffer(self) -> bytearray:
+    def _buffer(self) -> Any:
         """A record buffer none of whose bytes are still waiting to be sent."""
         sent = self._written - self._transport.get_write_buffer_size()
         if self._pool and self._pool[0][1] <= sent:
             return self._pool.pop(0)[0]  # the pool is in writing order: the oldest is sent first
         if len(self._pool) >= _POOL:
             self._pool.pop(0)  # still referenced by the transport until sent; a fresh one instead
-        return bytearray(RECORD_BYTES + 4 + _TAG)
+        return _record_buffer()
 
     def trim(self) -> None:
         """Lets go of the spare record buffers (a kept-alive connection waiting for its next
         stream holds no more than its receive buffer); they are made again as needed."""
-        self._pool.clear()  # a buffer the transport still sends from stays alive through it
+        sent = self._written - self._transport.get_write_buffer_size()
+        # a buffer the transport still sends from stays alive through it, and is not reused
+        _recycle([buffer for buffer, end in self._pool if end <= sent] + self._spare)
+        self._pool.clear()
         self._plain_buffer = None
         self._record_buffers -= len(self._spare)
         self._spare.clear()
