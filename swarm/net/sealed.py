@@ -52,8 +52,8 @@ _MAX_RECORDS = 1 << 64      # nonces of one direction (never reached: 2^64 MiB)
 _POOL = 8                   # record buffers kept for reuse per connection
 OFF_LOOP = True             # seal and open large records on worker threads (SealedProtocol's default)
 _OFF_LOOP_BYTES = 1 << 16   # smaller records are sealed and opened on the loop's thread
-_SEAL_AHEAD = 4 * RECORD_BYTES  # bytes written but not yet sealed above which the writer pauses
-_OPEN_AHEAD = 4             # received records waiting to be opened, at most, before reading pauses
+_SEAL_AHEAD = 2 * RECORD_BYTES  # bytes written but not yet sealed above which the writer pauses
+_OPEN_AHEAD = 2             # received records waiting to be opened, at most, before reading pauses
 _WORKERS = 2                # sealing and opening threads of the process
 _FREE_BUFFERS = 16          # record buffers the process keeps for its connections' next records
 _BUFFER_BYTES = RECORD_BYTES + 4 + _TAG
@@ -246,6 +246,8 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._unsealed = 0
         self._transport_write_paused = False
         self._inner_write_paused = False
+        self._sealing_full = False  # more than _SEAL_AHEAD bytes unsealed, until half of them are sent
+        self._woken = False  # a call of `_finished` is on its way to the loop
         self._extra: dict[str, Any] = {}
 
     # -- the TCP side ------------------------------------------------------------------------
@@ -374,15 +376,27 @@ class SealedProtocol(asyncio.BufferedProtocol):
             direct, out = self._target(size)
             self._open_target = (direct, out, size)
             self._open_job = _workers().submit(self._opener.open_at, self._opener.take(), header, record, out)
-            self._open_job.add_done_callback(self._wake_opened)
+            self._open_job.add_done_callback(self._wake)
         if not self._opening and self._open_job is None:
             self._drained()
 
-    def _wake_opened(self, _: concurrent.futures.Future[None]) -> None:  # on the worker's thread
+    def _wake(self, _: concurrent.futures.Future[Any]) -> None:  # on a worker's thread
+        """Has the loop take the finished records (once for the records that finish meanwhile: a
+        job's future is done before this runs, so the loop sees it even when it skips the call)."""
+        if self._woken:
+            return
+        self._woken = True
         try:
-            self._loop.call_soon_threadsafe(self._opened)
+            self._loop.call_soon_threadsafe(self._finished)
         except RuntimeError:
             pass  # the loop is closed: nobody waits for this connection any more
+
+    def _finished(self) -> None:
+        self._woken = False
+        if self._sealing:
+            self._sealed()
+        if self._open_job is not None:
+            self._opened()
 
     def _opened(self) -> None:
         job = self._open_job
@@ -474,7 +488,11 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._update_writing()
 
     def _update_writing(self) -> None:
-        paused = self._transport_write_paused or self._unsealed > _SEAL_AHEAD
+        if self._unsealed > _SEAL_AHEAD:
+            self._sealing_full = True
+        elif self._unsealed <= _SEAL_AHEAD // 2:
+            self._sealing_full = False
+        paused = self._transport_write_paused or self._sealing_full
         if paused != self._inner_write_paused and self._sealer is not None:
             self._inner_write_paused = paused
             self.inner.pause_writing() if paused else self.inner.resume_writing()
@@ -562,7 +580,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
             job = _workers().submit(sealer.seal_at, sealer.take(), chunk, buffer)
             self._sealing.append((job, None, buffer))
             self._unsealed += len(chunk)
-            job.add_done_callback(self._wake_sealed)
+            job.add_done_callback(self._wake)
         self._update_writing()
 
     def _send(self, record: Any, buffer: Any) -> None:
@@ -572,12 +590,6 @@ class SealedProtocol(asyncio.BufferedProtocol):
             # the socket holds (or copied) every byte of it once the unsent bytes are fewer than
             # the bytes written after it
             self._pool.append((buffer, self._written))
-
-    def _wake_sealed(self, _: concurrent.futures.Future[Any]) -> None:  # on the worker's thread
-        try:
-            self._loop.call_soon_threadsafe(self._sealed)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits for this connection any more
 
     def _sealed(self) -> None:
         """Sends the records sealed so far, in the order of their nonces."""
