@@ -22,6 +22,13 @@ security"). So the bulk channel uses TLS only to authenticate the callee and to 
 inner `asyncio.BufferedProtocol` (the bulk channel's `FrameConnection`) and is that protocol's
 transport, so the framing above it is the same with or without TLS. The end of a stream is the
 sealed END or ERROR frame of that framing: a connection cut before it is an error to the reader.
+
+Records of at least 64 KiB are sealed and opened on worker threads (`cryptography` releases the
+GIL inside AES-GCM), so a peer's loop keeps reading, writing and answering while the cipher
+runs (`OFF_LOOP`; BENCHMARKS.md, "Sealing and opening off the event loop"). The loop still
+decides everything: it reserves each record's nonce in order, sends sealed records in that
+order, hands an opened record to the inner protocol only after its tag verified, and opens one
+record of a direction at a time, in the order received.
 """
 
 from __future__ import annotations
@@ -89,6 +96,19 @@ def _workers() -> concurrent.futures.ThreadPoolExecutor:
         if _executor is None:
             _executor = concurrent.futures.ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="swarm-seal")
         return _executor
+
+
+def _submit(fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+    """`fn(*args)` on a worker; right here once the workers are gone (the interpreter is exiting)."""
+    try:
+        return _workers().submit(fn, *args)
+    except RuntimeError:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001 - to whoever waits on it, as from a worker
+            done.set_exception(e)
+        return done
 
 
 def _record_buffer() -> Any:
@@ -375,7 +395,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
                 continue
             direct, out = self._target(size)
             self._open_target = (direct, out, size)
-            self._open_job = _workers().submit(self._opener.open_at, self._opener.take(), header, record, out)
+            self._open_job = _submit(self._opener.open_at, self._opener.take(), header, record, out)
             self._open_job.add_done_callback(self._wake)
         if not self._opening and self._open_job is None:
             self._drained()
@@ -577,7 +597,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
             if not self.off_loop or (len(chunk) < _OFF_LOOP_BYTES and not self._sealing):
                 self._send(sealer.seal(chunk, buffer), buffer)
                 continue
-            job = _workers().submit(sealer.seal_at, sealer.take(), chunk, buffer)
+            job = _submit(sealer.seal_at, sealer.take(), chunk, buffer)
             self._sealing.append((job, None, buffer))
             self._unsealed += len(chunk)
             job.add_done_callback(self._wake)

@@ -194,3 +194,24 @@ def test_a_record_cut_short_fails_the_stream_after_the_whole_ones(workers):
 
     asyncio.run(go())
     assert workers.jobs > 0
+
+
+def test_records_still_move_once_the_workers_are_gone(monkeypatch):
+    """At interpreter exit the workers refuse new records: they are then sealed and opened on the loop."""
+    gone = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    gone.shutdown()
+    monkeypatch.setattr(sealed, "_workers", lambda: gone)
+    message = os.urandom(3 << 20)
+
+    async def go():
+        conn, protocol, callee_conn, _, server = await _pair(True)
+        try:
+            conn.write_frame(frames.DATA, message)
+            await conn.drain()
+            kind, payload = await asyncio.wait_for(callee_conn.read_frame(), 10)
+            assert kind == frames.DATA and bytes(payload) == message
+        finally:
+            protocol.abort()
+            server.close()
+
+    asyncio.run(go())
