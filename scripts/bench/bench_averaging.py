@@ -61,8 +61,10 @@ def swarm_worker(args: argparse.Namespace) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s")
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
         logging.getLogger("swarm.net").setLevel(logging.DEBUG)
+    from swarm.net import sealed
     from swarm.net.channels import ChannelConfig
 
+    sealed.OFF_LOOP = not args.seal_inline  # the baseline: every record sealed and opened on the loop's thread
     peer = Peer(insecure=args.insecure, channel_config=ChannelConfig(bulk_pool=not args.no_pool))
     baseline = _rss_mb()
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
@@ -78,7 +80,8 @@ def swarm_worker(args: argparse.Namespace) -> None:
     if os.environ.get("BENCH_PROFILE") and args.index == 0:
         import cProfile
 
-        profiler = cProfile.Profile(time.process_time)  # CPU time: the host is shared
+        profiler = cProfile.Profile(time.thread_time)  # the loop thread's CPU time: the host is shared, and
+        # the sealing workers run at the same time (swarm.net.sealed)
 
         async def toggle(on: bool) -> None:
             profiler.enable() if on else profiler.disable()
@@ -199,7 +202,7 @@ def barrier(socks: dict[int, socket.socket], index: int) -> None:
 
 
 def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0, transport: str = "bulk",
-              insecure: bool = False, pool: bool = True) -> list[dict]:
+              insecure: bool = False, pool: bool = True, seal_inline: bool = False) -> list[dict]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="33554432", MALLOC_TRIM_THRESHOLD_="1073741824",
                PYTHONPATH=ROOT)
     procs = []
@@ -207,7 +210,7 @@ def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0,
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--index", str(i), "--n", str(n),
                "--mbytes", str(args.mbytes), "--rounds", str(args.rounds), "--compression", str(compression),
                "--transport", transport, *(["--insecure"] if insecure else []),
-               *([] if pool else ["--no-pool"])]
+               *([] if pool else ["--no-pool"]), *(["--seal-inline"] if seal_inline else [])]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
     try:
         addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
@@ -227,15 +230,26 @@ def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0,
                 p.kill()
 
 
+def round_times(reports: list[dict]) -> list[float]:
+    """Each round's time: from the moment the last peer called `step` to the last one's return."""
+    rounds = min(len(r["times"]) for r in reports)
+    return [max(r["times"][k][1] for r in reports) - max(r["times"][k][0] for r in reports) for k in range(rounds)]
+
+
 def round_seconds(reports: list[dict]) -> float:
     for r in reports:
         for failure in r.get("failures", []):
             print(f"  (a round failed: {failure})", flush=True)
-    rounds = min(len(r["times"]) for r in reports)
-    per_round = [
-        max(r["times"][k][1] for r in reports) - max(r["times"][k][0] for r in reports) for k in range(rounds)
-    ]
-    return statistics.median(per_round)
+    return statistics.median(round_times(reports))
+
+
+def repeated_figure(runs: list[list[dict]]) -> tuple[float, float, str]:
+    """Median s/round over every round of every run, median CPU per peer per round, and each run's
+    median (when there are several)."""
+    seconds = statistics.median(t for reports in runs for t in round_times(reports))
+    cpu = statistics.median(c for reports in runs for r in reports for c in r["cpu"])
+    spread = "" if len(runs) == 1 else " (runs: " + ", ".join(f"{round_seconds(reports):.3f}" for reports in runs) + ")"
+    return seconds, cpu, spread
 
 
 def seal_open_cpu_per_mb(mb: int = 64) -> float:
@@ -287,6 +301,13 @@ def main() -> None:
     parser.add_argument("--no-pool", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compare-pool", action="store_true",
                         help="also run TLS and plaintext with a fresh bulk connection per stream (bulk_pool=False)")
+    parser.add_argument("--seal-inline", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compare-inline", action="store_true",
+                        help="also run TLS with every bulk record sealed and opened on the event loop's thread"
+                             " (swarm.net.sealed.OFF_LOOP = False, the transport before records moved to workers)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the TLS, plaintext and --compare-inline groups this many times, alternating their"
+                             " order; figures are medians over every round of every repetition")
     parser.add_argument("--plaintext-first", action="store_true", help="run the plaintext group before the TLS one")
     args = parser.parse_args()
     if args.worker == "swarm":
@@ -305,26 +326,41 @@ def main() -> None:
             grpc = round_seconds(run_group("swarm", n, args, transport="grpc"))  # TLS, like the default
             print(f"swarm over gRPC only  {n} peers, {args.mbytes} MB fp32: {grpc:.3f} s/round"
                   f" ({100 * raw / grpc:.0f}% of raw-socket ceiling)", flush=True)
-        plain_reports = None
-        if args.plaintext_first and not args.skip_plaintext:  # alternate the order between runs
-            plain_reports = run_group("swarm", n, args, insecure=True)
-        reports = run_group("swarm", n, args)
-        bulk = round_seconds(reports)
+        # TLS, plaintext and (--compare-inline) TLS with records sealed on the loop, each run
+        # `--repeat` times in alternating order (the host is shared: a slow spell hits all of them)
+        groups = {"tls": {}}
+        if not args.skip_plaintext:
+            groups["plain"] = {"insecure": True}
+        if args.compare_inline:
+            groups["inline"] = {"seal_inline": True}
+        names = list(groups)
+        if args.plaintext_first and "plain" in names:
+            names.remove("plain")
+            names.insert(0, "plain")
+        runs: dict[str, list[list[dict]]] = {name: [] for name in names}
+        for repetition in range(args.repeat):
+            for name in names if repetition % 2 == 0 else names[::-1]:
+                runs[name].append(run_group("swarm", n, args, **groups[name]))
+
+        reports = runs["tls"][-1]
+        bulk, cpu, spread = repeated_figure(runs["tls"])
         goal = goals.get(n)
-        cpu = statistics.median(c for r in reports for c in r["cpu"])
-        print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32: {bulk:.3f} s/round"
+        print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32: {bulk:.3f} s/round{spread}"
               f" ({100 * raw / bulk:.0f}% of raw-socket ceiling{f'; goal <= {goal} s' if goal else ''});"
               f" {cpu:.3f} s of CPU per peer per round", flush=True)
-        if not args.skip_plaintext:
-            plain_reports = plain_reports or run_group("swarm", n, args, insecure=True)
-            plain = round_seconds(plain_reports)
-            plain_cpu = statistics.median(c for r in plain_reports for c in r["cpu"])
-            print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32, plaintext (--insecure): {plain:.3f} s/round;"
-                  f" {plain_cpu:.3f} s of CPU per peer per round", flush=True)
+        if "plain" in runs:
+            plain, plain_cpu, spread = repeated_figure(runs["plain"])
+            print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32, plaintext (--insecure): {plain:.3f} s/round"
+                  f"{spread}; {plain_cpu:.3f} s of CPU per peer per round", flush=True)
             print(f"TLS/plaintext         {n} peers: {100 * plain / bulk:.0f}% of plaintext throughput"
                   f" (goal >= 85%); CPU {cpu / plain_cpu:.2f}x", flush=True)
             print(f"CPU bound             {n} peers: {cpu_bound(n, args.mbytes, plain, plain_cpu, crypto_per_mb)}",
                   flush=True)
+        if "inline" in runs:
+            inline, inline_cpu, spread = repeated_figure(runs["inline"])
+            print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32, TLS with records sealed and opened on the"
+                  f" loop's thread: {inline:.3f} s/round{spread}; {inline_cpu:.3f} s of CPU per peer per round"
+                  f"{f'; {100 * plain / inline:.0f}% of plaintext' if 'plain' in runs else ''}", flush=True)
         if args.compare_pool:
             for insecure in (False, True):
                 unpooled_reports = run_group("swarm", n, args, insecure=insecure, pool=False)

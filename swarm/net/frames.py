@@ -211,12 +211,16 @@ class FrameConnection(asyncio.BufferedProtocol):
     def idle(self) -> bool:
         """Open, with nothing received and not yet read: where the next stream may start."""
         return (self._closed is None and not self._frames and self._targets is None and self._got == 0
-                and self.transport is not None and not self.transport.is_closing())
+                and self.transport is not None and not self.transport.is_closing()
+                and not getattr(self.transport, "pending", False))  # sealed records not yet handed on
 
     def detach_sink(self) -> None:
         """No frame is received into the sink's buffers from now on (the rest of a frame it was
         receiving is discarded, and that frame's `Sunk` says `dropped`)."""
         self.sink = None
+        settle = getattr(self.transport, "settle", None)
+        if settle is not None:
+            settle()  # a sealed record being opened into the sink's buffers on a worker lands first
         if self._sunk is not None and self._targets is not None:
             rest = len(self._targets[self._target]) - self._got + sum(
                 len(v) for v in self._targets[self._target + 1:])
