@@ -131,6 +131,12 @@ class DHTNode:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def adopt(self, task: asyncio.Task[Any]) -> None:
+        """Keeps a task running in the background, cancelled at shutdown (a lookup's request to a
+        suspect: `traversal.Traversal`)."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def shutdown(self, *, leave: bool = True) -> None:
         """Stops background work (refresh, republish, stores in flight, hand-offs, pings) and leaves.
 
@@ -255,7 +261,7 @@ class DHTNode:
         return Traversal(
             self._initial(query_ids), ask, beam_size=beam_size, alpha=alpha or self.config.alpha,
             max_keys_per_call=self.config.max_keys_per_call, exclude=(self.node_id,),
-            is_banned=self.blacklist.is_banned, is_suspect=self.protocol.contacts.is_suspect,
+            is_banned=self.blacklist.is_banned, is_suspect=self.protocol.contacts.is_suspect, adopt=self.adopt,
             on_finished=on_finished, hedge_after=hedge_after,
             slow_after=slow_after, disjoint_paths=self.config.disjoint_paths,
         )

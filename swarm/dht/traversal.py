@@ -17,7 +17,10 @@ this peer timed out, and that has not answered since) is asked too, and its answ
 comes in time, but once any node answered the key, the lookup no longer waits for it: a crashed
 node stays in other nodes' routing tables for minutes, and every lookup near it would otherwise
 wait out a whole request timeout again (issue #20: every read of a declaration key waited 3 s for
-the same crashed replica, round after round, until a leader started without the readers).
+the same crashed replica, round after round, until a leader started without the readers). Its
+request is not cancelled when the lookup ends but handed to `adopt` (the node's background
+tasks), so that its timeout still counts against it and a dead node leaves the routing table
+after a few (`contacts.TIMEOUTS_TO_DROP`) instead of staying named in every answer.
 
 With `hedge_after`, each key starts with a single request, to its nearest candidate, and widens
 to `alpha` (on every path) once that request is answered or `hedge_after` seconds have passed (a hedged request,
@@ -49,6 +52,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from swarm.dht.buckets import NodeInfo
 from swarm.dht.ids import DHTID
@@ -125,6 +129,8 @@ class Traversal:
         is_banned: PeerIDs to skip (blacklisted after failing).
         is_suspect: PeerIDs whose last request timed out: asked, but not waited for once another
             node answered the key (see the module docstring).
+        adopt: Takes over a suspect's request still running when the lookup ends (None: it is
+            cancelled like the others).
         on_finished: Called with the keys whose lookup ended, as they end, so that the caller
             can act on each key without waiting for the slowest.
         hedge_after: Start each key with one request and widen to `alpha` after its first
@@ -146,6 +152,7 @@ class Traversal:
         exclude: Collection[DHTID] = (),
         is_banned: Callable[[str], bool] | None = None,
         is_suspect: Callable[[str], bool] | None = None,
+        adopt: Callable[[asyncio.Task[Any]], None] | None = None,
         on_finished: Callable[[list[tuple[DHTID, LookupResult]]], None] | None = None,
         hedge_after: float | None = None,
         slow_after: float | None = None,
@@ -160,6 +167,7 @@ class Traversal:
         self._exclude = set(exclude)
         self._is_banned = is_banned
         self._is_suspect = is_suspect
+        self._adopt = adopt
         self._on_finished = on_finished
         self._hedge_after = hedge_after
         self._slow_after = slow_after
@@ -454,7 +462,13 @@ class Traversal:
             self._report()
             return self.results
         finally:
-            tasks = list(self._tasks)
+            tasks = []
+            for task, (node_id, _) in self._tasks.items():
+                if (self._adopt is not None and self._is_suspect is not None and not task.done()
+                        and self._is_suspect(self.nodes[node_id].peer_id)):
+                    self._adopt(task)  # its timeout still counts against it (module docstring)
+                else:
+                    tasks.append(task)
             self._tasks.clear()
             self._slow_at.clear()
             for task in tasks:

@@ -259,9 +259,21 @@ def test_a_suspect_is_asked_but_not_waited_for_once_another_node_answered() -> N
     waited = run(net.traversal(start_node, [key], beam_size=5, slow_after=0.02).run(timeout=0.3))
     assert waited[key].timed_out  # not suspected: the hung nodes may belong to the result
     net.calls.clear()
-    results = run(net.traversal(start_node, [key], beam_size=5, is_suspect=hung_peers.__contains__).run(timeout=5))
+    adopted: list[asyncio.Task] = []
+
+    async def lookup_then_check():
+        found = await net.traversal(start_node, [key], beam_size=5, is_suspect=hung_peers.__contains__,
+                                    adopt=adopted.append).run(timeout=5)
+        # the suspects' requests go on (their timeouts still count against them), the others' ended
+        running = [task for task in adopted if not task.done()]
+        for task in adopted:
+            task.cancel()
+        return found, len(running)
+
+    results, running = run(lookup_then_check())
     assert not results[key].timed_out
     assert {node_id for node_id, _ in net.calls} & net.hung == net.hung  # asked all the same
+    assert running == len(adopted) == 2
     assert [n.node_id for n in results[key].nearest] == [
         i for i in net.nearest(key, 8) if i != start_node.node_id][:5]
     # nobody else answers: the suspect is all there is, and the lookup waits for it
