@@ -234,6 +234,9 @@ def main() -> None:
 
     from swarm.testing import HostSpec, Lab, LinkProfile
 
+    if args.diag:
+        os.makedirs(args.diag, exist_ok=True)
+
     link = LinkProfile(up_mbit=args.mbit, down_mbit=args.mbit, delay_ms=args.delay_ms)
     print(f"lab averaging: {args.mbytes} MB per peer, every host {args.mbit:g} Mbit/s each way, "
           f"{4 * args.delay_ms:g} ms round trip between hosts; {args.rounds} rounds after one warm-up", flush=True)

@@ -410,7 +410,9 @@ class PeerChannel:
             expiry.cancel()
             if port == opened.port and bulk_channel.reuse(kept, opened.token):
                 return kept, deadline, port
+            logger.debug("kept bulk connection to %s not usable (closed, or unasked data): dialing", self.peer_id)
             kept.abort()  # closed meanwhile, or the callee restarted on another port: dial afresh
+        logger.debug("bulk stream %s to %s: dialing a new connection", method, self.peer_id)
         connect_timeout = min(self.pool.config.bulk_connect_timeout, max(0.01, deadline - loop.time()))
         try:
             conn = await bulk_channel.connect(self.addr.host, opened.port, opened.token, connect_timeout,
