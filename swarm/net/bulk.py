@@ -319,13 +319,10 @@ async def exchange(
     the responses. Raises `DeadlineExceeded` past `deadline` (loop time), `PeerUnreachable` when the
     connection breaks, and the callee's error as the typed error its status maps to. A stream that
     ended cleanly both ways hands its connection to `release` (to carry a later stream: `reuse`)
-    instead of closing it. So does one whose caller stops reading after sending its own END, once
-    the callee's END arrives (`_settle`): the consumer that is done with a stream first (the last
-    member of an all-reduce to finish) must not lose its connections for the next."""
+    instead of closing it."""
     loop = asyncio.get_running_loop()
     expired = False
     clean = False
-    answered = False  # the callee said something past its last message (END or ERROR)
 
     def expire() -> None:
         nonlocal expired
@@ -345,11 +342,9 @@ async def exchange(
                     raise cast(BaseException, sender.exception()) from None  # the request iterator failed
                 raise PeerUnreachable(f"bulk stream broke: {e} ({method} on {peer_id})", peer_id=peer_id) from None
             if kind == END:
-                answered = True
                 clean = sender.done() and not sender.cancelled() and sender.exception() is None and conn.idle
                 return
             if kind == ERROR:
-                answered = True
                 raise decode_error(payload, peer_id, method)
             if on_received is not None:
                 on_received(len(payload))
@@ -358,49 +353,16 @@ async def exchange(
         timer.cancel()
         sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)
-        ended = sender.done() and not sender.cancelled() and sender.exception() is None and sender.result()
         if clean and release is not None and not expired:
-            _release(conn, release)
-        elif release is not None and ended and not answered and not expired:
-            # our END is out and the callee's is on the way (or in, unread)
             conn.detach_sink()
-            _settlers.add(settler := asyncio.ensure_future(_settle(conn, min(deadline, loop.time() + SETTLE_SECONDS),
-                                                                   release)))
-            settler.add_done_callback(_settlers.discard)
+            conn.stream_base = conn.read_data_frames
+            conn.trim()
+            release(conn)
         else:
-            logger.debug("bulk stream %s to %s: connection closed (%s)", method, peer_id,
-                         "deadline" if expired else "our side did not end cleanly" if not ended
-                         else "the callee answered with an error" if answered else "no release")
+            if release is not None:
+                logger.debug("bulk stream %s to %s: connection closed (%s)", method, peer_id,
+                             "deadline" if expired else "ended before both ENDs" if not clean else "no release")
             conn.abort()
-
-
-SETTLE_SECONDS = 5.0  # the most a connection whose caller stopped reading waits for the callee's END
-_settlers: set[asyncio.Future[None]] = set()  # referenced while they run (the loop keeps only weak ones)
-
-
-def _release(conn: FrameConnection, release: Callable[[FrameConnection], None]) -> None:
-    conn.detach_sink()
-    conn.stream_base = conn.read_data_frames
-    conn.trim()
-    release(conn)
-
-
-async def _settle(conn: FrameConnection, deadline: float, release: Callable[[FrameConnection], None]) -> None:
-    """A stream whose caller sent its END and stopped reading: the connection is kept when the
-    callee's next frame, within `deadline` (loop time), is its END with nothing behind it; anything
-    else (more data, an error, silence, a broken connection) closes it."""
-    loop = asyncio.get_running_loop()
-    try:
-        kind, _ = await asyncio.wait_for(conn.read_frame(), max(0.0, deadline - loop.time()))
-    except (BulkProtocolError, TimeoutError, asyncio.CancelledError) as e:
-        logger.debug("bulk connection not kept: no END from the callee (%s)", type(e).__name__)
-        conn.abort()
-        return
-    if kind == END and conn.idle:
-        _release(conn, release)
-    else:
-        logger.debug("bulk connection not kept: %s", "the callee sent more than its END" if kind != END else "closed")
-        conn.abort()
 
 
 def reuse(conn: FrameConnection, token: bytes) -> bool:
@@ -440,8 +402,7 @@ def _length(message: Any) -> int:
 
 
 async def _send(conn: FrameConnection, requests: AsyncIterator[bytes] | Iterable[bytes],
-                on_sent: Callable[[int], None] | None) -> bool:
-    """Sends the requests, then END (True); False when the connection broke first."""
+                on_sent: Callable[[int], None] | None) -> None:
     try:
         if hasattr(requests, "__aiter__"):
             async for message in requests:  # type: ignore[union-attr]
@@ -456,9 +417,8 @@ async def _send(conn: FrameConnection, requests: AsyncIterator[bytes] | Iterable
                     on_sent(_length(message))
                 await conn.drain()
         conn.write_frame(END)
-        return True
     except BulkProtocolError:
-        return False  # the reader sees the broken connection and reports it
+        pass  # the reader sees the broken connection and reports it
     except BaseException:
         conn.abort()  # the request iterator failed (or we were cancelled): end the stream
         raise

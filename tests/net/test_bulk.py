@@ -209,67 +209,6 @@ def test_a_failed_stream_does_not_leave_its_connection_for_the_next(make_peer):
     assert len(b.pool.get(a.addrs[0])._bulk_idle) == 1  # the one of the clean stream only
 
 
-def _stop_reading_before_the_end(caller, callee, messages: int) -> tuple[list, bool]:
-    """A stream whose callee answers, then holds the rest (its END, or `messages - 1` more) until a
-    gate opens; the caller stops reading (its task is cancelled, as the last member of an
-    all-reduce to finish cancels its streams) once it holds the first answer. Returns the bulk
-    connections' caller addresses of that stream and of one after it, and whether the second
-    stream found a kept connection."""
-    seen: list = []
-    gate = threading.Event()
-
-    async def held(requests, ctx):
-        seen.append(ctx.connection.transport.get_extra_info("peername"))
-        async for message in requests:
-            yield bytes(message)[::-1]
-        await asyncio.get_running_loop().run_in_executor(None, gate.wait, 10)
-        for i in range(messages - 1):
-            yield b"more %d" % i
-
-    callee.server.add_stream("/test.Bulk/Held", held, bulk=True)
-
-    async def go():
-        channel = caller.pool.get(callee.addrs[0])
-        first = asyncio.Event()
-
-        async def consume():
-            async for _ in channel.stream("/test.Bulk/Held", [b"one"], timeout=10, bulk=True):
-                first.set()
-
-        task = asyncio.ensure_future(consume())
-        await asyncio.wait_for(first.wait(), 10)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        gate.set()  # the callee ends its stream now, after the caller stopped reading
-        settling = list(bulk._settlers)
-        if settling:
-            await asyncio.wait(settling, timeout=10)
-        kept = len(channel._bulk_idle)
-        assert [bytes(m) async for m in channel.stream(ECHO, [b"two"], timeout=10, bulk=True)] == [b"owt"]
-        return kept
-
-    serve_peername(callee, seen)
-    kept = caller.run(go(), timeout=30)
-    return seen, kept == 1
-
-
-def test_a_caller_that_stops_reading_after_its_end_keeps_the_connection(make_peer):
-    """The caller's END was out and the callee's was on its way when the caller stopped reading:
-    the connection still carries the next stream once that END arrives (found by the network lab:
-    the last member of every all-reduce round dialed all its reducers afresh in the next, and
-    started that round's all-gather on cold connections)."""
-    a, b = make_peer(), make_peer()
-    seen, kept = _stop_reading_before_the_end(b, a, messages=1)
-    assert kept and len(seen) == 2 and seen[0] == seen[1]
-
-
-def test_a_caller_that_stops_reading_before_the_callee_is_done_closes_the_connection(make_peer):
-    """When more than the END was still to come, the connection is not kept: the next stream dials."""
-    a, b = make_peer(), make_peer()
-    seen, kept = _stop_reading_before_the_end(b, a, messages=3)
-    assert not kept and len(seen) == 2 and seen[0] != seen[1]
-
-
 def test_a_kept_connection_to_a_restarted_callee_fails_over_to_a_fresh_dial(make_peer):
     """The callee's bulk listener goes away and comes back on the same port (as a restarted peer
     with a fixed `bulk_port`): the kept connection is dead, the next stream dials afresh and works."""
