@@ -222,6 +222,10 @@ def main() -> None:
     parser.add_argument("--compare-pool", action="store_true",
                         help="also run swarm with a fresh bulk connection per stream (bulk_pool=False, the baseline)")
     parser.add_argument("--no-pool", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--congestion", default="",
+                        help="TCP congestion control on every lab host (e.g. reno, loss-based like most hosts' cubic, which "
+                             "this machine does not allow in namespaces; default: the host's, "
+                             "inherited by the namespaces: bbr on this machine)")
     parser.add_argument("--diag", default="", help="a folder: per-peer debug logs and `ss -tin` samples go there")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -234,11 +238,21 @@ def main() -> None:
 
     from swarm.testing import HostSpec, Lab, LinkProfile
 
+    if args.diag:
+        os.makedirs(args.diag, exist_ok=True)
+
     link = LinkProfile(up_mbit=args.mbit, down_mbit=args.mbit, delay_ms=args.delay_ms)
     print(f"lab averaging: {args.mbytes} MB per peer, every host {args.mbit:g} Mbit/s each way, "
           f"{4 * args.delay_ms:g} ms round trip between hosts; {args.rounds} rounds after one warm-up", flush=True)
     for n in args.peers:
         with Lab([HostSpec(f"h{i}", link) for i in range(n)], seed=1) as lab:
+            if args.congestion:
+                for i in range(n):
+                    done = lab.exec(f"h{i}", ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={args.congestion}"])
+                    if done.returncode != 0:
+                        raise SystemExit(f"cannot set {args.congestion} on h{i}: {done.stderr.strip()}")
+            used = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
+            print(f"  {n} peers: TCP congestion control {used}", flush=True)
             runs = [(0, "fp32", True, True), (0, "fp32", False, True), (0, "fp32", False, False),
                     (1, "fp16", True, True), (1, "fp16", False, True), (1, "fp16", False, False)]
             for compression, wire, raw, pool in runs:

@@ -57,6 +57,7 @@ PART_FETCHES = REGISTRY.counter(
     ("why",))
 
 
+END_WAIT = 5.0  # seconds a held part's stream may take to end by itself once the round is closed
 SILENCE_MULTIPLE = 4.0  # a streaming peer silent this many times its expected chunk time is given up on
 SILENCE_FLOOR = 1.0     # seconds (as the round-wide stall limit's floor, `averager._run_round`)
 
@@ -460,13 +461,23 @@ class ButterflyAllReduce:
         return serve_part(self, part)
 
     def close(self) -> None:
-        """Cancels whatever still runs for this round (at release or shutdown)."""
+        """Cancels whatever still runs for this round (at release or shutdown). The stream of a part
+        held here is left to end by itself: this member's END is on its way (`finished`), and the
+        reducer's comes back a round trip later, leaving the connection for the next round's
+        stream (`ChannelConfig.bulk_pool`); it is cancelled after `END_WAIT` seconds. Cancelled at
+        once, the member that finishes a round last (its release comes at once) lost every
+        connection to its reducers and started the next round's all-gather on new, cold ones
+        (network lab, BENCHMARKS.md scenario 3)."""
         self.finished.set()
         for p in self.parts:
             if p.sink is not None:
                 p.sink.detach()  # the scratch buffer is about to serve another round
+        held = {id(p.exchange) for p in self.parts if p.exchange is not None and p.state is PartState.COMPLETE}
         for task in self._tasks:
-            task.cancel()
+            if id(task) in held and not task.done():
+                task.get_loop().call_later(END_WAIT, task.cancel)
+            else:
+                task.cancel()
         if self.reducer is not None:
             self.reducer.close()
 

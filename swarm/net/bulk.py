@@ -219,6 +219,7 @@ class BulkListener:
         try:
             return await asyncio.wait_for(_until_end(conn, requests.ended), 2.0) and clean
         except TimeoutError:
+            logger.debug("bulk stream %s: the caller did not end its side within 2 s: closing", ticket.method)
             return False
 
 
@@ -358,6 +359,9 @@ async def exchange(
             conn.trim()
             release(conn)
         else:
+            if release is not None:
+                logger.debug("bulk stream %s to %s: connection closed (%s)", method, peer_id,
+                             "deadline" if expired else "ended before both ENDs" if not clean else "no release")
             conn.abort()
 
 

@@ -35,6 +35,7 @@ from swarm.core.errors import (
 )
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
+from swarm.metrics import REGISTRY
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
 from swarm.net import bulk as bulk_channel
 from swarm.net import relay
@@ -50,6 +51,10 @@ if TYPE_CHECKING:
     from swarm.net.holepunch import DirectPaths
 
 logger = logging.getLogger(__name__)
+
+BULK_CONNECTIONS = REGISTRY.counter(
+    "swarm_bulk_connections_total", "Bulk streams this peer started, by how: on a connection it kept from an "
+    "earlier stream to the same peer (reused), or on one it dialed (dialed)", ("how",))
 
 HANDSHAKE = "/swarm.Peer/Handshake"
 INFO = "/swarm.Peer/Info"
@@ -409,8 +414,11 @@ class PeerChannel:
             kept, port, expiry = self._bulk_idle.pop()
             expiry.cancel()
             if port == opened.port and bulk_channel.reuse(kept, opened.token):
+                BULK_CONNECTIONS.labels(how="reused").inc()
                 return kept, deadline, port
+            logger.debug("kept bulk connection to %s not usable (closed, or unasked data): dialing", self.peer_id)
             kept.abort()  # closed meanwhile, or the callee restarted on another port: dial afresh
+        logger.debug("bulk stream %s to %s: dialing a new connection", method, self.peer_id)
         connect_timeout = min(self.pool.config.bulk_connect_timeout, max(0.01, deadline - loop.time()))
         try:
             conn = await bulk_channel.connect(self.addr.host, opened.port, opened.token, connect_timeout,
@@ -425,6 +433,7 @@ class PeerChannel:
             self._bulk_retry_after = min(2 * self._bulk_retry_after, 3600.0)
             return None
         self.bulk_reachable, self._bulk_retry_after = True, self.pool.config.bulk_retry_after
+        BULK_CONNECTIONS.labels(how="dialed").inc()
         return conn, deadline, opened.port
 
     def _keep_bulk(self, conn: bulk_channel.FrameConnection, port: int) -> None:

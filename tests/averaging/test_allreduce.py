@@ -12,6 +12,7 @@ from avg_harness import run_steps
 from swarm.averaging import AllReduceConfig, Averager, AveragerConfig
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError
+from swarm.metrics import REGISTRY
 from swarm.peer import Peer
 
 
@@ -114,3 +115,37 @@ def test_astep_from_another_event_loop_and_bad_arguments(peers):
         avg_a.step(timeout=1, weight=float("nan"))
     with pytest.raises(AveragingError):
         avg_a.step(timeout=0.5)  # b is not stepping: no group
+
+
+@pytest.mark.timeout(60)
+def test_every_member_keeps_its_bulk_connections_from_round_to_round(peers):
+    """Each member dials each reducer once; later rounds start on the kept connections, also for
+    the member that finishes a round last (it used to cancel its streams before the reducers'
+    END came back and dial them all afresh next round: network lab, scenario 3)."""
+    group = peers(3)
+    tensors = [[torch.full((40_000,), float(i))] for i in range(3)]
+    avgs = make_averagers(group, tensors, config=AveragerConfig(allreduce=AllReduceConfig(chunk_bytes=16384)))
+
+    def count(how: str) -> float:
+        return REGISTRY.value("swarm_bulk_connections_total", how=how) or 0.0
+
+    dialed, reused = count("dialed"), count("reused")
+    for _ in range(3):
+        results = run_steps(avgs)
+        assert all(not isinstance(r, Exception) for r in results), results
+        for peer in group:  # the reducers' END comes back a round trip after the round
+            assert peer.run(_kept_everywhere(peer, 2), timeout=10)
+    assert count("dialed") - dialed == 6  # 3 members x 2 reducers, in the first round only
+    assert count("reused") - reused == 12
+    assert all(torch.equal(t[0], torch.full((40_000,), 1.0)) for t in tensors)
+
+
+async def _kept_everywhere(peer: Peer, channels: int) -> bool:
+    """Whether `peer` holds a kept bulk connection to each of `channels` peers within 5 s (a
+    bounded wait: its streams of the last round end a round trip after the round)."""
+    for _ in range(500):
+        kept = [c for c in peer.pool._channels.values() if c._bulk_idle]
+        if len(kept) == channels:
+            return True
+        await asyncio.sleep(0.01)
+    return False
