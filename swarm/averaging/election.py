@@ -84,6 +84,10 @@ class Election(Protocol):
     async def refresh(self, me: MemberInfo) -> None:
         """Looks again at who wants this group (a no-op where that is fixed)."""
 
+    def patience(self) -> float:
+        """Seconds a declared peer may be late beyond its learned lateness because its reads of
+        the declarations still wait on nodes this peer already saw die (0 where nothing is read)."""
+
 
 class StaticElection:
     """A fixed set of peers; the smallest PeerID not known to be down leads (a direct one first).
@@ -118,6 +122,9 @@ class StaticElection:
 
     async def refresh(self, me: MemberInfo) -> None:
         return None
+
+    def patience(self) -> float:
+        return 0.0
 
 
 class DHTElection:
@@ -184,6 +191,11 @@ class DHTElection:
 
     def declared(self, me: MemberInfo) -> dict[str, Declaration]:
         return {pid: d for pid, d in self._declared.items() if pid != me.peer_id}
+
+    def patience(self) -> float:
+        # this peer's reads pass over nodes it saw time out; a follower that has not met them yet
+        # waits one request timeout on them first (issue #20, 256 simulated peers)
+        return self.dht.read_patience()
 
     async def refresh(self, me: MemberInfo) -> None:
         asked = get_dht_time()

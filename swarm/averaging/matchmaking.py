@@ -476,7 +476,7 @@ class Matchmaking:
         next_poll = led_at + cfg.poll_interval
         refreshed_at = led_at  # `election.leader` just looked at the declarations
         expected_at: dict[str, float] = {}
-        bound = self.spread.bound(self._link.rtt())
+        bound = self.spread.bound(self._link.rtt()) + self.election.patience()
         outstanding: dict[str, float] = {}
         why = ""
         while True:

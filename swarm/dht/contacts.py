@@ -141,6 +141,10 @@ class Contacts:
         """How many of `node`'s calls in a row timed out (0 once it answers again)."""
         return self._timeouts.get(node.peer_id, 0)
 
+    def has_suspects(self) -> bool:
+        """Whether some node's last call from this peer timed out and it has not answered since."""
+        return bool(self._timeouts)
+
     def is_suspect(self, peer_id: str) -> bool:
         """Whether this peer's last call to `peer_id` timed out and it has not answered since
         (a lookup asks it but does not wait for it: `swarm.dht.traversal`)."""

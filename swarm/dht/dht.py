@@ -255,6 +255,10 @@ class DHT:
         found = await self._in_loop(self.node.get_many(list(raw_keys.values()), latest=latest))
         return {key: self._decode(hashlib.sha256(raw).digest(), raw, found.get(raw)) for key, raw in raw_keys.items()}
 
+    def read_patience(self) -> float:
+        """See `swarm.dht.handle.KeyValueStore.read_patience`."""
+        return self.config.request_timeout if self.node.protocol.contacts.has_suspects() else 0.0
+
     async def wait_for_stores(self, timeout: float | None = None) -> bool:
         """Waits until the stores made so far have reached every replica (a store returns once
         the nearest holds the record; the others are written in the background).

@@ -38,6 +38,12 @@ class KeyValueStore(Protocol):
         """The value under `key`, or None; with `latest`, the freshest the replicas hold."""
         ...
 
+    def read_patience(self) -> float:
+        """Seconds another peer's read may still spend waiting on nodes this one saw time out
+        (one request timeout while it has such suspects, else 0): this peer's own reads no longer
+        wait for them (`swarm.dht.traversal`), a peer that has not met them yet does."""
+        ...
+
     async def astore_many(
         self,
         keys: Sequence[Key],

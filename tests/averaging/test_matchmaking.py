@@ -43,6 +43,9 @@ class FakeDHT:
             entries[subkey] = ValueWithExpiration(value, expiration_time)
             return True
 
+    def read_patience(self) -> float:
+        return 0.0
+
     async def aget(self, key: str, latest: bool = False) -> ValueWithExpiration | None:
         now = get_dht_time()
         with self.lock:
@@ -209,4 +212,64 @@ def test_real_dht_matchmaking_with_real_peers():
                 assert torch.allclose(t[0], torch.full((1000,), 1.5))
     finally:
         for p in reversed(peers):
+            p.shutdown()
+
+
+class _SlowReads:
+    """One peer's view of a shared `FakeDHT` whose reads take `delay` seconds (they wait out a
+    crashed replica it has not met yet) and whose peer has seen nodes die (`read_patience`)."""
+
+    def __init__(self, dht: FakeDHT, delay: float, patience: float) -> None:
+        self.dht, self.delay, self.patience = dht, delay, patience
+
+    async def astore(self, *args: Any, **kwargs: Any) -> bool:
+        return await self.dht.astore(*args, **kwargs)
+
+    async def aget(self, key: str, latest: bool = False) -> ValueWithExpiration | None:
+        await asyncio.sleep(self.delay)
+        return await self.dht.aget(key, latest)
+
+    def read_patience(self) -> float:
+        return self.patience
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("patience", [2.0, 0.0])
+def test_a_leader_that_saw_nodes_die_waits_for_a_follower_still_reading_past_them(patience):
+    """Issue #20: after crashes, a leader whose own reads pass over the dead nodes (it saw them
+    time out) is quick, while a follower that has not met them yet spends a request timeout on
+    its first read. With the DHT's `read_patience` added to its wait bound the leader takes the
+    follower in (one group of 3); with none it starts without it (0.3 s bound), as before."""
+    shared = FakeDHT()
+    peers = [Peer() for _ in range(3)]
+    try:
+        views = [_SlowReads(shared, 0.0, patience), _SlowReads(shared, 0.0, patience), _SlowReads(shared, 1.5, patience)]
+        for p, view in zip(peers, views):
+            p.dht = view
+        config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.1, min_wait=0.05, max_wait=0.3))
+        avgs = [Averager(p, [torch.full((4,), float(i))], prefix="slow", target_group_size=3, min_group_size=2,
+                         config=config) for i, p in enumerate(peers)]
+        out: list[Any] = [None] * 3
+
+        def step(i: int, timeout: float) -> None:
+            try:
+                out[i] = avgs[i].step(timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - inspected below
+                out[i] = e
+
+        # the slow reader's declaration expires last: it never leads
+        threads = [threading.Thread(target=step, args=(i, t)) for i, t in ((0, 5.0), (1, 5.0), (2, 6.0))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        sizes = [len(r.group) if not isinstance(r, Exception) else 0 for r in out[:2]]
+        if patience:
+            assert all(not isinstance(r, Exception) for r in out), out
+            assert sizes == [3, 3]
+            assert all(torch.equal(a.tensors[0], torch.full((4,), 1.0)) for a in avgs)
+        else:
+            assert sizes == [2, 2]  # the follower still reading came too late
+    finally:
+        for p in peers:
             p.shutdown()
