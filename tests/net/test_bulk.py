@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from sealed_pair import sealed_pair
 
 from swarm.core.errors import DeadlineExceeded, InvalidRequest, NotFound, PeerUnreachable
 from swarm.net import bulk, sealed, tls
@@ -598,29 +599,7 @@ def test_a_record_altered_on_the_way_back_fails_the_callers_stream(make_peer):
 async def _sealed_pair(sink_choose):
     """A caller's and a callee's FrameConnection over a real loopback TCP connection with the TLS
     handshake and sealed records (swarm.net.sealed); the callee's has the sink."""
-    from swarm.core.identity import Identity
-
-    identity = Identity.generate()
-    context = tls.server_context(tls.PeerCertificate.issue(identity))
-    loop = asyncio.get_running_loop()
-    accepted: asyncio.Future = loop.create_future()
-
-    def make_callee_side():
-        conn = bulk.FrameConnection(1 << 23)
-        conn.set_sink(sink_choose)
-        protocol = sealed.SealedProtocol(conn, context, server_side=True, certificate=context.certificate_der)
-        accepted.set_result((conn, protocol))
-        return protocol
-
-    server = await loop.create_server(make_callee_side, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    caller = bulk.FrameConnection(1 << 23)
-    _, caller_side = await loop.create_connection(
-        lambda: sealed.SealedProtocol(caller, tls.client_context(identity.peer_id), server_side=False,
-                                      server_hostname=tls.SERVER_NAME), "127.0.0.1", port)
-    await asyncio.wait_for(caller_side.ready, 10)
-    conn, callee_side = await asyncio.wait_for(accepted, 10)
-    await asyncio.wait_for(callee_side.ready, 10)
+    caller, caller_side, conn, callee_side, server = await sealed_pair(sink=sink_choose, capacity=1 << 23)
     return server, caller, caller_side, conn, callee_side
 
 

@@ -11,9 +11,9 @@ import os
 import struct
 
 import pytest
+from sealed_pair import sealed_pair
 
-from swarm.core.identity import Identity
-from swarm.net import frames, sealed, tls
+from swarm.net import frames, sealed
 
 
 class _Counted(concurrent.futures.ThreadPoolExecutor):
@@ -39,30 +39,7 @@ def workers(monkeypatch):
 async def _pair(off_loop: bool, sink=None):
     """(caller FrameConnection, caller SealedProtocol, callee FrameConnection, callee
     SealedProtocol, server) after the TLS handshake and the key agreement."""
-    identity = Identity.generate()
-    context = tls.server_context(tls.PeerCertificate.issue(identity))
-    loop = asyncio.get_running_loop()
-    accepted: asyncio.Future = loop.create_future()
-
-    def callee():
-        conn = frames.FrameConnection(8 << 20)
-        if sink is not None:
-            conn.set_sink(sink)
-        protocol = sealed.SealedProtocol(conn, context, server_side=True, certificate=context.certificate_der,
-                                         off_loop=off_loop)
-        accepted.set_result((conn, protocol))
-        return protocol
-
-    server = await loop.create_server(callee, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    conn = frames.FrameConnection(8 << 20)
-    _, protocol = await loop.create_connection(
-        lambda: sealed.SealedProtocol(conn, tls.client_context(identity.peer_id), server_side=False,
-                                      server_hostname=tls.SERVER_NAME, off_loop=off_loop), "127.0.0.1", port)
-    await asyncio.wait_for(protocol.ready, 10)
-    callee_conn, callee_protocol = await asyncio.wait_for(accepted, 10)
-    await asyncio.wait_for(callee_protocol.ready, 10)
-    return conn, protocol, callee_conn, callee_protocol, server
+    return await sealed_pair(sink=sink, off_loop=off_loop)
 
 
 # sizes around the record size and the off-loop threshold, small frames in between
