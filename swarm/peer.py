@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, Self, TypeVar
 
@@ -23,6 +24,7 @@ from swarm.core.version import __version__
 from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
 from swarm.metrics.registry import Registry
+from swarm.net import sealed
 from swarm.net.channels import ChannelConfig, ChannelPool
 from swarm.net.nat import NatConfig, NatTraversal, client_direct_paths
 from swarm.net.peer_service import PeerService
@@ -32,6 +34,10 @@ from swarm.proto import peer_pb2
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+_live: set[int] = set()  # the peers of this process not shut down yet
+_live_lock = threading.Lock()
 
 
 class Peer:
@@ -115,6 +121,8 @@ class Peer:
         self._owns_loop = loop is None
         self.loop = loop or LoopThread(name=f"swarm-{self.peer_id[-6:]}")
         self._closed = False
+        with _live_lock:
+            _live.add(id(self))
         tune_malloc()
         if start:
             try:
@@ -206,6 +214,11 @@ class Peer:
                 self.loop.stop()
             if self._identity_file is not None:
                 self._identity_file.release()
+            with _live_lock:
+                _live.discard(id(self))
+                last = not _live
+            if last:
+                sealed.stop_workers()  # the process's sealing threads, shared by its peers
 
     def __enter__(self) -> Self:
         return self

@@ -460,26 +460,32 @@ class ButterflyAllReduce:
         """Streams part `part` as this member holds it, to a member that lost it (see `serve_part` below)."""
         return serve_part(self, part)
 
-    def close(self) -> None:
-        """Cancels whatever still runs for this round (at release or shutdown). The stream of a part
-        held here is left to end by itself: this member's END is on its way (`finished`), and the
-        reducer's comes back a round trip later, leaving the connection for the next round's
-        stream (`ChannelConfig.bulk_pool`); it is cancelled after `END_WAIT` seconds. Cancelled at
-        once, the member that finishes a round last (its release comes at once) lost every
-        connection to its reducers and started the next round's all-gather on new, cold ones
-        (network lab, BENCHMARKS.md scenario 3)."""
+    def close(self, linger: bool = True) -> list[asyncio.Task[Any]]:
+        """Cancels whatever still runs for this round (at release or shutdown). With `linger`, the
+        stream of a part held here is left to end by itself: this member's END is on its way
+        (`finished`), and the reducer's comes back a round trip later, leaving the connection for
+        the next round's stream (`ChannelConfig.bulk_pool`); it is cancelled after `END_WAIT`
+        seconds. Cancelled at once, the member that finishes a round last (its release comes at
+        once) lost every connection to its reducers and started the next round's all-gather on
+        new, cold ones (network lab, BENCHMARKS.md scenario 3).
+
+        Returns the streams left to end by themselves (the caller cancels them if it shuts down
+        first: a task pending when the loop stops is destroyed, with a warning)."""
         self.finished.set()
         for p in self.parts:
             if p.sink is not None:
                 p.sink.detach()  # the scratch buffer is about to serve another round
         held = {id(p.exchange) for p in self.parts if p.exchange is not None and p.state is PartState.COMPLETE}
+        lingering = []
         for task in self._tasks:
-            if id(task) in held and not task.done():
+            if linger and id(task) in held and not task.done():
                 task.get_loop().call_later(END_WAIT, task.cancel)
+                lingering.append(task)
             else:
                 task.cancel()
         if self.reducer is not None:
             self.reducer.close()
+        return lingering
 
 
 # -- recovering a lost part (Fetch) --------------------------------------------------------------

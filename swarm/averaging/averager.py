@@ -322,8 +322,11 @@ class Averager:
             return
         self._closed = True
         self.matchmaking.close()
-        for task in list(self._background):
+        tasks = list(self._background)
+        for task in tasks:
             task.cancel()
+        if tasks:  # a release's cleanup, and its streams' cancellation, run before the loop stops
+            await asyncio.wait(tasks, timeout=5.0)
         self.peer.detach(self)
 
     # -- one step ----------------------------------------------------------------------------
@@ -496,7 +499,9 @@ class Averager:
                 await asyncio.sleep(max(0.0, until - loop.time()))
         finally:
             self.service.unregister(group.prefix, group.round_id)
-            allreduce.close()
+            for stream in allreduce.close(linger=not self._closed):
+                self._background.add(stream)  # cancelled at shutdown if it has not ended by then
+                stream.add_done_callback(self._background.discard)
             if coordinator is not None:
                 coordinator.close()
             self._scratch.release(scratch)

@@ -98,6 +98,16 @@ def _workers() -> concurrent.futures.ThreadPoolExecutor:
         return _executor
 
 
+def stop_workers() -> None:
+    """Stops the sealing threads once their work is done (the last peer of the process left: a
+    notebook that leaves the swarm keeps no swarm thread). A later record starts them again."""
+    global _executor
+    with _executor_lock:
+        executor, _executor = _executor, None
+    if executor is not None:
+        executor.shutdown(wait=True)  # jobs are pure cipher work: they end without the loop
+
+
 def _submit(fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
     """`fn(*args)` on a worker; right here once the workers are gone (the interpreter is exiting)."""
     try:
