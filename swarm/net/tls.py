@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import functools
+import os
 import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,12 +37,13 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from swarm.core.errors import Unauthenticated
 from swarm.core.identity import Identity, peer_id_to_public_key, public_key_to_peer_id
+from swarm.net import der
 
 if TYPE_CHECKING:
     from cryptography import x509
 
-# `cryptography.x509` (~3 MB of modules) is imported on first use, not by every process that
-# imports the transport: an --insecure peer never needs it.
+# `cryptography.x509` (~3 MB of modules) is imported only to read a certificate received unverified
+# (`read_peer_certificate`); the certificates a peer makes are written by `swarm.net.der`.
 _LIBP2P_EXTENSION = "1.3.6.1.4.1.53594.1.1"
 SERVER_NAME = "swarm-peer"  # the DNS name in every certificate; the PeerID is what is checked
 _SIGNED_KEY_PREFIX = b"libp2p-tls-handshake:"
@@ -61,55 +63,39 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+_ANCHOR_ORGANIZATION = "swarm libp2p identity"
+
+
 def anchor_name(public_key: bytes) -> x509.Name:
     """The issuer name of every certificate the key behind `public_key` signs (64 hex digits)."""
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "swarm libp2p identity"),
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ANCHOR_ORGANIZATION),
                       x509.NameAttribute(NameOID.COMMON_NAME, public_key.hex())])
 
 
+def _anchor_name_der(public_key: bytes) -> bytes:
+    """`anchor_name` in DER, without importing `cryptography.x509`."""
+    return der.name([(der.ORGANIZATION_NAME, _ANCHOR_ORGANIZATION), (der.COMMON_NAME, public_key.hex())])
+
+
 # -- the libp2p SignedKey extension (DER by hand: SEQUENCE { OCTET STRING, OCTET STRING }) --------
-
-def _der_length(n: int) -> bytes:
-    if n < 0x80:
-        return bytes([n])
-    body = n.to_bytes((n.bit_length() + 7) // 8, "big")
-    return bytes([0x80 | len(body)]) + body
-
-
-def _der(tag: int, body: bytes) -> bytes:
-    return bytes([tag]) + _der_length(len(body)) + body
-
-
-def _read_der(data: bytes, offset: int, tag: int) -> tuple[bytes, int]:
-    if offset + 2 > len(data) or data[offset] != tag:
-        raise ValueError("unexpected DER tag")
-    length, offset = data[offset + 1], offset + 2
-    if length & 0x80:
-        count = length & 0x7F
-        if count == 0 or count > 4 or offset + count > len(data):
-            raise ValueError("bad DER length")
-        length, offset = int.from_bytes(data[offset:offset + count], "big"), offset + count
-    if offset + length > len(data):
-        raise ValueError("truncated DER")
-    return data[offset:offset + length], offset + length
-
 
 def signed_key(identity: Identity, certificate_key_spki: bytes) -> bytes:
     """The libp2p extension's value: the host's PublicKey protobuf and its signature over the
     certificate's SubjectPublicKeyInfo (libp2p TLS spec, "libp2p Public Key Extension")."""
     signature = identity.sign(_SIGNED_KEY_PREFIX + certificate_key_spki)
-    return _der(0x30, _der(0x04, _PUBKEY_PREFIX + identity.public_key) + _der(0x04, signature))
+    return der.tlv(der.SEQUENCE, der.tlv(der.OCTET_STRING, _PUBKEY_PREFIX + identity.public_key)
+                   + der.tlv(der.OCTET_STRING, signature))
 
 
 def _parse_signed_key(value: bytes) -> tuple[bytes, bytes]:
-    body, end = _read_der(value, 0, 0x30)
+    body, end = der.read(value, 0, der.SEQUENCE)
     if end != len(value):
         raise ValueError("trailing bytes")
-    key, offset = _read_der(body, 0, 0x04)
-    signature, offset = _read_der(body, offset, 0x04)
+    key, offset = der.read(body, 0, der.OCTET_STRING)
+    signature, offset = der.read(body, offset, der.OCTET_STRING)
     if offset != len(body) or len(key) != 36 or key[:4] != _PUBKEY_PREFIX:
         raise ValueError("not an Ed25519 libp2p PublicKey")
     return key[4:], signature
@@ -126,30 +112,21 @@ class PeerCertificate:
 
     @classmethod
     def issue(cls, identity: Identity) -> PeerCertificate:
-        from cryptography import x509
-        from cryptography.x509.oid import NameOID
-
         key = ec.generate_private_key(ec.SECP256R1())
         spki = key.public_key().public_bytes(_DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-        now = datetime.datetime.now(datetime.UTC)
-        certificate = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.peer_id)]))
-            .issuer_name(anchor_name(identity.public_key))
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - _CLOCK_SKEW)
-            .not_valid_after(now + _LEAF_LIFETIME)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.UnrecognizedExtension(x509.ObjectIdentifier(_LIBP2P_EXTENSION),
-                                                      signed_key(identity, spki)),
-                           critical=False)
-            .sign(identity.private_key, None)
-        )
+        now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+        certificate = der.certificate(
+            serial=int.from_bytes(os.urandom(20), "big") >> 1,  # positive, at most 20 octets (RFC 5280)
+            issuer=_anchor_name_der(identity.public_key),
+            subject=der.name([(der.COMMON_NAME, identity.peer_id)]),
+            not_before=now - _CLOCK_SKEW, not_after=now + _LEAF_LIFETIME, spki=spki,
+            extensions=[der.extension(der.SUBJECT_ALT_NAME, der.dns_names(SERVER_NAME), critical=False),
+                        der.extension(der.BASIC_CONSTRAINTS, der.basic_constraints(ca=False), critical=True),
+                        der.extension(_LIBP2P_EXTENSION, signed_key(identity, spki), critical=False)],
+            sign=identity.sign)
         return cls(
             key.private_bytes(_PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
-            certificate.public_bytes(_PEM),
+            ssl.DER_cert_to_PEM_cert(certificate).encode(),
         )
 
 
@@ -169,24 +146,16 @@ def trust_anchor(peer_id: str) -> bytes:
     except Exception:  # noqa: BLE001 - IdentityError, or garbage from a record
         raise Unauthenticated(f"{peer_id!r} is not an Ed25519 PeerID: no TLS certificate can prove it",
                               peer_id=peer_id) from None
-    from cryptography import x509
-
-    name = anchor_name(public_key)
-    anchor = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(ed25519.Ed25519PublicKey.from_public_bytes(public_key))
-        .serial_number(1)
-        .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC))
-        .not_valid_after(datetime.datetime(9999, 12, 31, tzinfo=datetime.UTC))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-        .sign(_anchor_signer(), None)  # a trust anchor's own signature is not verified
-    )
-    return anchor.public_bytes(_PEM)
+    name = _anchor_name_der(public_key)
+    anchor = der.certificate(
+        serial=1, issuer=name, subject=name,
+        not_before=datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC),
+        not_after=datetime.datetime(9999, 12, 31, tzinfo=datetime.UTC),
+        spki=der.ed25519_spki(public_key),
+        extensions=[der.extension(der.BASIC_CONSTRAINTS, der.basic_constraints(ca=True, path_length=0), critical=True),
+                    der.extension(der.KEY_USAGE, der.KEY_CERT_SIGN_ONLY, critical=True)],
+        sign=_anchor_signer().sign)  # a trust anchor's own signature is not verified
+    return ssl.DER_cert_to_PEM_cert(anchor).encode()
 
 
 def read_peer_certificate(der: bytes) -> str:
@@ -221,7 +190,6 @@ class ServerContext(ssl.SSLContext):
 
 def server_context(certificate: PeerCertificate) -> ServerContext:
     """TLS 1.3 server context presenting `certificate` (the bulk listener)."""
-    import os
     import tempfile
 
     context = ServerContext(ssl.PROTOCOL_TLS_SERVER)

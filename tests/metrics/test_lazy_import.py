@@ -1,5 +1,6 @@
 """A DHT-only daemon without `--metrics-port` never loads prometheus_client (~4.5 MB of its
-memory, BENCHMARKS.md "Transport security"); one with it serves `/metrics` as before."""
+memory, BENCHMARKS.md "Transport security"), nor `cryptography.x509` (~3 MB: the certificates it
+makes are written by `swarm.net.der`); one with `--metrics-port` serves `/metrics` as before."""
 
 from __future__ import annotations
 
@@ -18,30 +19,35 @@ from swarm.peer import Peer
 CLIENT = DHTConfig(request_timeout=2.0, lookup_timeout=10.0, cache_size=0)
 
 
+def imported_modules(stderr: str) -> set[str]:
+    """Modules a process imported, from its `PYTHONPROFILEIMPORTTIME` lines on stderr."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
 def imported(stderr: str) -> set[str]:
-    """Top-level packages a process imported, from its `PYTHONPROFILEIMPORTTIME` lines on stderr."""
-    names = set()
-    for line in stderr.splitlines():
-        if line.startswith("import time:") and "|" in line:
-            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
-    return names
+    """Top-level packages a process imported."""
+    return {name.split(".")[0] for name in imported_modules(stderr)}
 
 
-def test_a_dht_only_daemon_serving_requests_never_imports_prometheus_client():
-    with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", env={"PYTHONPROFILEIMPORTTIME": "1"},
-                     ready_timeout=60) as daemon:
+def test_a_dht_only_daemon_serving_requests_never_imports_prometheus_client_nor_x509():
+    with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", ready_timeout=60) as first, \
+            PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", "--initial-peers", first.addrs[0],
+                        env={"PYTHONPROFILEIMPORTTIME": "1"}, ready_timeout=60) as daemon:
         client = Peer(initial_peers=daemon.addrs, client_mode=True, dht_config=CLIENT)
         try:
             now = get_dht_time()
-            assert client.dht.store("lazy-metrics", "v", now + 60)
+            assert client.dht.store("lazy-metrics", "v", now + 60)  # stored on both daemons over TLS
             assert client.dht.get("lazy-metrics", latest=True).value == "v"
         finally:
             client.shutdown()
         daemon.signal(signal.SIGINT)
         assert daemon.wait() == 0
-        names = imported(daemon.stderr_text())
-    assert "swarm" in names and "grpc" in names  # the import log is there
+        modules = imported_modules(daemon.stderr_text())
+    names = {name.split(".")[0] for name in modules}
+    assert "swarm" in names and "grpc" in names and "swarm.net.tls" in modules  # the import log is there
     assert "prometheus_client" not in names and "torch" not in names
+    assert "cryptography.x509" not in modules
 
 
 def test_metrics_modules_load_without_prometheus_client_until_a_family_is_asked_for():
