@@ -19,14 +19,15 @@ waiting for its group, and where each trainer process's CPU went, by thread (the
 the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
-        [--variants TARGET:LR[:WARMUP] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM]]] ...]
+        [--variants TARGET:LR[:WARMUP[:STALENESS]] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]] ...]
         [--plain-references BATCH:LR ...]
 
 `--variants` adds overlapped phases with another target batch, learning rate or warm-up, side by
 side with the default ones in the same invocation (what the held-out loss gap comes from);
-`diloco:H[:BITS[:OUTER_LR[:MOMENTUM]]]` adds a DiLoCo phase: H inner steps of the plain process's
-batch and learning rate per round, 8-bit (or 4-bit) pseudo-gradients, outer SGD with that learning
-rate and Nesterov momentum (0.7, 0.9; momentum 0: plain SGD), rounds overlapped.
+`diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]]` adds a DiLoCo phase: H inner steps of the plain
+process's batch per round, 8-bit (4-bit; 32: uncompressed) pseudo-gradients, outer SGD with that
+learning rate and Nesterov momentum (0.7, 0.9; momentum 0: plain SGD), inner Adam at the plain
+process's learning rate unless INNER_LR says otherwise, rounds overlapped.
 """
 
 from __future__ import annotations
@@ -81,24 +82,29 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
 
 
 def parse_variant(text: str) -> tuple[int, float, int, int, float, float]:
-    """`TARGET:LR[:WARMUP]`: target batch, Adam's learning rate, collective steps of linear warm-up;
-    or `diloco:H[:BITS[:OUTER_LR[:MOMENTUM]]]`: DiLoCo with H inner steps per round, 8-bit (or 4-bit)
-    pseudo-gradients, outer SGD learning rate (0.7) and Nesterov momentum (0.9; 0: plain SGD).
-    Returns (target, lr, warm-up or H, bits, outer lr, outer momentum); DiLoCo's target is 0."""
+    """`TARGET:LR[:WARMUP[:STALENESS]]`: target batch, Adam's learning rate, collective steps of linear
+    warm-up, max_staleness (1: rounds overlapped, the default; 0: each step waits for its round);
+    or `diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]]`: DiLoCo with H inner steps per round, 8-bit
+    (4-bit, 32: none) pseudo-gradients, outer SGD learning rate (0.7) and Nesterov momentum (0.9; 0:
+    plain SGD), inner learning rate (0: the plain process's). Returns (target, lr, warm-up or H, bits,
+    outer lr, outer momentum); DiLoCo's target is 0 and its lr the inner one."""
     parts = text.split(":")
     try:
-        if parts[0] == "diloco" and 2 <= len(parts) <= 5 and (len(parts) == 2 or parts[2] in ("4", "8")):
+        if parts[0] == "diloco" and 2 <= len(parts) <= 6 and (len(parts) == 2 or parts[2] in ("4", "8", "32")):
             bits = int(parts[2]) if len(parts) >= 3 else 8
             outer_lr = float(parts[3]) if len(parts) >= 4 else 0.7
-            momentum = float(parts[4]) if len(parts) == 5 else 0.9
-            if outer_lr > 0 and 0 <= momentum < 1:
-                return 0, 0.0, int(parts[1]), bits, outer_lr, momentum
-        elif len(parts) in (2, 3):
-            return int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0, 32, 0.0, 0.0
+            momentum = float(parts[4]) if len(parts) >= 5 else 0.9
+            inner_lr = float(parts[5]) if len(parts) == 6 else 0.0
+            if outer_lr > 0 and 0 <= momentum < 1 and inner_lr >= 0:
+                return 0, inner_lr, int(parts[1]), bits, outer_lr, momentum
+        elif len(parts) in (2, 3, 4) and (len(parts) < 4 or parts[3] in ("0", "1")):
+            # large-batch; the fourth field is max_staleness, passed in the (unused) momentum slot
+            return (int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) >= 3 else 0, 32, 0.0,
+                    float(parts[3]) if len(parts) == 4 else 1.0)
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(
-        f"a variant is TARGET:LR[:WARMUP] or diloco:H[:BITS[:OUTER_LR[:MOMENTUM]]], got {text!r}")
+        f"a variant is TARGET:LR[:WARMUP[:STALENESS]] or diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]], got {text!r}")
 
 
 def parse_plain(text: str) -> tuple[int, float]:
@@ -118,7 +124,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (the plain process's too)")
     parser.add_argument("--skip-sync", action="store_true", help="leave out the max_staleness=0 phase")
     parser.add_argument("--variants", nargs="*", type=parse_variant, default=[],
-                        help="more overlapped phases, each TARGET:LR[:WARMUP] (target batch, learning rate, "
+                        help="more phases, each TARGET:LR[:WARMUP[:STALENESS]] (target batch, learning rate, "
                              "collective steps of linear warm-up), run after the default ones in the same "
                              "invocation, e.g. 512:0.017:3 (the learning rate scaled by sqrt(512/16))")
     parser.add_argument("--plain-threads", type=int, nargs="*", default=None,
@@ -151,14 +157,16 @@ def main() -> None:
     if not args.skip_default:
         phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
                     args.lr, 0, staleness, 32, 0.0, 0.0) for staleness in ([1] if args.skip_sync else [0, 1])]
-    phases += [(f"max_staleness=1, target {target}, lr {lr}, warm-up {warmup}" if target else
-                f"DiLoCo H={warmup} ({bits}-bit, overlapped), inner lr {args.lr}, outer lr {outer_lr}, "
-                f"momentum {momentum}", target, lr, warmup, 1, bits, outer_lr, momentum)
+    phases += [(f"max_staleness={int(momentum)}, target {target}, lr {lr}, warm-up {warmup}", target, lr, warmup,
+                int(momentum), bits, 0.0, 0.0) if target else
+               ((f"DiLoCo H={warmup} ({bits}-bit, overlapped), inner lr {lr or args.lr}, outer lr {outer_lr}, "
+                 f"momentum {momentum}"), target, lr, warmup, 1, bits, outer_lr, momentum)
                for target, lr, warmup, bits, outer_lr, momentum in args.variants]
     for name, target, lr, warmup, staleness, bits, outer_lr, momentum in phases:
         if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
-            extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(args.lr), "--local-steps", str(warmup),
-                     "--target-loss", "0", "--max-staleness", "1", "--compression", f"UNIFORM_{bits}BIT",
+            codec = "NONE" if bits == 32 else f"UNIFORM_{bits}BIT"
+            extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(lr or args.lr), "--local-steps", str(warmup),
+                     "--target-loss", "0", "--max-staleness", "1", "--compression", codec,
                      "--outer-lr", str(outer_lr), "--outer-momentum", str(momentum)]
             results = bench_training.run_workers("diloco", args.peers, extra, args.seconds + 180)
             describe(f"{args.peers} trainers, {name}", results, plain)
