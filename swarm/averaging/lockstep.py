@@ -43,7 +43,7 @@ class Lockstep:
         self._sent: dict[Hashable, int] = dict.fromkeys(streams, 0)
         self._progress: dict[Hashable, float] = dict.fromkeys(self._sent, loop.time())
         self._patience = {k: (patience or {}).get(k, default_patience) for k in self._sent}
-        self._changed = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []
         self.waits = 0  # times a stream had to wait for a slower one (tests, diagnostics)
 
     @property
@@ -75,20 +75,36 @@ class Lockstep:
                     self.leave(k)
                 continue
             wake = min(self._progress[k] + self._patience[k] for k in laggards)
-            self._changed.clear()
+            # a future of its own, made before anything else runs: a shared event cleared by the
+            # next stream to wait could swallow the wake-up meant for this one
+            woken = self._loop.create_future()
+            self._waiters.append(woken)
+            timer = self._loop.call_at(max(now + 0.001, wake), _wake, woken)
             try:
-                await asyncio.wait_for(self._changed.wait(), max(0.001, wake - now))
-            except TimeoutError:
-                pass
+                await woken
+            finally:
+                timer.cancel()
+                if woken in self._waiters:
+                    self._waiters.remove(woken)
 
     def sent(self, key: Hashable) -> None:
         """Stream `key` handed one more chunk to its connection."""
         if key in self._sent:
             self._sent[key] += 1
             self._progress[key] = self._loop.time()
-            self._changed.set()
+            self._notify()
 
     def leave(self, key: Hashable) -> None:
         """Stream `key` is done (finished, failed or given up): nobody waits for it any more."""
         if self._sent.pop(key, None) is not None:
-            self._changed.set()
+            self._notify()
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for woken in waiters:
+            _wake(woken)
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)

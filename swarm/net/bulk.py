@@ -310,7 +310,7 @@ def limit_unsent(sock: Any) -> None:
         return
     try:
         sock.setsockopt(socket.IPPROTO_TCP, option, NOTSENT_LOWAT)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: closed meanwhile (no descriptor)
         logger.debug("TCP_NOTSENT_LOWAT not set on a bulk connection: %s", e)
 
 

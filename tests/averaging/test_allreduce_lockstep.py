@@ -84,6 +84,31 @@ def test_streams_sent_at_once_stay_within_ahead_chunks_of_each_other_and_all_fin
     run(main())
 
 
+def test_a_waiting_stream_is_woken_even_when_the_one_it_waited_for_sends_and_waits_in_the_same_step():
+    """The wake-up of a waiting stream is its own: the faster stream catching up and then waiting
+    itself before the first one ran again must not swallow it (a shared event, cleared by the
+    second waiter, did: every phase then stalled for a whole patience)."""
+    async def main():
+        lockstep = Lockstep(["a", "b"], ahead=2, default_patience=30.0)
+        lockstep.sent("a")
+        lockstep.sent("a")
+
+        async def b_side() -> None:
+            for _ in range(4):
+                lockstep.sent("b")
+            await lockstep.turn("b")  # 4 against "a"'s 2: waits
+
+        a = asyncio.ensure_future(lockstep.turn("a"))  # 2 against 0: waits
+        b = asyncio.ensure_future(b_side())
+        await asyncio.wait_for(a, 5)  # woken by "b"'s chunks, long before the 30 s patience
+        assert not b.done()
+        lockstep.sent("a")
+        lockstep.sent("a")
+        await asyncio.wait_for(b, 5)
+
+    run(main())
+
+
 def test_ahead_zero_never_waits():
     async def main():
         lockstep = Lockstep(["a", "b"], ahead=0)
