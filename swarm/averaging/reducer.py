@@ -47,6 +47,8 @@ from swarm.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
 
+RESULTS_LOCKSTEP = True  # the mean's streams kept level too (`AllReduceConfig.lockstep`); EXPERIMENT
+
 
 @dataclass
 class _Sender:
@@ -398,7 +400,7 @@ class PartReducer(PartCollector):
             self.decision = decision
             # the mean goes back to every sender that streamed here, its streams level with each other
             remote = [s.index for s in self.senders.values() if s.streaming and s.index != self.my_index]
-            self.results_lockstep = Lockstep(remote, self.config.lockstep,
+            self.results_lockstep = Lockstep(remote, self.config.lockstep if RESULTS_LOCKSTEP else 0,
                                              {i: self._silence_limit(self.senders[i]) for i in remote})
             self.finished.set()
         except asyncio.CancelledError:
