@@ -47,9 +47,6 @@ def worker(args: argparse.Namespace) -> None:
 
     if args.lowat >= 0:
         bulk.NOTSENT_LOWAT = args.lowat
-    if args.results_lockstep >= 0:
-        from swarm.averaging import reducer
-        reducer.RESULTS_LOCKSTEP = bool(args.results_lockstep)
     peer = Peer(listen=f"/ip4/{args.address}/tcp/0", channel_config=ChannelConfig(bulk_pool=not args.no_pool))
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
     addrs = json.loads(sys.stdin.readline())["addrs"]
@@ -134,9 +131,8 @@ def sample_sockets(lab, n: int, path: str, stop: threading.Event) -> None:
 
 # swarm's variants beside the default: (name, worker arguments)
 VARIANTS = {
-    "swarm": ["--results-lockstep", "0"],
-    "swarm-both": ["--results-lockstep", "1"],
-    "swarm-nolowat": ["--results-lockstep", "0", "--lowat", "0"],
+    "swarm": [],
+    "swarm-nolowat": ["--lowat", "0"],                                   # lockstep without the small queue
     "swarm-nopool": ["--no-pool"],                                       # --compare-pool
     "swarm-lowat": ["--lockstep", "0"],                                  # --compare-lockstep
     "swarm-free": ["--lockstep", "0", "--lowat", "0"],                   # --compare-lockstep: the code before
@@ -247,7 +243,6 @@ def main() -> None:
     parser.add_argument("--no-pool", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--lockstep", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--lowat", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--results-lockstep", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--variants", nargs="+", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--congestion", default="",
                         help="TCP congestion control on every lab host (e.g. reno, loss-based like most hosts' cubic, which "
@@ -297,7 +292,6 @@ def main() -> None:
                 who = "raw TCP butterfly" if raw else {"swarm": "swarm averager", "swarm-nopool": "swarm, no pool",
                                                        "swarm-lowat": "swarm, no lockstep",
                                                        "swarm-free": "swarm, neither (before)",
-                                                       "swarm-both": "swarm, results lockstep too",
                                                        "swarm-nolowat": "swarm, no small send queue"}[variant]
                 print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "

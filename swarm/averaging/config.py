@@ -46,9 +46,9 @@ class AllReduceConfig:
         clip_iterations: bound on CenteredClip's iterations per part.
         clip_tolerance: CenteredClip stops once an iteration moves the centre by less than
             `clip_tolerance * tau`.
-        lockstep: how many chunks one of a peer's streams of a phase (its parts to their reducers,
-            or a reducer's mean to its members) may run ahead of the slowest, so they finish
-            together (`swarm.averaging.lockstep`); 0: each stream as fast as its connection takes.
+        lockstep: how many chunks one of a member's part streams to their reducers may run ahead
+            of the slowest, so they finish together (`swarm.averaging.lockstep`); 0: each stream
+            as fast as its connection takes.
         verify: members check every part they receive against its reducer's published digest,
             clip scales and input sketches, and the leader compares what all members hold before
             anyone applies (`swarm.averaging.verification`); None: on in robust mode only.

@@ -1,14 +1,15 @@
-"""Keeping a peer's concurrent streams of one phase level with each other.
+"""Keeping a member's part streams of the reduce-scatter level with each other.
 
-In a butterfly phase a member sends one part to each reducer over its own connection, and a
-reducer sends the mean back to each member over its own: n-1 TCP flows share one uplink. Left to
-themselves they do not share it evenly (congestion control is only roughly fair, and a flow that
-lost a packet falls behind), so they finish up to a second apart, and the flows still running
-take the freed link back only slowly: the phase lasts as long as its slowest flow (network lab,
-BENCHMARKS.md scenario 3). `Lockstep` lets a stream hand its next chunk to its connection only
-while it is less than `ahead` chunks ahead of the slowest stream still running, so the flows
-progress, and finish, together; the bytes already queued on each connection (`swarm.net.bulk`
-keeps the kernel's share of that small) are the only slack left between them.
+In the reduce-scatter a member sends one part to each reducer over its own connection: n-1 TCP
+flows share its uplink. Left to themselves they do not share it evenly (congestion control is
+only roughly fair, and a flow that lost a packet falls behind), so they finish up to a second
+apart, and the flows still running take the freed link back only slowly: the phase lasts as
+long as its slowest flow, and every reducer's report waits for it (network lab, BENCHMARKS.md
+scenario 3). `Lockstep` lets a stream hand its next chunk to its connection only while it is
+less than `ahead` chunks ahead of the slowest stream still running, so the flows progress, and
+finish, together; the bytes already queued on each connection (`swarm.net.bulk` keeps the
+kernel's share of that small) are the only slack left between them. (The same on a reducer's
+streams of the mean was measured no faster and is not done.)
 
 A stream that made no progress for its patience (a stalled or very slow peer) stops holding the
 others back for the rest of the phase: lockstep never makes a round wait on a peer longer than

@@ -32,7 +32,6 @@ from swarm.averaging.agreement import Decision, Report
 from swarm.averaging.config import AllReduceConfig
 from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
-from swarm.averaging.lockstep import Lockstep
 from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.averaging.robust import ClipOutcome, centered_clip, too_few
 from swarm.averaging.verification import part_digest, sketch
@@ -46,8 +45,6 @@ from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
-
-RESULTS_LOCKSTEP = True  # the mean's streams kept level too (`AllReduceConfig.lockstep`); EXPERIMENT
 
 
 @dataclass
@@ -327,7 +324,6 @@ class PartReducer(PartCollector):
         self.finished = asyncio.Event()        # mean ready, or aborted
         self.slots_released = asyncio.Event()  # the slots may now hold this member's results
         self._payloads: list[bytes | None] = []
-        self.results_lockstep: Lockstep | None = None  # set with the decision, before `finished`
         self._task: asyncio.Task[None] | None = None
         self._streams: list[asyncio.Task[None]] = []
 
@@ -398,10 +394,6 @@ class PartReducer(PartCollector):
             logger.debug("part %d: averaged after %.3f s", self.part, loop.time() - self.t0)
             await self.faults.hit(FaultPoint.BEFORE_ALL_GATHER)
             self.decision = decision
-            # the mean goes back to every sender that streamed here, its streams level with each other
-            remote = [s.index for s in self.senders.values() if s.streaming and s.index != self.my_index]
-            self.results_lockstep = Lockstep(remote, self.config.lockstep if RESULTS_LOCKSTEP else 0,
-                                             {i: self._silence_limit(self.senders[i]) for i in remote})
             self.finished.set()
         except asyncio.CancelledError:
             self._abort("cancelled")
@@ -532,25 +524,16 @@ class PartReducer(PartCollector):
         n = len(self.chunks)
         if n == 0 and sender.client_mode:
             await self._wait_server_acks(deadline)
-        lockstep = self.results_lockstep
-        try:
-            yield result_header
-            logger.debug("part %d: result to sender %d starts after %.3f s", self.part, header.sender, loop.time() - self.t0)
-            for i in range(n):
-                if i == n - 1 and sender.client_mode:
-                    await self._wait_server_acks(deadline)
-                if sender.broken:
-                    raise FaultInjected(f"stream from member {header.sender} dropped")
-                if lockstep is not None:
-                    await lockstep.turn(header.sender)  # level with the mean's other streams
-                yield self._payload(i)
-                if lockstep is not None:
-                    lockstep.sent(header.sender)
-                self.sent_chunks += 1
-                await self.faults.hit(FaultPoint.DURING_ALL_GATHER, self.sent_chunks)
-        finally:
-            if lockstep is not None:
-                lockstep.leave(header.sender)
+        yield result_header
+        logger.debug("part %d: result to sender %d starts after %.3f s", self.part, header.sender, loop.time() - self.t0)
+        for i in range(n):
+            if i == n - 1 and sender.client_mode:
+                await self._wait_server_acks(deadline)
+            if sender.broken:
+                raise FaultInjected(f"stream from member {header.sender} dropped")
+            yield self._payload(i)
+            self.sent_chunks += 1
+            await self.faults.hit(FaultPoint.DURING_ALL_GATHER, self.sent_chunks)
         logger.debug("part %d: result to sender %d queued after %.3f s", self.part, header.sender, loop.time() - self.t0)
         # keep the call open until the sender holds every part and closes its side
         await asyncio.wait({reader}, timeout=max(0.0, deadline + self.config.linger - loop.time()))
