@@ -19,7 +19,10 @@ the silence limits that would drop that peer anyway.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Hashable, Iterable
+
+logger = logging.getLogger(__name__)
 
 
 class Lockstep:
@@ -73,6 +76,7 @@ class Lockstep:
             stale = [k for k in laggards if now - self._progress[k] >= self._patience[k]]
             if stale:
                 for k in stale:
+                    logger.debug("lockstep: stream %s silent for %.2f s: no longer waited for", k, now - self._progress[k])
                     self.leave(k)
                 continue
             wake = min(self._progress[k] + self._patience[k] for k in laggards)
