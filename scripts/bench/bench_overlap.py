@@ -81,13 +81,13 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
           + ", ".join(f"{method} {rate:.1f}" for method, rate in top), flush=True)
 
 
-def parse_variant(text: str) -> tuple[int, float, int, int, float, float]:
+def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float]:
     """`TARGET:LR[:WARMUP[:STALENESS]]`: target batch, Adam's learning rate, collective steps of linear
     warm-up, max_staleness (1: rounds overlapped, the default; 0: each step waits for its round);
     or `diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]]`: DiLoCo with H inner steps per round, 8-bit
     (4-bit, 32: none) pseudo-gradients, outer SGD learning rate (0.7) and Nesterov momentum (0.9; 0:
-    plain SGD), inner learning rate (0: the plain process's). Returns (target, lr, warm-up or H, bits,
-    outer lr, outer momentum); DiLoCo's target is 0 and its lr the inner one."""
+    plain SGD), inner learning rate (0: the plain process's). Returns (target, lr, warm-up or H,
+    max_staleness, bits, outer lr, outer momentum); DiLoCo's target is 0 and its lr the inner one."""
     parts = text.split(":")
     try:
         if parts[0] == "diloco" and 2 <= len(parts) <= 6 and (len(parts) == 2 or parts[2] in ("4", "8", "32")):
@@ -96,11 +96,10 @@ def parse_variant(text: str) -> tuple[int, float, int, int, float, float]:
             momentum = float(parts[4]) if len(parts) >= 5 else 0.9
             inner_lr = float(parts[5]) if len(parts) == 6 else 0.0
             if outer_lr > 0 and 0 <= momentum < 1 and inner_lr >= 0:
-                return 0, inner_lr, int(parts[1]), bits, outer_lr, momentum
+                return 0, inner_lr, int(parts[1]), 1, bits, outer_lr, momentum
         elif len(parts) in (2, 3, 4) and (len(parts) < 4 or parts[3] in ("0", "1")):
-            # large-batch; the fourth field is max_staleness, passed in the (unused) momentum slot
-            return (int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) >= 3 else 0, 32, 0.0,
-                    float(parts[3]) if len(parts) == 4 else 1.0)
+            return (int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) >= 3 else 0,
+                    int(parts[3]) if len(parts) == 4 else 1, 32, 0.0, 0.0)
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(
@@ -157,11 +156,9 @@ def main() -> None:
     if not args.skip_default:
         phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
                     args.lr, 0, staleness, 32, 0.0, 0.0) for staleness in ([1] if args.skip_sync else [0, 1])]
-    phases += [(f"max_staleness={int(momentum)}, target {target}, lr {lr}, warm-up {warmup}", target, lr, warmup,
-                int(momentum), bits, 0.0, 0.0) if target else
-               ((f"DiLoCo H={warmup} ({bits}-bit, overlapped), inner lr {lr or args.lr}, outer lr {outer_lr}, "
-                 f"momentum {momentum}"), target, lr, warmup, 1, bits, outer_lr, momentum)
-               for target, lr, warmup, bits, outer_lr, momentum in args.variants]
+    phases += [(f"max_staleness={variant[3]}, target {variant[0]}, lr {variant[1]}, warm-up {variant[2]}" if variant[0]
+                else f"DiLoCo H={variant[2]} ({variant[4]}-bit, overlapped), inner lr {variant[1] or args.lr}, "
+                     f"outer lr {variant[5]}, momentum {variant[6]}", *variant) for variant in args.variants]
     for name, target, lr, warmup, staleness, bits, outer_lr, momentum in phases:
         if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
             codec = "NONE" if bits == 32 else f"UNIFORM_{bits}BIT"
