@@ -15,9 +15,8 @@ What a peer's scrape shows (`swarm.cli.metrics`, served by `swarm-peer --metrics
   in plain numbers that a prometheus_client collector reads at scrape time (`swarm.metrics.rpc`:
   prometheus_client's own types cost the hot path over 2%, BENCHMARKS.md);
 - ``swarm_averaging_rounds_total{outcome="succeeded"|"failed"}``,
-  ``swarm_expert_batches_total{expert}``, ``swarm_expert_queue_depth{expert}``,
-  ``swarm_bulk_connections_total{how="reused"|"dialed"}``: declared here, updated by
-  `swarm.averaging`, `swarm.moe` and `swarm.net.channels` (see below);
+  ``swarm_expert_batches_total{expert}``, ``swarm_expert_queue_depth{expert}``: declared here,
+  updated by `swarm.averaging` and `swarm.moe` (see below);
 - ``process_*`` (CPU seconds, resident memory, open files, start time): prometheus_client's
   `ProcessCollector`, in the process-wide registry.
 
@@ -61,7 +60,7 @@ from swarm.metrics.registry import DEFAULT_BUCKETS, Registry
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics
 
 __all__ = [
-    "AVERAGING_ROUNDS", "BULK_CONNECTIONS", "DEFAULT_BUCKETS", "EXPERT_BATCHES", "EXPERT_QUEUE_DEPTH", "REGISTRY", "Counter",
+    "AVERAGING_ROUNDS", "DEFAULT_BUCKETS", "EXPERT_BATCHES", "EXPERT_QUEUE_DEPTH", "REGISTRY", "Counter",
     "Gauge", "Histogram", "MethodMetrics", "RPCMetrics", "Registry",
 ]
 
@@ -93,9 +92,6 @@ _FAMILIES = {
         "swarm_expert_batches_total", "Batches an expert processed (forward or backward)", ("expert",)),
     "EXPERT_QUEUE_DEPTH": lambda: REGISTRY.gauge(
         "swarm_expert_queue_depth", "Tasks waiting in an expert's queue", ("expert",)),
-    "BULK_CONNECTIONS": lambda: REGISTRY.counter(
-        "swarm_bulk_connections_total", "Bulk streams this peer started, by how: on a connection it kept from an "
-        "earlier stream to the same peer (reused), or on one it dialed (dialed)", ("how",)),
 }
 
 

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import Message
 
-from swarm import metrics
 from swarm.core.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -36,6 +35,7 @@ from swarm.core.errors import (
 )
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
+from swarm.metrics import REGISTRY
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
 from swarm.net import bulk as bulk_channel
 from swarm.net import relay
@@ -51,6 +51,12 @@ if TYPE_CHECKING:
     from swarm.net.holepunch import DirectPaths
 
 logger = logging.getLogger(__name__)
+
+def _count_bulk_connection(how: str) -> None:
+    # made on the first bulk stream, not at import: a DHT-only daemon loads no prometheus_client
+    REGISTRY.counter(
+        "swarm_bulk_connections_total", "Bulk streams this peer started, by how: on a connection it kept from an "
+        "earlier stream to the same peer (reused), or on one it dialed (dialed)", ("how",)).labels(how=how).inc()
 
 HANDSHAKE = "/swarm.Peer/Handshake"
 INFO = "/swarm.Peer/Info"
@@ -410,7 +416,7 @@ class PeerChannel:
             kept, port, expiry = self._bulk_idle.pop()
             expiry.cancel()
             if port == opened.port and bulk_channel.reuse(kept, opened.token):
-                metrics.BULK_CONNECTIONS.labels(how="reused").inc()  # made on first use (swarm.metrics)
+                _count_bulk_connection("reused")
                 return kept, deadline, port
             logger.debug("kept bulk connection to %s not usable (closed, or unasked data): dialing", self.peer_id)
             kept.abort()  # closed meanwhile, or the callee restarted on another port: dial afresh
@@ -429,7 +435,7 @@ class PeerChannel:
             self._bulk_retry_after = min(2 * self._bulk_retry_after, 3600.0)
             return None
         self.bulk_reachable, self._bulk_retry_after = True, self.pool.config.bulk_retry_after
-        metrics.BULK_CONNECTIONS.labels(how="dialed").inc()
+        _count_bulk_connection("dialed")
         return conn, deadline, opened.port
 
     def _keep_bulk(self, conn: bulk_channel.FrameConnection, port: int) -> None:
