@@ -37,7 +37,7 @@ class PeerProcess:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, cwd: str | None = None,
                  ready_timeout: float = 20.0, expect_addrs: int = 1) -> None:
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "swarm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=full_env, cwd=cwd, text=True,
@@ -58,7 +58,18 @@ class PeerProcess:
         self.proc.send_signal(signum)
 
     def wait(self, timeout: float = 15.0) -> int:
-        return self.proc.wait(timeout)
+        """The exit status; a peer still running after `timeout` is aborted, and the failure shows
+        every thread's stack (faulthandler) and the rest of its stderr."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            raise AssertionError(f"peer still running {timeout} s on; its stderr:\n{self.stderr_text()}") from None
 
     def stop(self, timeout: float = 15.0) -> int:
         if self.proc.poll() is None:

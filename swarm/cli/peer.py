@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarm.cli.config import PeerOptions, build_parser, resolve
 from swarm.core.errors import SwarmError
+from swarm.core.signals import handle_stop_signals
 
 if TYPE_CHECKING:
     from swarm.peer import Peer
@@ -61,7 +62,7 @@ def run_daemon(options: PeerOptions) -> int:
     stop = threading.Event()
     signals_seen = 0
 
-    def on_signal(signum: int, _frame: object) -> None:
+    def on_signal(signum: int) -> None:
         nonlocal signals_seen
         signals_seen += 1
         if signals_seen > 1:
@@ -69,8 +70,7 @@ def run_daemon(options: PeerOptions) -> int:
         logger.info("received %s, shutting down (send it again to exit at once)", signal.Signals(signum).name)
         stop.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    handle_stop_signals(on_signal)
 
     peer = Peer(
         initial_peers=options.initial_peers,

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from swarm.core.signals import block_stop_signals
+
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class LoopThread:
         self._started.wait()
 
     def _main(self) -> None:
+        block_stop_signals()  # Ctrl+C is the main thread's (a notebook's, a daemon's signal thread's)
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._started.set)
         self.loop.run_forever()

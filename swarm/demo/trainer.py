@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarm.core.errors import ConfigError, SwarmError
+from swarm.core.signals import handle_stop_signals
 from swarm.demo.byzantine import ATTACKS, attack_gradients
 from swarm.demo.data import ByteDataset, load_corpus
 from swarm.demo.events import Evaluation, Event, EventWriter, Notice, Progress, TextSample
@@ -358,15 +358,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     signals = 0
 
-    def on_signal(signum: int, _frame: object) -> None:
+    def on_signal(signum: int) -> None:
         nonlocal signals
         signals += 1
         if signals > 1:
             os._exit(128 + signum)
         stop.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    handle_stop_signals(on_signal)
     try:
         trainer = Trainer(config, emit, stop)
     except SwarmError as e:

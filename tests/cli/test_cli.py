@@ -28,6 +28,24 @@ def test_prints_addresses_and_exits_zero_on_signal(signum):
         assert "shutting down" in stderr and "stopped" in stderr
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread masks from /proc")
+def test_only_the_signal_thread_takes_stop_signals():
+    """No handler runs on the main thread between its bytecodes (where it can deadlock on a lock it
+    holds, swarm/core/signals.py): every thread blocks SIGINT/SIGTERM but the one in `sigwait`
+    (which unblocks them while it waits)."""
+    stop_bits = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+    with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0") as peer:
+        takers = []
+        tids = [int(task) for task in os.listdir(f"/proc/{peer.pid}/task")]
+        for tid in tids:
+            with open(f"/proc/{peer.pid}/task/{tid}/status") as status:
+                mask = next(int(line.split()[1], 16) for line in status if line.startswith("SigBlk:"))
+            if mask & stop_bits != stop_bits:
+                takers.append(tid)
+        assert len(tids) >= 3 and len(takers) == 1 and takers[0] != peer.pid, (tids, takers)
+        assert peer.stop() == 0
+
+
 def test_second_signal_exits_at_once():
     with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0") as peer:
         peer.signal(signal.SIGSTOP)  # make sure both signals are pending when it resumes
