@@ -60,7 +60,7 @@ from swarm.metrics.registry import DEFAULT_BUCKETS, Registry
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics
 
 __all__ = [
-    "AVERAGING_ROUNDS", "DEFAULT_BUCKETS", "EXPERT_BATCHES", "EXPERT_QUEUE_DEPTH", "REGISTRY", "Counter",
+    "AVERAGING_ROUNDS", "BULK_CONNECTIONS", "DEFAULT_BUCKETS", "EXPERT_BATCHES", "EXPERT_QUEUE_DEPTH", "REGISTRY", "Counter",
     "Gauge", "Histogram", "MethodMetrics", "RPCMetrics", "Registry",
 ]
 
@@ -86,8 +86,18 @@ def _averaging_rounds() -> Any:
     return family
 
 
+def _bulk_connections() -> Any:
+    family = REGISTRY.counter(
+        "swarm_bulk_connections_total", "Bulk streams this peer started, by how: on a connection it kept from an "
+        "earlier stream to the same peer (reused), or on one it dialed (dialed)", ("how",))
+    for how in ("reused", "dialed"):
+        family.labels(how)
+    return family
+
+
 _FAMILIES = {
     "AVERAGING_ROUNDS": _averaging_rounds,
+    "BULK_CONNECTIONS": _bulk_connections,
     "EXPERT_BATCHES": lambda: REGISTRY.counter(
         "swarm_expert_batches_total", "Batches an expert processed (forward or backward)", ("expert",)),
     "EXPERT_QUEUE_DEPTH": lambda: REGISTRY.gauge(

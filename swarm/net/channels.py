@@ -35,7 +35,6 @@ from swarm.core.errors import (
 )
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
-from swarm.metrics import REGISTRY
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
 from swarm.net import bulk as bulk_channel
 from swarm.net import relay
@@ -53,10 +52,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 def _count_bulk_connection(how: str) -> None:
-    # made on the first bulk stream, not at import: a DHT-only daemon loads no prometheus_client
-    REGISTRY.counter(
-        "swarm_bulk_connections_total", "Bulk streams this peer started, by how: on a connection it kept from an "
-        "earlier stream to the same peer (reused), or on one it dialed (dialed)", ("how",)).labels(how=how).inc()
+    # the family is made on the first bulk stream: a DHT-only daemon loads no prometheus_client
+    from swarm.metrics import BULK_CONNECTIONS
+
+    BULK_CONNECTIONS.labels(how=how).inc()
 
 HANDSHAKE = "/swarm.Peer/Handshake"
 INFO = "/swarm.Peer/Info"
