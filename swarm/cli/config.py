@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import tomllib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -118,6 +118,8 @@ def _coerce(name: str, raw: Any, where: str) -> Any:
 
 
 def _from_file(path: str) -> dict[str, Any]:
+    import tomllib  # only for a config file: its parser and datetime are ~0.7 MB of a daemon's memory
+
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -154,10 +156,34 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
 
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's own, sized to the terminal without `shutil`: argparse makes a formatter for every
+    option it is given and imports `shutil` (with `bz2`, `lzma`: ~0.5 MB) to size it, help or not."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        if width is None:
+            width = _terminal_columns() - 2
+        super().__init__(prog, indent_increment, max_help_position, width)
+
+
+def _terminal_columns() -> int:
+    """What `shutil.get_terminal_size` says: $COLUMNS, else the terminal's width, else 80."""
+    try:
+        return int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        pass
+    stdout = sys.__stdout__
+    try:
+        return os.get_terminal_size(stdout.fileno()).columns if stdout is not None else 80
+    except (AttributeError, OSError, ValueError):
+        return 80
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The daemon's command line (`swarm-peer`); `swarm-peer status --self` reads it too."""
     parser = argparse.ArgumentParser(
-        prog="swarm-peer",
+        prog="swarm-peer", formatter_class=HelpFormatter,
         description="Run a swarm peer: join the DHT, serve experts, help average. "
         "Every option can also be set as SWARM_<OPTION> or in a --config TOML file.",
     )

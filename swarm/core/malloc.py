@@ -8,7 +8,6 @@ message. Applied once per process, at peer start; a no-op where glibc is absent.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 _M_TRIM_THRESHOLD = -1
@@ -22,7 +21,9 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -
     if _applied:
         return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # the process's own symbols, libc's among them (ctypes.util.find_library would import
+        # shutil and tempfile, ~1.2 MB of a daemon's memory, and may run ldconfig to find it)
+        libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False

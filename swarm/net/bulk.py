@@ -45,6 +45,7 @@ from swarm.core.errors import (
 from swarm.net.errors import from_status, to_status
 from swarm.net.frames import DATA, END, ERROR, BulkProtocolError, FrameConnection, Sink, Sunk
 from swarm.net.sealed import SealedProtocol
+from swarm.net.sockets import listening_socket
 from swarm.net.tls import SERVER_NAME, client_context
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,9 @@ class BulkListener:
         connection is a TLS handshake first, then sealed records (`swarm.net.sealed`)."""
         loop = asyncio.get_running_loop()
         self._ssl = ssl_context
-        self._server = await loop.create_server(self._protocol, host, port, reuse_port=False)
+        sock = listening_socket(host, port)
+        self._server = await (loop.create_server(self._protocol, sock=sock) if sock is not None else
+                              loop.create_server(self._protocol, host, port, reuse_port=False))
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 

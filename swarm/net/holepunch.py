@@ -49,6 +49,7 @@ from swarm.core.errors import ConfigError, PeerUnreachable
 from swarm.core.multiaddr import Multiaddr
 from swarm.net import relay
 from swarm.net.server import network_of
+from swarm.net.sockets import listening_socket
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +327,8 @@ class DirectPaths:
     async def start(self) -> None:
         """Starts the loopback CONNECT proxy that relayed peers' channels dial (`proxy_for`)."""
         if self._server is None:
-            self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, limit=_LINE_LIMIT * 32)
+            self._server = await asyncio.start_server(self._serve, sock=listening_socket("127.0.0.1", 0),
+                                                      limit=_LINE_LIMIT * 32)
 
     def proxy_for(self, relayed: Multiaddr) -> str | None:
         """The `host:port` a grpc channel to `relayed` takes as its HTTP CONNECT proxy: the local

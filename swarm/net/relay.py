@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from swarm.core.errors import ConfigError, PeerUnreachable
 from swarm.core.identity import Identity, verify
 from swarm.core.multiaddr import Multiaddr
+from swarm.net.sockets import listening_socket
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,10 @@ class Relay:
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listens on `host:port` (0: any free port); returns the port."""
-        self._server = await asyncio.start_server(self._on_connection, host, port, limit=_HEAD_LIMIT)
+        sock = listening_socket(host, port)
+        self._server = await (asyncio.start_server(self._on_connection, sock=sock, limit=_HEAD_LIMIT)
+                              if sock is not None else
+                              asyncio.start_server(self._on_connection, host, port, limit=_HEAD_LIMIT))
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 

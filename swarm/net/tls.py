@@ -190,20 +190,47 @@ class ServerContext(ssl.SSLContext):
 
 def server_context(certificate: PeerCertificate) -> ServerContext:
     """TLS 1.3 server context presenting `certificate` (the bulk listener)."""
-    import tempfile
-
     context = ServerContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.num_tickets = 0  # no session resumption: each bulk connection is a full handshake
     context.certificate_der = ssl.PEM_cert_to_DER_cert(certificate.certificate_pem.decode())
-    # load_cert_chain reads files only: a private temporary directory, removed at once
+    _load_chain(context, certificate.key_pem + certificate.certificate_pem)
+    return context
+
+
+def _load_chain(context: ssl.SSLContext, pem: bytes) -> None:
+    """`load_cert_chain` reads files only: an anonymous in-memory file where Linux has one (the key
+    never reaches a disk, and no `tempfile`, with the `shutil` it imports), else a private
+    temporary directory, removed at once."""
+    fd = _memory_file()
+    if fd is not None:
+        try:
+            view = memoryview(pem)
+            while view:
+                view = view[os.write(fd, view):]
+            context.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        return
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="swarm-tls-") as tmp:
         path = os.path.join(tmp, "peer.pem")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(certificate.key_pem + certificate.certificate_pem)
+            f.write(pem)
         context.load_cert_chain(path)
-    return context
+
+
+def _memory_file() -> int | None:
+    """A memfd readable by path (/proc/self/fd/N); None where there is none (not Linux, no /proc,
+    or a sandbox that refuses the call)."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.memfd_create("swarm-tls", os.MFD_CLOEXEC)
+    except OSError:
+        return None
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,6 +1,6 @@
 """A DHT-only daemon without `--metrics-port` never loads prometheus_client (~4.5 MB of its
 memory, BENCHMARKS.md "Transport security"), nor `cryptography.x509` (~3 MB: the certificates it
-makes are written by `swarm.net.der`); one with `--metrics-port` serves `/metrics` as before."""
+makes are written by `swarm.net.der`), nor standard-library modules it has no use for; one with `--metrics-port` serves `/metrics` as before."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def test_a_dht_only_daemon_serving_requests_never_imports_prometheus_client_nor_
     assert "swarm" in names and "grpc" in names and "swarm.net.tls" in modules  # the import log is there
     assert "prometheus_client" not in names and "torch" not in names
     assert "cryptography.x509" not in modules
+    # standard-library modules with nothing to do for such a daemon (~1.2 MB together): a config
+    # file's parser, argparse's terminal sizing, ctypes' library search, a temporary directory for
+    # the TLS key, the loop's idna codec for address literals
+    assert not modules & {"tomllib", "shutil", "tempfile", "ctypes.util", "encodings.idna"}, modules
 
 
 def test_metrics_modules_load_without_prometheus_client_until_a_family_is_asked_for():

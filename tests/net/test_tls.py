@@ -6,10 +6,12 @@ Real servers and sockets throughout; the victim of the relay attack and the peer
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -255,3 +257,30 @@ def test_mismatched_tls_settings_in_one_peer_are_refused():
 
     with pytest.raises(ConfigError, match="tls"):
         Peer(server_config=ServerConfig(tls=False), channel_config=ChannelConfig(tls=True), start=False)
+
+
+@pytest.mark.parametrize("memory_file", [True, False], ids=["memfd", "temporary-directory"])
+def test_the_bulk_listeners_context_presents_the_peers_certificate(monkeypatch, tmp_path, memory_file):
+    """`load_cert_chain` reads files: the key goes through a memfd, or (no memfd) a private
+    temporary directory that is gone afterwards; either way a client that trusts only this
+    PeerID completes a TLS 1.3 handshake with it."""
+    identity = Identity.generate()
+    if not memory_file:
+        monkeypatch.setattr(tls, "_memory_file", lambda: None)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    context = tls.server_context(tls.PeerCertificate.issue(identity))
+    assert list(tmp_path.iterdir()) == []
+
+    async def handshake() -> tuple[str, bytes]:
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=context)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls.client_context(identity.peer_id),
+                                                      server_hostname=tls.SERVER_NAME)
+            sslobj = writer.get_extra_info("ssl_object")
+            result = sslobj.version(), sslobj.getpeercert(binary_form=True)
+            writer.close()
+            return result
+
+    version, presented = asyncio.run(asyncio.wait_for(handshake(), 10))
+    assert version == "TLSv1.3" and presented == context.certificate_der

@@ -1,0 +1,68 @@
+"""Listening sockets bound to address literals without the loop's resolver (swarm/net/sockets.py)."""
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from swarm.net.sockets import listening_socket
+
+
+def test_a_name_is_left_to_the_loop():
+    assert listening_socket("localhost", 0) is None
+
+
+@pytest.mark.parametrize("host, family", [("127.0.0.1", socket.AF_INET), ("0.0.0.0", socket.AF_INET)])
+def test_an_ipv4_literal_is_bound_listening_and_non_blocking(host, family):
+    sock = listening_socket(host, 0)
+    assert sock is not None
+    with sock:
+        assert sock.family == family and not sock.getblocking()
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR) == 1
+        assert sock.getsockname()[0] == host and sock.getsockname()[1] > 0
+
+
+def test_an_ipv6_literal_is_ipv6_only():
+    try:
+        sock = listening_socket("::1", 0)
+    except OSError as e:  # a host without IPv6 on loopback
+        pytest.skip(f"no IPv6 loopback: {e}")
+    assert sock is not None
+    with sock:
+        assert sock.family == socket.AF_INET6
+        assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+
+
+def test_a_port_in_use_raises_and_leaves_no_socket_open():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        open_before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+        with pytest.raises(OSError, match="in use"):
+            listening_socket("127.0.0.1", taken.getsockname()[1])
+        if open_before is not None:
+            assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_the_loop_serves_on_it():
+    async def main() -> bytes:
+        sock = listening_socket("127.0.0.1", 0)
+        assert sock is not None
+
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(await reader.readexactly(5))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(echo, sock=sock)
+        async with server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+            writer.write(b"hello")
+            data = await reader.readexactly(5)
+            writer.close()
+            await writer.wait_closed()
+            return data
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)) == b"hello"
