@@ -17,6 +17,9 @@ The model is the demo's byte-level transformer (`swarm.demo.model`) with its mix
 locally (`LocalExperts`), so that only the optimizer's traffic is counted; bytes are the tensor
 bytes a peer puts on the wire in the butterfly all-reduce (2 (n-1)/n of the averaged vector per
 round, at the wire size of the chosen compression).
+
+`SWARM_BENCH_LOG=1` makes every swarm worker log to stderr how each group it led started (after
+how long, and why) and each round's outcome: where a collective step's time goes.
 """
 
 from __future__ import annotations
@@ -118,6 +121,13 @@ def worker(args: argparse.Namespace) -> None:
                           "cpu_s": cpu_s, "steps": samples // args.batch}), flush=True)
         return
 
+    if os.environ.get("SWARM_BENCH_LOG"):
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                            format=f"%(relativeCreated)d worker {args.index} %(name)s: %(message)s")
+        logging.getLogger("swarm.averaging.matchmaking").setLevel(logging.DEBUG)
+        logging.getLogger("swarm.optim").setLevel(logging.INFO)
     import swarm
     from swarm.compression import CompressionType
     from swarm.optim import CollaborationConfig, DiLoCoConfig
