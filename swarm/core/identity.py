@@ -21,7 +21,6 @@ from pathlib import Path
 
 import base58
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from swarm.core.errors import IdentityError
@@ -29,8 +28,6 @@ from swarm.core.errors import IdentityError
 _KEY_TYPE_ED25519 = 1
 _PUBKEY_PREFIX = bytes([0x08, _KEY_TYPE_ED25519, 0x12, 0x20])  # field 1 varint, field 2 len 32
 _IDENTITY_MULTIHASH = 0x00
-_RAW = serialization.Encoding.Raw
-_RAW_PUB = serialization.PublicFormat.Raw
 
 
 def _encode_private_key(seed: bytes, public: bytes) -> bytes:
@@ -49,7 +46,7 @@ def _decode_private_key(data: bytes) -> bytes:
         raise IdentityError(f"corrupt Ed25519 private key: {len(body)} key bytes, header says {length}")
     seed = body[:32]
     if length == 64:
-        public = Ed25519PrivateKey.from_private_bytes(seed).public_key().public_bytes(_RAW, _RAW_PUB)
+        public = Ed25519PrivateKey.from_private_bytes(seed).public_key().public_bytes_raw()
         if public != body[32:]:
             raise IdentityError("corrupt Ed25519 private key: public half does not match the seed")
     return seed
@@ -107,7 +104,7 @@ class Identity:
         if len(seed) != 32:
             raise IdentityError(f"an Ed25519 seed is 32 bytes, got {len(seed)}")
         key = Ed25519PrivateKey.from_private_bytes(seed)
-        public = key.public_key().public_bytes(_RAW, _RAW_PUB)
+        public = key.public_key().public_bytes_raw()
         return cls(key, public, public_key_to_peer_id(public))
 
     @classmethod
@@ -117,7 +114,7 @@ class Identity:
 
     def private_bytes(self) -> bytes:
         """The libp2p `PrivateKey` protobuf, as go-libp2p serializes it."""
-        seed = self.private_key.private_bytes(_RAW, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+        seed = self.private_key.private_bytes_raw()
         return _encode_private_key(seed, self.public_key)
 
     def sign(self, data: bytes) -> bytes:

@@ -1,17 +1,21 @@
-"""The two X.509 certificates swarm makes, encoded in DER by hand (docs/security.md).
+"""The two X.509 certificates swarm makes, and the leaf's P-256 key, encoded in DER by hand
+(docs/security.md).
 
 `cryptography.x509` builds them just as well, but importing it costs a DHT-only daemon ~3 MB of
 its ~60 MB (its modules, and `email` which it pulls in; BENCHMARKS.md "What a DHT-only daemon's
 memory is"), and a daemon needs it at start-up (its own certificate) and for every peer it dials
 (the trust anchor). Both certificates are fixed templates with a handful of fields, so they are
 written here; `tests/net/test_der.py` checks that they are byte for byte what
-`cryptography.x509.CertificateBuilder` makes from the same fields. Reading a certificate received
+`cryptography.x509.CertificateBuilder` makes from the same fields. The leaf's key (its
+SubjectPublicKeyInfo, and the PKCS #8 PEM that `ssl` loads) is written here too, byte for byte
+what `cryptography`'s `serialization` makes, whose import costs ~0.6 MB more. Reading a certificate received
 from an unknown peer (`tls.read_peer_certificate`) still goes through `cryptography.x509`: parsing
 untrusted DER is the library's job.
 """
 
 from __future__ import annotations
 
+import binascii
 import datetime
 from collections.abc import Callable, Sequence
 
@@ -90,6 +94,36 @@ def extension(kind: str, value: bytes, critical: bool) -> bytes:
 
 def ed25519_spki(public_key: bytes) -> bytes:
     return tlv(SEQUENCE, tlv(SEQUENCE, oid(ED25519)) + tlv(BIT_STRING, b"\x00" + public_key))
+
+
+EC_PUBLIC_KEY = "1.2.840.10045.2.1"
+P256 = "1.2.840.10045.3.1.7"
+
+
+def p256_spki(x: int, y: int) -> bytes:
+    """SubjectPublicKeyInfo of the P-256 point (x, y), uncompressed (RFC 5480)."""
+    return tlv(SEQUENCE, tlv(SEQUENCE, oid(EC_PUBLIC_KEY) + oid(P256)) + tlv(BIT_STRING, b"\x00" + _point(x, y)))
+
+
+def p256_pkcs8(d: int, x: int, y: int) -> bytes:
+    """PKCS #8 PrivateKeyInfo of the P-256 key with secret `d` and public point (x, y), laid out
+    as OpenSSL writes it: the curve in the algorithm, the public point in the ECPrivateKey (RFC 5915)."""
+    ec_private_key = tlv(SEQUENCE, integer(1) + tlv(OCTET_STRING, d.to_bytes(32, "big"))
+                         + tlv(0xA1, tlv(BIT_STRING, b"\x00" + _point(x, y))))
+    return tlv(SEQUENCE, integer(0) + tlv(SEQUENCE, oid(EC_PUBLIC_KEY) + oid(P256))
+               + tlv(OCTET_STRING, ec_private_key))
+
+
+def _point(x: int, y: int) -> bytes:
+    return b"\x04" + x.to_bytes(32, "big") + y.to_bytes(32, "big")
+
+
+def pem(label: str, der: bytes) -> bytes:
+    """`der` in PEM: base64 in lines of 64 between BEGIN and END `label` lines (RFC 7468)."""
+    text = binascii.b2a_base64(der, newline=False)
+    lines = [text[i:i + 64] for i in range(0, len(text), 64)]
+    return b"".join([f"-----BEGIN {label}-----\n".encode(), *(line + b"\n" for line in lines),
+                     f"-----END {label}-----\n".encode()])
 
 
 def basic_constraints(ca: bool, path_length: int | None = None) -> bytes:

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from swarm.core.errors import Unauthenticated
@@ -48,8 +47,6 @@ _LIBP2P_EXTENSION = "1.3.6.1.4.1.53594.1.1"
 SERVER_NAME = "swarm-peer"  # the DNS name in every certificate; the PeerID is what is checked
 _SIGNED_KEY_PREFIX = b"libp2p-tls-handshake:"
 _PUBKEY_PREFIX = bytes([0x08, 0x01, 0x12, 0x20])  # libp2p PublicKey protobuf, Ed25519, 32 bytes
-_PEM = serialization.Encoding.PEM
-_DER = serialization.Encoding.DER
 _LEAF_LIFETIME = datetime.timedelta(days=30)
 _CLOCK_SKEW = datetime.timedelta(days=1)
 ALPN = "h2"
@@ -113,7 +110,8 @@ class PeerCertificate:
     @classmethod
     def issue(cls, identity: Identity) -> PeerCertificate:
         key = ec.generate_private_key(ec.SECP256R1())
-        spki = key.public_key().public_bytes(_DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        point = key.public_key().public_numbers()
+        spki = der.p256_spki(point.x, point.y)
         now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
         certificate = der.certificate(
             serial=int.from_bytes(os.urandom(20), "big") >> 1,  # positive, at most 20 octets (RFC 5280)
@@ -125,7 +123,7 @@ class PeerCertificate:
                         der.extension(_LIBP2P_EXTENSION, signed_key(identity, spki), critical=False)],
             sign=identity.sign)
         return cls(
-            key.private_bytes(_PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+            der.pem("PRIVATE KEY", der.p256_pkcs8(key.private_numbers().private_value, point.x, point.y)),
             ssl.DER_cert_to_PEM_cert(certificate).encode(),
         )
 
@@ -162,13 +160,15 @@ def read_peer_certificate(der: bytes) -> str:
     """The PeerID a certificate proves (its X.509 signature and its libp2p extension both made by
     that key); raises `Unauthenticated` otherwise. Used on certificates received unverified."""
     from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
 
     try:
         certificate = x509.load_der_x509_certificate(der)
         value = certificate.extensions.get_extension_for_oid(x509.ObjectIdentifier(_LIBP2P_EXTENSION)).value
         public_key, signature = _parse_signed_key(value.value)  # type: ignore[attr-defined]
         host_key = ed25519.Ed25519PublicKey.from_public_bytes(public_key)
-        spki = certificate.public_key().public_bytes(_DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        spki = certificate.public_key().public_bytes(serialization.Encoding.DER,
+                                                    serialization.PublicFormat.SubjectPublicKeyInfo)
         host_key.verify(signature, _SIGNED_KEY_PREFIX + spki)
         host_key.verify(certificate.signature, certificate.tbs_certificate_bytes)
         if certificate.issuer != anchor_name(public_key):

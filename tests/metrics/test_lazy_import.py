@@ -48,6 +48,7 @@ def test_a_dht_only_daemon_serving_requests_never_imports_prometheus_client_nor_
     assert "swarm" in names and "grpc" in names and "swarm.net.tls" in modules  # the import log is there
     assert "prometheus_client" not in names and "torch" not in names
     assert "cryptography.x509" not in modules
+    assert "cryptography.hazmat.primitives.serialization" not in modules  # ~0.6 MB: the leaf key is swarm.net.der's
     # standard-library modules with nothing to do for such a daemon (~1.2 MB together): a config
     # file's parser, argparse's terminal sizing, ctypes' library search, a temporary directory for
     # the TLS key, the loop's idna codec for address literals

@@ -7,6 +7,7 @@ Ed25519 signatures are deterministic, so the same fields and key give the same b
 from __future__ import annotations
 
 import datetime
+import random
 import ssl
 
 import pytest
@@ -116,3 +117,32 @@ def test_object_identifiers_encode_as_in_x690(dotted, encoded):
 def test_negative_integers_are_refused():
     with pytest.raises(ValueError):
         der.integer(-1)
+
+
+P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+_SECRETS = random.Random(7)
+
+
+@pytest.mark.parametrize("d", [1, 2**200 + 7, 0xFF << 240,
+                               *(_SECRETS.getrandbits(256) % (P256_ORDER - 1) + 1 for _ in range(24))])
+def test_the_leafs_p256_key_is_byte_for_byte_what_the_library_writes(d):
+    # small secrets and points with leading zero bytes check the fixed 32-byte fields
+    key = ec.derive_private_key(d, ec.SECP256R1())
+    point = key.public_key().public_numbers()
+    assert der.p256_spki(point.x, point.y) == key.public_key().public_bytes(
+        DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    assert der.pem("PRIVATE KEY", der.p256_pkcs8(d, point.x, point.y)) == key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+@pytest.mark.parametrize("size", [1, 47, 48, 49, 96, 500])
+def test_pem_lines_are_what_ssl_writes(size):
+    data = bytes(range(256)) * 2
+    assert der.pem("CERTIFICATE", data[:size]) == ssl.DER_cert_to_PEM_cert(data[:size]).encode()
+
+
+def test_an_issued_leaf_key_loads_and_matches_its_certificate():
+    certificate = tls.PeerCertificate.issue(Identity.generate())
+    key = serialization.load_pem_private_key(certificate.key_pem, None)
+    leaf = x509.load_pem_x509_certificate(certificate.certificate_pem)
+    assert key.public_key().public_numbers() == leaf.public_key().public_numbers()
