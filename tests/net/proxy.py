@@ -47,6 +47,12 @@ class LoopbackProxy:
         self._ready.set()
         self._loop.run_forever()
         self._server.close()
+        # connections still piping end here, before the loop closes (else each is a "Task was
+        # destroyed but it is pending" at the interpreter's exit)
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.run_until_complete(self._server.wait_closed())
         self._loop.close()
 
