@@ -107,11 +107,16 @@ class BulkListener:
         self._tickets: dict[bytes, _Ticket] = {}
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None
 
-    async def start(self, host: str, port: int = 0, ssl_context: ssl.SSLContext | None = None) -> int:
+    async def start(self, host: str, port: int = 0,
+                    ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None) -> int:
         """Listens on `host:port`; with `ssl_context` (`swarm.net.tls.server_context`), every
-        connection is a TLS handshake first, then sealed records (`swarm.net.sealed`)."""
+        connection is a TLS handshake first, then sealed records (`swarm.net.sealed`).
+
+        `ssl_context` may be a function that makes it: it runs when the first connection comes
+        (a peer that never receives a bulk connection, a DHT-only daemon, never loads OpenSSL's
+        key and certificate code for it: ~0.9 MB of its memory, BENCHMARKS.md)."""
         loop = asyncio.get_running_loop()
         self._ssl = ssl_context
         sock = listening_socket(host, port)
@@ -125,6 +130,8 @@ class BulkListener:
         protocol: asyncio.BufferedProtocol = conn
         ready = conn.connected
         if self._ssl is not None:
+            if not isinstance(self._ssl, ssl.SSLContext):
+                self._ssl = self._ssl()
             protocol = SealedProtocol(conn, self._ssl, server_side=True,
                                       certificate=getattr(self._ssl, "certificate_der", b""))
             ready = protocol.ready

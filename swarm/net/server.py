@@ -457,7 +457,7 @@ class RPCServer:
         self.port = port
         if cfg.bulk:
             try:
-                context = server_context(self.certificate) if self.certificate is not None else None
+                context = functools.partial(server_context, self.certificate) if self.certificate is not None else None
                 await self.bulk.start(listen.host, cfg.bulk_port, context)
             except OSError as e:
                 if cfg.bulk_port:

@@ -148,6 +148,26 @@ def test_a_bulk_port_that_failed_to_answer_is_tried_again_later(make_peer):
     assert seen[-1] == (b.peer_id, True) and b.pool.get(a.addrs[0]).bulk_reachable is True
 
 
+def test_the_bulk_tls_context_is_made_when_the_first_connection_comes(make_peer):
+    """A peer that never receives a bulk connection (a DHT-only daemon) never builds the listener's
+    TLS context (OpenSSL's key and certificate code: ~0.9 MB of its memory); the first connection
+    builds it, and every later one uses the same."""
+    a, b, c = make_peer(), make_peer(), make_peer()
+    assert not isinstance(a.server.bulk._ssl, ssl.SSLContext)  # the peer's own listener waits too
+    serve_echo(a)
+    made: list = []
+
+    def context():
+        made.append(1)
+        return tls.server_context(a.server.certificate)
+
+    a.run(a.server.bulk.stop())
+    a.run(a.server.bulk.start("127.0.0.1", 0, context))
+    assert made == []
+    assert call(b, a, [b"hi"])[0] == b"ih" and call(c, a, [b"yo"])[0] == b"oy"  # two connections
+    assert made == [1] and isinstance(a.server.bulk._ssl, ssl.SSLContext)
+
+
 def serve_peername(peer, seen: list) -> None:
     """A stream that records the caller's address of its bulk connection, then echoes (reversed)."""
 
