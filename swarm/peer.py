@@ -17,7 +17,6 @@ from typing import Any, Self, TypeVar
 from swarm.core.errors import ConfigError, MultiaddrError
 from swarm.core.identity import Identity, IdentityFile
 from swarm.core.loop import LoopThread
-from swarm.core.malloc import tune_malloc
 from swarm.core.multiaddr import Multiaddr
 from swarm.core.services import Component, Services
 from swarm.core.version import __version__
@@ -123,7 +122,6 @@ class Peer:
         self._closed = False
         with _live_lock:
             _live.add(id(self))
-        tune_malloc()
         if start:
             try:
                 self.loop.run(self.astart())

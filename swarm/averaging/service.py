@@ -30,6 +30,7 @@ from swarm.averaging.group import GroupInfo
 from swarm.averaging.reducer import PartReducer
 from swarm.averaging.verification import Verdict
 from swarm.core.errors import InvalidRequest, NotFound
+from swarm.core.malloc import tune_malloc
 from swarm.net.handle import NetworkHandle
 from swarm.net.limits import CallLimit
 from swarm.net.server import CallContext
@@ -74,6 +75,7 @@ class AveragingService:
     """Routes averaging RPCs on one peer. Get it with `AveragingService.of(peer)`."""
 
     def __init__(self, peer: NetworkHandle, join_grace: float = 5.0, limit: CallLimit = AVERAGING_LIMIT) -> None:
+        tune_malloc()  # this peer moves tensors from now on
         self.peer = peer
         self.join_grace = join_grace
         self.rounds: dict[tuple[str, bytes], RoundEntry] = {}

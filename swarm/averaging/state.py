@@ -29,6 +29,7 @@ from swarm.averaging.faults import FaultPoint
 from swarm.averaging.service import STATE, AveragingService
 from swarm.core.errors import AveragingError, ConfigError, InvalidRequest, ResourceExhausted, RPCError
 from swarm.core.faults import FaultPlan
+from swarm.core.malloc import tune_malloc
 from swarm.core.serialization import pack, unpack
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
@@ -276,6 +277,7 @@ async def aload_state_from_peers(
     Raises:
         AveragingError: no source could provide it in time.
     """
+    tune_malloc()  # states are large: the heap thresholds of a peer that moves tensors
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     candidates = list(sources) if sources is not None else await _discover(peer, prefix)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from swarm.core.errors import InvalidRequest, ResourceExhausted
+from swarm.core.malloc import tune_malloc
 from swarm.core.serialization import pack, unpack
 from swarm.proto import tensor_pb2
 
@@ -47,6 +48,7 @@ def tensors_to_messages(
     tensors: Sequence[torch.Tensor], metadata: Any = None, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[bytes]:
     """Yields the header, then the tensors' bytes back to back in chunks of `chunk_bytes`."""
+    tune_malloc()
     views = [_as_bytes_view(t) for t in tensors]
     header = tensor_pb2.TensorBundleHeader(
         tensors=[
@@ -79,6 +81,7 @@ class TensorReceiver:
     """Reassembles tensors from a header and chunks, into buffers allocated once."""
 
     def __init__(self, header_bytes: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        tune_malloc()
         try:
             header = tensor_pb2.TensorBundleHeader.FromString(header_bytes)
         except Exception as e:  # noqa: BLE001
