@@ -45,8 +45,8 @@ from swarm.core.errors import (
 from swarm.net.errors import from_status, to_status
 from swarm.net.frames import DATA, END, ERROR, BulkProtocolError, FrameConnection, Sink, Sunk
 from swarm.net.sealed import SealedProtocol
-from swarm.net.sockets import listening_socket
-from swarm.net.tls import SERVER_NAME, client_context
+from swarm.net.sockets import connected_socket, listening_socket
+from swarm.net.tls import SERVER_NAME_BYTES, client_context
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_
         if tls:
             conn = FrameConnection(max_frame_bytes)
             _, sealed = await loop.create_connection(
-                lambda: SealedProtocol(conn, client_context(peer_id), server_side=False, server_hostname=SERVER_NAME),
+                lambda: SealedProtocol(conn, client_context(peer_id), server_side=False, server_hostname=SERVER_NAME_BYTES),
                 sock=sock)
             try:
                 await asyncio.wait_for(asyncio.shield(sealed.ready), handshake_timeout)
@@ -306,6 +306,9 @@ async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_
 
 async def _dial(loop: asyncio.AbstractEventLoop, host: str, port: int, timeout: float, peer_id: str) -> socket.socket:
     try:
+        literal = await asyncio.wait_for(connected_socket(host, port), timeout)  # no resolver for a literal
+        if literal is not None:
+            return literal
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
         sock.setblocking(False)

@@ -22,6 +22,7 @@ from swarm.core.multiaddr import Multiaddr
 from swarm.net.channels import ChannelPool
 from swarm.net.server import CallContext, RPCServer
 from swarm.net.tls import probe as tls_probe
+from swarm.net.tls import prove as tls_prove
 from swarm.proto import relay_pb2
 
 logger = logging.getLogger(__name__)
@@ -98,11 +99,12 @@ class DialBackService:
             # never dial a third party; a peer whose address is not the one it comes from is behind NAT
             result.error = f"your connection comes from {observed or 'an unknown address'}, not {addr.host}"
         else:
-            found = await tls_probe(host, addr.port, self.timeout)
+            found = await (tls_prove(host, addr.port, caller, self.timeout) if self.tls
+                           else tls_probe(host, addr.port, self.timeout))
             if not found.reachable:
                 result.error = f"cannot connect: {found.error}"
             elif self.tls and found.peer_id != caller:
-                result.error = f"the peer there is {found.peer_id or 'no swarm peer'}"
+                result.error = f"the peer there is not you: {found.error or 'no swarm peer'}"
             else:
                 result.reachable = True
         return result

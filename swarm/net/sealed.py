@@ -226,7 +226,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
     """
 
     def __init__(self, inner: asyncio.BufferedProtocol, context: ssl.SSLContext, server_side: bool,
-                 server_hostname: str | None = None, certificate: bytes = b"", off_loop: bool | None = None) -> None:
+                 server_hostname: str | bytes | None = None, certificate: bytes = b"", off_loop: bool | None = None) -> None:
         self.inner: Any = inner  # a FrameConnection; this object is its (duck-typed) transport
         self._certificate = certificate
         self.server_side = server_side

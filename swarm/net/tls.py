@@ -27,7 +27,9 @@ import asyncio
 import datetime
 import functools
 import os
+import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from swarm.core.errors import Unauthenticated
 from swarm.core.identity import Identity, peer_id_to_public_key, public_key_to_peer_id
 from swarm.net import der
+from swarm.net.sockets import connected_socket
 
 if TYPE_CHECKING:
     from cryptography import x509
@@ -45,6 +48,9 @@ if TYPE_CHECKING:
 # (`read_peer_certificate`); the certificates a peer makes are written by `swarm.net.der`.
 _LIBP2P_EXTENSION = "1.3.6.1.4.1.53594.1.1"
 SERVER_NAME = "swarm-peer"  # the DNS name in every certificate; the PeerID is what is checked
+# `ssl` encodes a str server_hostname with the `idna` codec (importing `stringprep` and
+# `unicodedata`, ~0.4 MB, for one ASCII name); bytes it takes as they are
+SERVER_NAME_BYTES = SERVER_NAME.encode("ascii")
 _SIGNED_KEY_PREFIX = b"libp2p-tls-handshake:"
 _PUBKEY_PREFIX = bytes([0x08, 0x01, 0x12, 0x20])  # libp2p PublicKey protobuf, Ed25519, 32 bytes
 _LEAF_LIFETIME = datetime.timedelta(days=30)
@@ -266,23 +272,92 @@ async def probe(host: str, port: int, timeout: float) -> Probe:
     """Runs one TLS handshake with `host:port`, verifying nothing, and reads the PeerID that the
     certificate proves. Used to learn a bare address's PeerID and to explain a failed dial."""
     try:
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, ssl=_unverified_context(), server_hostname=SERVER_NAME,
-                                    ssl_handshake_timeout=timeout), timeout)
+        tls = await asyncio.wait_for(_handshake(host, port, _unverified_context()), timeout)
     except ssl.SSLError as e:
         return Probe(True, False, None, f"{type(e).__name__}: {e.reason or e}")
-    except (ConnectionResetError, asyncio.IncompleteReadError, EOFError) as e:
+    except (ConnectionResetError, EOFError) as e:
         return Probe(True, False, None, f"{type(e).__name__}: {e}")
     except (OSError, TimeoutError) as e:
         return Probe(False, False, None, f"{type(e).__name__}: {e}")
+    with tls:  # a probe: closed without a close_notify exchange (a gRPC server may never answer it)
+        der = tls.getpeercert(binary_form=True)
     try:
-        ssl_object = writer.get_extra_info("ssl_object")
-        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        peer_id = read_peer_certificate(der) if der else None
+        error = ""
+    except Unauthenticated as e:
+        peer_id, error = None, str(e)
+    return Probe(True, True, peer_id, error)
+
+
+async def prove(host: str, port: int, peer_id: str, timeout: float) -> Probe:
+    """Runs one TLS handshake with `host:port` that completes only if the certificate there is
+    issued by `peer_id`'s key, checked by OpenSSL against `peer_id`'s trust anchor as a bulk
+    connection's is (a dial-back knows whom it expects). No certificate is parsed here, so a peer
+    answering dial-backs never loads `cryptography.x509` (~3.6 MB, BENCHMARKS.md) for them.
+    `Probe.peer_id` is `peer_id` when proved, else None with the reason."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # not cached: one per dial-back, rare
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.load_verify_locations(cadata=trust_anchor(peer_id).decode())
+    context.set_alpn_protocols([ALPN])
+    try:
+        tls = await asyncio.wait_for(_handshake(host, port, context), timeout)
+    except ssl.SSLCertVerificationError as e:
+        return Probe(True, True, None, f"its certificate does not prove {peer_id} ({e.verify_message or e.reason})")
+    except ssl.SSLError as e:
+        return Probe(True, False, None, f"{type(e).__name__}: {e.reason or e}")
+    except (ConnectionResetError, EOFError) as e:
+        return Probe(True, False, None, f"{type(e).__name__}: {e}")
+    except (OSError, TimeoutError) as e:
+        return Probe(False, False, None, f"{type(e).__name__}: {e}")
+    tls.close()
+    return Probe(True, True, peer_id)
+
+
+async def _handshake(host: str, port: int, context: ssl.SSLContext) -> ssl.SSLSocket:
+    """A TLS client handshake with `host:port` on a non-blocking socket, driven by the loop's
+    readiness callbacks. Neither the loop's resolver nor its TLS transport is used for an address
+    literal (`swarm.net.sockets`), and the server name is passed as bytes (`SERVER_NAME_BYTES`,
+    which uvloop's transports refuse): a probe costs no `idna` codec and no resolver threads."""
+    loop = asyncio.get_running_loop()
+    sock = await connected_socket(host, port)
+    if sock is None:  # a name: resolved by the loop
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            peer_id = read_peer_certificate(der) if der else None
-            error = ""
-        except Unauthenticated as e:
-            peer_id, error = None, str(e)
-        return Probe(True, True, peer_id, error)
+            await loop.sock_connect(sock, infos[0][4])
+        except BaseException:
+            sock.close()
+            raise
+    try:
+        tls = context.wrap_socket(sock, server_hostname=SERVER_NAME_BYTES, do_handshake_on_connect=False)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        while True:
+            try:
+                tls.do_handshake()
+                return tls
+            except ssl.SSLWantReadError:
+                await _ready(loop.add_reader, loop.remove_reader, tls.fileno())
+            except ssl.SSLWantWriteError:
+                await _ready(loop.add_writer, loop.remove_writer, tls.fileno())
+    except BaseException:
+        tls.close()
+        raise
+
+
+async def _ready(add: Callable[..., Any], remove: Callable[[int], Any], fd: int) -> None:
+    """Waits until `fd` is readable (`loop.add_reader`) or writable (`loop.add_writer`)."""
+    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    add(fd, wake)
+    try:
+        await ready
     finally:
-        writer.transport.abort()  # a probe: no close_notify exchange (a gRPC server may never answer it)
+        remove(fd)

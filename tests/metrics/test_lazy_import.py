@@ -1,6 +1,7 @@
 """A DHT-only daemon without `--metrics-port` never loads prometheus_client (~4.5 MB of its
 memory, BENCHMARKS.md "Transport security"), nor `cryptography.x509` (~3 MB: the certificates it
-makes are written by `swarm.net.der`), nor standard-library modules it has no use for; one with `--metrics-port` serves `/metrics` as before."""
+makes are written by `swarm.net.der`), nor standard-library modules it has no use for, nor `swarm.core.malloc`'s heap tuning (for peers
+that move tensors); one with `--metrics-port` serves `/metrics` as before."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def imported(stderr: str) -> set[str]:
 
 
 def test_a_dht_only_daemon_serving_requests_never_imports_prometheus_client_nor_x509():
-    with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", ready_timeout=60) as first, \
+    with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", env={"PYTHONPROFILEIMPORTTIME": "1"},
+                     ready_timeout=60) as first, \
             PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", "--initial-peers", first.addrs[0],
                         env={"PYTHONPROFILEIMPORTTIME": "1"}, ready_timeout=60) as daemon:
         client = Peer(initial_peers=daemon.addrs, client_mode=True, dht_config=CLIENT)
@@ -43,7 +45,14 @@ def test_a_dht_only_daemon_serving_requests_never_imports_prometheus_client_nor_
             client.shutdown()
         daemon.signal(signal.SIGINT)
         assert daemon.wait() == 0
-        modules = imported_modules(daemon.stderr_text())
+        daemon_log = daemon.stderr_text()
+        modules = imported_modules(daemon_log)
+        first.signal(signal.SIGINT)
+        assert first.wait() == 0
+        answered = first.stderr_text()
+    # the first daemon answered the second's dial-back (its TLS session there proved the PeerID
+    # through the trust anchor, `tls.prove`), which reads no certificate itself
+    assert "reachability: public" in daemon_log and "cryptography.x509" not in imported_modules(answered)
     names = {name.split(".")[0] for name in modules}
     assert "swarm" in names and "grpc" in names and "swarm.net.tls" in modules  # the import log is there
     assert "prometheus_client" not in names and "torch" not in names
@@ -53,6 +62,8 @@ def test_a_dht_only_daemon_serving_requests_never_imports_prometheus_client_nor_
     # file's parser, argparse's terminal sizing, ctypes' library search, a temporary directory for
     # the TLS key, the loop's idna codec for address literals
     assert not modules & {"tomllib", "shutil", "tempfile", "ctypes.util", "encodings.idna"}, modules
+    # it moves no tensors, so it leaves glibc's heap thresholds alone (they would keep its peak)
+    assert not modules & {"swarm.core.malloc", "ctypes"}, modules
 
 
 def test_metrics_modules_load_without_prometheus_client_until_a_family_is_asked_for():

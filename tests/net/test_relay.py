@@ -76,6 +76,10 @@ def test_reachability_public_on_loopback_private_when_nobody_can_dial_back(make_
     d = make_peer(initial_peers=a.addrs, announce=["/ip4/10.99.0.1/tcp/4001"])  # never dialled: not where d is
     assert d.nat.status == "private"
     assert "comes from 127.0.0.1" in d.nat.reachability.refuted[a.peer_id]
+    # an address where another peer (b) answers: the TLS session there does not prove e's PeerID
+    e = make_peer(initial_peers=a.addrs, announce=[bare(b.addrs[0])], relay=False)
+    assert e.nat.status == "private"
+    assert f"does not prove {e.peer_id}" in e.nat.reachability.refuted[a.peer_id]
 
 
 def test_a_private_peer_is_reached_through_its_relay_for_calls_and_bulk_streams(make_peer):

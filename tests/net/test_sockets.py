@@ -1,4 +1,4 @@
-"""Listening sockets bound to address literals without the loop's resolver (swarm/net/sockets.py)."""
+"""Listening and connected sockets made for address literals without the loop's resolver (swarm/net/sockets.py)."""
 
 import asyncio
 import os
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from swarm.net.sockets import listening_socket
+from swarm.net.sockets import connected_socket, listening_socket
 
 
 def test_a_name_is_left_to_the_loop():
@@ -66,3 +66,38 @@ def test_the_loop_serves_on_it():
             return data
 
     assert asyncio.run(asyncio.wait_for(main(), 10)) == b"hello"
+
+
+# -- connected sockets -----------------------------------------------------------------------
+
+def test_connecting_to_a_name_is_left_to_the_loop():
+    assert asyncio.run(connected_socket("localhost", 1)) is None
+
+
+def test_a_literal_is_connected_non_blocking_and_carries_bytes():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        async def main() -> bytes:
+            sock = await connected_socket("127.0.0.1", port)
+            assert sock is not None and not sock.getblocking()
+            reader, writer = await asyncio.open_connection(sock=sock)
+            accepted, _ = server.accept()
+            with accepted:
+                accepted.sendall(b"hi")
+                data = await reader.readexactly(2)
+            writer.close()
+            return data
+
+        assert asyncio.run(main()) == b"hi"
+
+
+def test_a_refused_connection_raises_its_error_and_leaves_no_socket_open():
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+        port = closed.getsockname()[1]
+        open_before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+        with pytest.raises(ConnectionRefusedError, match="connect to 127.0.0.1"):
+            asyncio.run(connected_socket("127.0.0.1", port))
+        if open_before is not None:
+            assert len(os.listdir("/proc/self/fd")) == open_before
