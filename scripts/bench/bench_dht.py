@@ -325,6 +325,8 @@ def main() -> None:
     print(f"join time of a new daemon process (launch to address printed): {daemon_join * ms:.0f} ms")
     print(f"memory per DHT-only daemon (RSS): median {statistics.median(rss):.1f} MB, max {max(rss):.1f} MB "
           f"(goal <= {GOALS['rss_mb']} MB; hivemind ~99 MB)")
+    print("RSS per daemon, in start order (the first is every other's initial peer): "
+          + " ".join(f"{r:.1f}" for r in rss))
     print(f"daemons that loaded torch: {len(torch_loaded)} of {len(daemons)} (must be 0)")
     if disjoint is not None:
         d = args.disjoint_paths
