@@ -295,9 +295,13 @@ async def prove(host: str, port: int, peer_id: str, timeout: float) -> Probe:
     connection's is (a dial-back knows whom it expects). No certificate is parsed here, so a peer
     answering dial-backs never loads `cryptography.x509` (~3.6 MB, BENCHMARKS.md) for them.
     `Probe.peer_id` is `peer_id` when proved, else None with the reason."""
+    try:
+        anchor = trust_anchor(peer_id)
+    except Unauthenticated as e:  # no Ed25519 key in it: nothing there can prove it
+        return Probe(False, False, None, str(e))
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # not cached: one per dial-back, rare
     context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.load_verify_locations(cadata=trust_anchor(peer_id).decode())
+    context.load_verify_locations(cadata=anchor.decode())
     context.set_alpn_protocols([ALPN])
     try:
         tls = await asyncio.wait_for(_handshake(host, port, context), timeout)

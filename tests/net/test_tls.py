@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,6 +93,33 @@ class _Impostor:
         for key, value in ctx.grpc_context.invocation_metadata() if ctx.grpc_context else ():
             if key == "swarm-ticket-bin":
                 self.tickets.append(value)
+
+
+def test_prove_completes_only_for_the_peer_id_expected_there(make_peer):
+    """`tls.prove` (a dial-back's check): the handshake completes only when the certificate at the
+    address is signed by the expected PeerID's key; a probe names whoever is there."""
+    a = make_peer()
+    addr = Multiaddr.parse(a.addrs[0])
+    stranger = Identity.generate()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
+
+    async def go():
+        return (await tls.prove(addr.host, addr.port, a.peer_id, 5.0),
+                await tls.prove(addr.host, addr.port, stranger.peer_id, 5.0),
+                await tls.prove(addr.host, addr.port, "QmNotAnEd25519PeerIdAtAll", 5.0),
+                await tls.prove("127.0.0.1", closed.getsockname()[1], a.peer_id, 5.0),
+                await tls.probe(addr.host, addr.port, 5.0))
+
+    try:
+        proved, other, malformed, refused, probed = a.run(go())
+    finally:
+        closed.close()
+    assert proved == tls.Probe(True, True, a.peer_id)
+    assert not other.peer_id and other.reachable and f"does not prove {stranger.peer_id}" in other.error
+    assert not malformed.reachable and "Ed25519" in malformed.error
+    assert not refused.reachable and "ConnectionRefusedError" in refused.error
+    assert probed.peer_id == a.peer_id  # the unverified probe reads the same PeerID out of the certificate
 
 
 def test_a_peer_with_another_key_cannot_pass_for_the_victim(make_peer):
