@@ -64,7 +64,8 @@ def swarm_worker(args: argparse.Namespace) -> None:
     from swarm.net import sealed
     from swarm.net.channels import ChannelConfig
 
-    sealed.OFF_LOOP = not args.seal_inline  # the baseline: every record sealed and opened on the loop's thread
+    if args.seal:  # else the default: workers where the process has more than 2 cores
+        sealed.OFF_LOOP = args.seal == "workers"
     peer = Peer(insecure=args.insecure, channel_config=ChannelConfig(bulk_pool=not args.no_pool))
     baseline = _rss_mb()
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
@@ -201,8 +202,14 @@ def barrier(socks: dict[int, socket.socket], index: int) -> None:
 # driver
 
 
+def _default_sealing() -> str:
+    from swarm.net import sealed
+
+    return "worker threads (the default here)" if sealed.OFF_LOOP else "the loop's thread (the default here: <= 2 cores)"
+
+
 def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0, transport: str = "bulk",
-              insecure: bool = False, pool: bool = True, seal_inline: bool = False) -> list[dict]:
+              insecure: bool = False, pool: bool = True, seal: str = "") -> list[dict]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="33554432", MALLOC_TRIM_THRESHOLD_="1073741824",
                PYTHONPATH=ROOT)
     procs = []
@@ -210,7 +217,7 @@ def run_group(kind: str, n: int, args: argparse.Namespace, compression: int = 0,
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--index", str(i), "--n", str(n),
                "--mbytes", str(args.mbytes), "--rounds", str(args.rounds), "--compression", str(compression),
                "--transport", transport, *(["--insecure"] if insecure else []),
-               *([] if pool else ["--no-pool"]), *(["--seal-inline"] if seal_inline else [])]
+               *([] if pool else ["--no-pool"]), *(["--seal", seal] if seal else [])]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
     try:
         addrs = [json.loads(p.stdout.readline())["addr"] for p in procs]
@@ -301,10 +308,13 @@ def main() -> None:
     parser.add_argument("--no-pool", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compare-pool", action="store_true",
                         help="also run TLS and plaintext with a fresh bulk connection per stream (bulk_pool=False)")
-    parser.add_argument("--seal-inline", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--seal", choices=["workers", "loop"], default="", help=argparse.SUPPRESS)
     parser.add_argument("--compare-inline", action="store_true",
                         help="also run TLS with every bulk record sealed and opened on the event loop's thread"
-                             " (swarm.net.sealed.OFF_LOOP = False, the transport before records moved to workers)")
+                             " (swarm.net.sealed.OFF_LOOP = False)")
+    parser.add_argument("--compare-workers", action="store_true",
+                        help="also run TLS with records of 64 KiB and more sealed and opened on worker threads"
+                             " (swarm.net.sealed.OFF_LOOP = True)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the TLS, plaintext and --compare-inline groups this many times, alternating their"
                              " order; figures are medians over every round of every repetition")
@@ -332,7 +342,9 @@ def main() -> None:
         if not args.skip_plaintext:
             groups["plain"] = {"insecure": True}
         if args.compare_inline:
-            groups["inline"] = {"seal_inline": True}
+            groups["inline"] = {"seal": "loop"}
+        if args.compare_workers:
+            groups["workers"] = {"seal": "workers"}
         names = list(groups)
         if args.plaintext_first and "plain" in names:
             names.remove("plain")
@@ -347,7 +359,7 @@ def main() -> None:
         goal = goals.get(n)
         print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32: {bulk:.3f} s/round{spread}"
               f" ({100 * raw / bulk:.0f}% of raw-socket ceiling{f'; goal <= {goal} s' if goal else ''});"
-              f" {cpu:.3f} s of CPU per peer per round", flush=True)
+              f" {cpu:.3f} s of CPU per peer per round; records sealed on {_default_sealing()}", flush=True)
         if "plain" in runs:
             plain, plain_cpu, spread = repeated_figure(runs["plain"])
             print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32, plaintext (--insecure): {plain:.3f} s/round"
@@ -356,11 +368,12 @@ def main() -> None:
                   f" (goal >= 85%); CPU {cpu / plain_cpu:.2f}x", flush=True)
             print(f"CPU bound             {n} peers: {cpu_bound(n, args.mbytes, plain, plain_cpu, crypto_per_mb)}",
                   flush=True)
-        if "inline" in runs:
-            inline, inline_cpu, spread = repeated_figure(runs["inline"])
-            print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32, TLS with records sealed and opened on the"
-                  f" loop's thread: {inline:.3f} s/round{spread}; {inline_cpu:.3f} s of CPU per peer per round"
-                  f"{f'; {100 * plain / inline:.0f}% of plaintext' if 'plain' in runs else ''}", flush=True)
+        for name, where in (("inline", "the loop's thread"), ("workers", "worker threads")):
+            if name in runs:
+                other, other_cpu, spread = repeated_figure(runs[name])
+                print(f"swarm all-reduce      {n} peers, {args.mbytes} MB fp32, TLS with records sealed and opened on"
+                      f" {where}: {other:.3f} s/round{spread}; {other_cpu:.3f} s of CPU per peer per round"
+                      f"{f'; {100 * plain / other:.0f}% of plaintext' if 'plain' in runs else ''}", flush=True)
         if args.compare_pool:
             for insecure in (False, True):
                 unpooled_reports = run_group("swarm", n, args, insecure=insecure, pool=False)

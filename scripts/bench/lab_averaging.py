@@ -44,7 +44,8 @@ def worker(args: argparse.Namespace) -> None:
         logging.getLogger("swarm.net").setLevel(logging.DEBUG)
     from swarm.net.channels import ChannelConfig
 
-    peer = Peer(listen=f"/ip4/{args.address}/tcp/0", channel_config=ChannelConfig(bulk_pool=not args.no_pool))
+    peer = Peer(listen=f"/ip4/{args.address}/tcp/0", channel_config=ChannelConfig(bulk_pool=not args.no_pool),
+                insecure=args.insecure)
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
     addrs = json.loads(sys.stdin.readline())["addrs"]
     numel = args.mbytes * 1_000_000 // 4
@@ -126,7 +127,7 @@ def sample_sockets(lab, n: int, path: str, stop: threading.Event) -> None:
 
 
 def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool = False,
-              pool: bool = True) -> list[dict]:
+              pool: bool = True, insecure: bool = False) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
     procs = []
@@ -135,8 +136,8 @@ def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--address",
                 lab.address(host), "--mbytes", str(args.mbytes), "--rounds", str(args.rounds),
                 "--compression", str(compression), *(["--raw"] if raw else []), *(["--diag", args.diag] if args.diag else []),
-                *([] if pool else ["--no-pool"])]
-        kind = "raw" if raw else "swarm" if pool else "swarm-nopool"
+                *([] if pool else ["--no-pool"]), *(["--insecure"] if insecure else [])]
+        kind = "raw" if raw else "swarm-insecure" if insecure else "swarm" if pool else "swarm-nopool"
         log = os.path.join(args.diag, f"{n}-{compression}-{kind}-h{i}.log") if args.diag else ""
         with open(log or os.devnull, "wb") as stderr:  # the child keeps its own descriptor
             procs.append(lab.spawn(host, argv, stdin=subprocess.PIPE, env=env, stderr=stderr if log else None))
@@ -222,6 +223,9 @@ def main() -> None:
     parser.add_argument("--compare-pool", action="store_true",
                         help="also run swarm with a fresh bulk connection per stream (bulk_pool=False, the baseline)")
     parser.add_argument("--no-pool", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compare-insecure", action="store_true",
+                        help="also run swarm with every peer --insecure (plaintext: what TLS costs on these links)")
+    parser.add_argument("--insecure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--congestion", default="",
                         help="TCP congestion control on every lab host (e.g. reno, loss-based like most hosts' cubic, which "
                              "this machine does not allow in namespaces; default: the host's, "
@@ -253,26 +257,28 @@ def main() -> None:
                         raise SystemExit(f"cannot set {args.congestion} on h{i}: {done.stderr.strip()}")
             used = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
             print(f"  {n} peers: TCP congestion control {used}", flush=True)
-            runs = [(0, "fp32", True, True), (0, "fp32", False, True), (0, "fp32", False, False),
-                    (1, "fp16", True, True), (1, "fp16", False, True), (1, "fp16", False, False)]
-            for compression, wire, raw, pool in runs:
+            runs = [(c, wire, raw, pool, insecure) for c, wire in ((0, "fp32"), (1, "fp16"))
+                    for raw, pool, insecure in ((True, True, False), (False, True, False), (False, False, False),
+                                                (False, True, True))]
+            for compression, wire, raw, pool, insecure in runs:
                 if wire not in args.wire or (args.only and args.only != ("raw" if raw else "swarm")):
                     continue
-                if not pool and not args.compare_pool:
+                if (not pool and not args.compare_pool) or (insecure and not args.compare_insecure):
                     continue
                 t0 = lab.relay_stats()["cpu_seconds"]
                 w0 = time.monotonic()
-                times = round_seconds(run_group(lab, n, args, compression, raw, pool))
+                times = round_seconds(run_group(lab, n, args, compression, raw, pool, insecure))
                 relay_cpu = (lab.relay_stats()["cpu_seconds"] - t0) / (time.monotonic() - w0)
                 sent = 2 * (n - 1) / n * args.mbytes * 1e6 / (2 if compression else 1)
                 bound = sent * 8 / (args.mbit * 1e6)
                 median = statistics.median(times) if times else float("nan")
-                who = "raw TCP butterfly" if raw else "swarm averager   " if pool else "swarm, no pool   "
+                who = ("raw TCP butterfly" if raw else "swarm, plaintext " if insecure else "swarm averager   " if pool
+                       else "swarm, no pool   ")
                 print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "
                       f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core", flush=True)
                 if args.diag and not raw:
-                    kind = "swarm" if pool else "swarm-nopool"
+                    kind = "swarm-insecure" if insecure else "swarm" if pool else "swarm-nopool"
                     print(timeline([os.path.join(args.diag, f"{n}-{compression}-{kind}-h{i}.log") for i in range(n)]),
                           flush=True)
 

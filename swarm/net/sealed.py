@@ -23,9 +23,10 @@ inner `asyncio.BufferedProtocol` (the bulk channel's `FrameConnection`) and is t
 transport, so the framing above it is the same with or without TLS. The end of a stream is the
 sealed END or ERROR frame of that framing: a connection cut before it is an error to the reader.
 
-Records of at least 64 KiB are sealed and opened on worker threads (`cryptography` releases the
-GIL inside AES-GCM), so a peer's loop keeps reading, writing and answering while the cipher
-runs (`OFF_LOOP`; BENCHMARKS.md, "Sealing and opening off the event loop"). The loop still
+Where the process may use more than 2 cores, records of at least 64 KiB are sealed and opened on
+worker threads (`cryptography` releases the GIL inside AES-GCM), so a peer's loop keeps reading,
+writing and answering while the cipher runs (`OFF_LOOP`; BENCHMARKS.md, "Sealing and opening off
+the event loop"); on 2 cores or fewer the loop's thread does it, which costs less CPU. The loop still
 decides everything: it reserves each record's nonce in order, sends sealed records in that
 order, hands an opened record to the inner protocol only after its tag verified, and opens one
 record of a direction at a time, in the order received.
@@ -57,7 +58,22 @@ _HANDSHAKE_LIMIT = 1 << 16  # bytes a peer may send before the keys are agreed
 _KDF_INFO = b"swarm bulk sealed records v1"
 _MAX_RECORDS = 1 << 64      # nonces of one direction (never reached: 2^64 MiB)
 _POOL = 8                   # record buffers kept for reuse per connection
-OFF_LOOP = True             # seal and open large records on worker threads (SealedProtocol's default)
+
+
+def _spare_cores() -> bool:
+    """Whether this process may run on more than 2 cores. The workers cost CPU (records change
+    cores, threads wake): on 2 cores, where a trainer's loop and its training thread already keep
+    both busy, a round on loopback took 0.41 s with records on the loop's thread against 0.49 s
+    on workers (BENCHMARKS.md, "Sealing and opening off the event loop"). A container's CPU quota
+    is not seen here, only its affinity."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cores > 2
+
+
+OFF_LOOP = _spare_cores()   # seal and open large records on worker threads (SealedProtocol's default)
 _OFF_LOOP_BYTES = 1 << 16   # smaller records are sealed and opened on the loop's thread
 _SEAL_AHEAD = 2 * RECORD_BYTES  # bytes written but not yet sealed above which the writer pauses
 _OPEN_AHEAD = 2             # received records waiting to be opened, at most, before reading pauses

@@ -192,3 +192,17 @@ def test_records_still_move_once_the_workers_are_gone(monkeypatch):
             server.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("cores, expected", [(1, False), (2, False), (3, True), (16, True)])
+def test_records_go_to_workers_only_where_the_process_has_more_than_two_cores(monkeypatch, cores, expected):
+    monkeypatch.setattr(sealed.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert sealed._spare_cores() is expected
+
+
+def test_without_an_affinity_call_the_core_count_decides(monkeypatch):
+    monkeypatch.delattr(sealed.os, "sched_getaffinity")
+    monkeypatch.setattr(sealed.os, "cpu_count", lambda: 8)
+    assert sealed._spare_cores() is True
+    monkeypatch.setattr(sealed.os, "cpu_count", lambda: None)
+    assert sealed._spare_cores() is False
