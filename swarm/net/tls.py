@@ -271,14 +271,9 @@ class Probe:
 async def probe(host: str, port: int, timeout: float) -> Probe:
     """Runs one TLS handshake with `host:port`, verifying nothing, and reads the PeerID that the
     certificate proves. Used to learn a bare address's PeerID and to explain a failed dial."""
-    try:
-        tls = await asyncio.wait_for(_handshake(host, port, _unverified_context()), timeout)
-    except ssl.SSLError as e:
-        return Probe(True, False, None, f"{type(e).__name__}: {e.reason or e}")
-    except (ConnectionResetError, EOFError) as e:
-        return Probe(True, False, None, f"{type(e).__name__}: {e}")
-    except (OSError, TimeoutError) as e:
-        return Probe(False, False, None, f"{type(e).__name__}: {e}")
+    tls = await _connect(host, port, _unverified_context(), timeout)
+    if isinstance(tls, Probe):
+        return tls
     with tls:  # a probe: closed without a close_notify exchange (a gRPC server may never answer it)
         der = tls.getpeercert(binary_form=True)
     try:
@@ -303,18 +298,26 @@ async def prove(host: str, port: int, peer_id: str, timeout: float) -> Probe:
     context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.load_verify_locations(cadata=anchor.decode())
     context.set_alpn_protocols([ALPN])
+    tls = await _connect(host, port, context, timeout, peer_id)
+    if isinstance(tls, Probe):
+        return tls
+    tls.close()
+    return Probe(True, True, peer_id)
+
+
+async def _connect(host: str, port: int, context: ssl.SSLContext, timeout: float,
+                   expected: str = "") -> ssl.SSLSocket | Probe:
+    """The TLS socket of a completed handshake, or the `Probe` saying why there was none."""
     try:
-        tls = await asyncio.wait_for(_handshake(host, port, context), timeout)
-    except ssl.SSLCertVerificationError as e:
-        return Probe(True, True, None, f"its certificate does not prove {peer_id} ({e.verify_message or e.reason})")
+        return await asyncio.wait_for(_handshake(host, port, context), timeout)
+    except ssl.SSLCertVerificationError as e:  # only where `context` verifies (`prove`)
+        return Probe(True, True, None, f"its certificate does not prove {expected} ({e.verify_message or e.reason})")
     except ssl.SSLError as e:
         return Probe(True, False, None, f"{type(e).__name__}: {e.reason or e}")
     except (ConnectionResetError, EOFError) as e:
         return Probe(True, False, None, f"{type(e).__name__}: {e}")
     except (OSError, TimeoutError) as e:
         return Probe(False, False, None, f"{type(e).__name__}: {e}")
-    tls.close()
-    return Probe(True, True, peer_id)
 
 
 async def _handshake(host: str, port: int, context: ssl.SSLContext) -> ssl.SSLSocket:
