@@ -203,9 +203,18 @@ class Coordinator:
         who = self.group.members[i].peer_id[-8:]
         logger.debug("round %s: probed reducer %s %.3f s after the start: %s", self.group.round_id.hex()[:8],
                      who, loop.time() - self._t0, "gone (connection refused): deciding now" if gone else "reachable")
-        if gone and not self._decided.done():
-            self.gone.add(i)
-            self._all_reported.set()  # its report can never come: decide without waiting for the deadline
+        if gone:
+            self.member_gone(i)
+
+    def member_gone(self, i: int) -> None:
+        """Member `i` is known dead (its address refused a connection: this coordinator's probe, or
+        the leader's own member side after its stream to `i` broke). A reducer among the unreported
+        can never report: the round is decided at once instead of at the deadline."""
+        reported = {self.group.reducers[p] for p in self.reports}
+        if self._decided.done() or i not in self.group.reducers or i in reported:
+            return
+        self.gone.add(i)
+        self._all_reported.set()  # its report can never come: decide without waiting for the deadline
 
     async def _decide_when_ready(self) -> None:
         loop = asyncio.get_running_loop()

@@ -88,9 +88,13 @@ class ButterflyAllReduce:
     def __init__(
         self, peer: PeerHandle, group: GroupInfo, flat: FlatTensors | None, scratch: torch.Tensor,
         config: AllReduceConfig, faults: FaultPlan, timeout: float, report: Any, verify: Any = None,
+        on_gone: Any = None,
     ) -> None:
         self.peer, self.group, self.flat, self.config, self.faults = peer, group, flat, config, faults
         self.verify = verify  # verified rounds: `verification.verify_round`-like check before applying
+        # told the index of a member this member found gone (the leader's `Coordinator.member_gone`:
+        # the reducers may all have reported before that member died, naming no broken stream)
+        self.on_gone = on_gone
         self.my_index = group.index_of(peer.peer_id)
         self.me = group.members[self.my_index]
         self.codec: Codec = get_codec(group.compression)
@@ -377,6 +381,8 @@ class ButterflyAllReduce:
                          loop.time() - self.t0)
             if gone and self.reducer is not None:
                 self.reducer.sender_gone(index)
+            if gone and self.on_gone is not None:
+                self.on_gone(index)
 
         self._tasks.append(spawn(probe(), name=f"avg-probe-{self.round_tag}-m{index}"))
 

@@ -418,7 +418,7 @@ class Averager:
         end = t0 + timeout  # waiting for the buffer does not move the round's end
         verdict, verify = self._verification(group, cfg, end, coordinator)
         allreduce = ButterflyAllReduce(self.peer, group, self.flat, scratch, cfg, self.faults, end - loop.time(), report,
-                                       verify=verify)
+                                       verify=verify, on_gone=coordinator.member_gone if coordinator else None)
         self.service.register(group.prefix, group.round_id, RoundEntry(allreduce, coordinator, verdict))
         try:
             decision = await allreduce.run()
