@@ -276,7 +276,7 @@ async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_
     token is sent. `dial(timeout)`, if given, makes the connected socket instead (a relay's circuit,
     docs/relay.md; it raises `PeerUnreachable` itself)."""
     loop = asyncio.get_running_loop()
-    sock = await dial(timeout) if dial is not None else await _dial(loop, host, port, timeout, peer_id)
+    sock = await dial(timeout) if dial is not None else await _dial(host, port, timeout, peer_id)
     try:
         if tls:
             conn = FrameConnection(max_frame_bytes)
@@ -304,23 +304,12 @@ async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_
     return conn
 
 
-async def _dial(loop: asyncio.AbstractEventLoop, host: str, port: int, timeout: float, peer_id: str) -> socket.socket:
+async def _dial(host: str, port: int, timeout: float, peer_id: str) -> socket.socket:
     try:
-        literal = await asyncio.wait_for(connected_socket(host, port), timeout)  # no resolver for a literal
-        if literal is not None:
-            return literal
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await asyncio.wait_for(loop.sock_connect(sock, infos[0][4]), timeout)
-        except BaseException:
-            sock.close()
-            raise
+        return await asyncio.wait_for(connected_socket(host, port), timeout)
     except (OSError, TimeoutError) as e:
         raise PeerUnreachable(f"bulk port {host}:{port} unreachable ({type(e).__name__}: {e})",
                               peer_id=peer_id) from None
-    return sock
 
 
 async def exchange(

@@ -5,7 +5,7 @@ literal with `getaddrinfo`, and uvloop encodes the host with the `idna` codec fi
 `stringprep` and `unicodedata`, and runs the lookup on libuv's thread pool (its threads, and the
 resolver's libraries: together ~1 MB of a daemon's memory, BENCHMARKS.md "What a DHT-only
 daemon's memory is"). A socket bound or connected here to the literal is handed to the loop as
-`sock=` instead; a listening one is set up as asyncio sets up its own (SO_REUSEADDR, IPv6 sockets
+`sock=` instead (a name is still resolved by the loop); a listening one is set up as asyncio sets up its own (SO_REUSEADDR, IPv6 sockets
 IPv6-only).
 """
 
@@ -48,19 +48,27 @@ def listening_socket(host: str, port: int) -> socket.socket | None:
     return sock
 
 
-async def connected_socket(host: str, port: int) -> socket.socket | None:
-    """A non-blocking TCP socket connected to the IP literal `host`; None when `host` is a name
-    (the loop resolves it as before). Raises OSError (`ConnectionRefusedError`, ...) when the
+async def connected_socket(host: str, port: int) -> socket.socket:
+    """A non-blocking TCP socket connected to `host:port`: an IP literal directly, a name through
+    the loop's resolver. Raises OSError (`ConnectionRefusedError`, `socket.gaierror`, ...) when the
     connection fails; the caller bounds the wait (`asyncio.wait_for`)."""
+    loop = asyncio.get_running_loop()
     family = _family(host)
-    if family is None:
-        return None
+    if family is None:  # a name
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, infos[0][4])
+        except BaseException:
+            sock.close()
+            raise
+        return sock
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
         failed = sock.connect_ex((host, port))
         if failed in (errno.EINPROGRESS, errno.EAGAIN):
-            loop = asyncio.get_running_loop()
             writable: asyncio.Future[None] = loop.create_future()
 
             def ready() -> None:

@@ -27,7 +27,6 @@ import asyncio
 import datetime
 import functools
 import os
-import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -327,15 +326,6 @@ async def _handshake(host: str, port: int, context: ssl.SSLContext) -> ssl.SSLSo
     which uvloop's transports refuse): a probe costs no `idna` codec and no resolver threads."""
     loop = asyncio.get_running_loop()
     sock = await connected_socket(host, port)
-    if sock is None:  # a name: resolved by the loop
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, infos[0][4])
-        except BaseException:
-            sock.close()
-            raise
     try:
         tls = context.wrap_socket(sock, server_hostname=SERVER_NAME_BYTES, do_handshake_on_connect=False)
     except BaseException:

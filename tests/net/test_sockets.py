@@ -70,8 +70,21 @@ def test_the_loop_serves_on_it():
 
 # -- connected sockets -----------------------------------------------------------------------
 
-def test_connecting_to_a_name_is_left_to_the_loop():
-    assert asyncio.run(connected_socket("localhost", 1)) is None
+def test_a_name_is_resolved_by_the_loop_and_connected():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        async def main() -> tuple[str, int]:
+            sock = await connected_socket("localhost", port)
+            with sock:
+                assert not sock.getblocking()
+                return sock.getpeername()[:2]
+
+        try:
+            peer = asyncio.run(main())
+        except OSError as e:  # "localhost" names only ::1 here
+            pytest.skip(f"localhost does not reach 127.0.0.1: {e}")
+        assert peer == ("127.0.0.1", port)
 
 
 def test_a_literal_is_connected_non_blocking_and_carries_bytes():
