@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -88,7 +88,7 @@ class ButterflyAllReduce:
     def __init__(
         self, peer: PeerHandle, group: GroupInfo, flat: FlatTensors | None, scratch: torch.Tensor,
         config: AllReduceConfig, faults: FaultPlan, timeout: float, report: Any, verify: Any = None,
-        on_gone: Any = None,
+        on_gone: Callable[[int], None] | None = None,
     ) -> None:
         self.peer, self.group, self.flat, self.config, self.faults = peer, group, flat, config, faults
         self.verify = verify  # verified rounds: `verification.verify_round`-like check before applying
