@@ -32,7 +32,8 @@ sys.path.insert(0, ROOT)
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from swarm.averaging import Averager, AveragerConfig
+    from swarm.averaging import AllReduceConfig, Averager, AveragerConfig
+    from swarm.net import bulk
     from swarm.peer import Peer
 
     torch.set_num_threads(1)
@@ -44,6 +45,8 @@ def worker(args: argparse.Namespace) -> None:
         logging.getLogger("swarm.net").setLevel(logging.DEBUG)
     from swarm.net.channels import ChannelConfig
 
+    if args.lowat >= 0:
+        bulk.NOTSENT_LOWAT = args.lowat
     peer = Peer(listen=f"/ip4/{args.address}/tcp/0", channel_config=ChannelConfig(bulk_pool=not args.no_pool),
                 insecure=args.insecure)
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
@@ -51,7 +54,8 @@ def worker(args: argparse.Namespace) -> None:
     numel = args.mbytes * 1_000_000 // 4
     tensors = [torch.full((numel,), float(args.index))]
     avg = Averager(peer, tensors, initial_group=addrs, target_group_size=len(addrs), min_group_size=len(addrs),
-                   config=AveragerConfig(compression=args.compression))
+                   config=AveragerConfig(compression=args.compression, allreduce=AllReduceConfig(
+                       **({} if args.lockstep < 0 else {"lockstep": args.lockstep}))))
     times, failures = [], []
     for _ in range(args.rounds + 1):
         start = time.time()
@@ -126,8 +130,19 @@ def sample_sockets(lab, n: int, path: str, stop: threading.Event) -> None:
             out.flush()
 
 
+# swarm's variants beside the default: (name, worker arguments)
+VARIANTS = {
+    "swarm": [],
+    "swarm-nolowat": ["--lowat", "0"],                                   # lockstep without the small queue
+    "swarm-nopool": ["--no-pool"],                                       # --compare-pool
+    "swarm-lowat": ["--lockstep", "0"],                                  # --compare-lockstep
+    "swarm-free": ["--lockstep", "0", "--lowat", "0"],                   # --compare-lockstep: the code before
+    "swarm-insecure": ["--insecure"],                                    # --compare-insecure
+}
+
+
 def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool = False,
-              pool: bool = True, insecure: bool = False) -> list[dict]:
+              variant: str = "swarm") -> list[dict]:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
     procs = []
@@ -136,8 +151,8 @@ def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--address",
                 lab.address(host), "--mbytes", str(args.mbytes), "--rounds", str(args.rounds),
                 "--compression", str(compression), *(["--raw"] if raw else []), *(["--diag", args.diag] if args.diag else []),
-                *([] if pool else ["--no-pool"]), *(["--insecure"] if insecure else [])]
-        kind = "raw" if raw else "swarm-insecure" if insecure else "swarm" if pool else "swarm-nopool"
+                *([] if raw else VARIANTS[variant])]
+        kind = "raw" if raw else variant
         log = os.path.join(args.diag, f"{n}-{compression}-{kind}-h{i}.log") if args.diag else ""
         with open(log or os.devnull, "wb") as stderr:  # the child keeps its own descriptor
             procs.append(lab.spawn(host, argv, stdin=subprocess.PIPE, env=env, stderr=stderr if log else None))
@@ -169,12 +184,14 @@ _PHASES = [  # (label, regex on the message, first or last occurrence in the rou
     ("step", r"^step called$", "last"),
     ("send start", r"part \d+: sending to its reducer", "first"),
     ("send end", r"part \d+: sent to its reducer", "last"),
+    ("1st sender in", r"part \d+: sender \d+ complete", "first"),
     ("senders in", r"part \d+: sender \d+ complete", "last"),
     ("report", r"part \d+: reporting after", "first"),
     ("decided", r"part \d+: decided after", "first"),
     ("result out", r"part \d+: result to sender \d+ starts", "first"),
     ("1st result in", r"part \d+: first result chunk in", "first"),
     ("result out end", r"part \d+: result to sender \d+ queued", "last"),
+    ("1st part in", r"part \d+: last result chunk in", "first"),
     ("all in", r"all parts in after", "first"),
     ("applied", r"applied after", "first"),
 ]
@@ -222,10 +239,16 @@ def main() -> None:
     parser.add_argument("--only", choices=["raw", "swarm"], default=None, help="run only one of the two")
     parser.add_argument("--compare-pool", action="store_true",
                         help="also run swarm with a fresh bulk connection per stream (bulk_pool=False, the baseline)")
+    parser.add_argument("--compare-lockstep", action="store_true",
+                        help="also run swarm without lockstep (AllReduceConfig.lockstep=0) and without it and the bulk "
+                             "connections' small send queue (swarm.net.bulk.NOTSENT_LOWAT=0: the code before)")
     parser.add_argument("--no-pool", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compare-insecure", action="store_true",
                         help="also run swarm with every peer --insecure (plaintext: what TLS costs on these links)")
     parser.add_argument("--insecure", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--lockstep", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--lowat", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--variants", nargs="+", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--congestion", default="",
                         help="TCP congestion control on every lab host (e.g. reno, loss-based like most hosts' cubic, which "
                              "this machine does not allow in namespaces; default: the host's, "
@@ -257,29 +280,31 @@ def main() -> None:
                         raise SystemExit(f"cannot set {args.congestion} on h{i}: {done.stderr.strip()}")
             used = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
             print(f"  {n} peers: TCP congestion control {used}", flush=True)
-            runs = [(c, wire, raw, pool, insecure) for c, wire in ((0, "fp32"), (1, "fp16"))
-                    for raw, pool, insecure in ((True, True, False), (False, True, False), (False, False, False),
-                                                (False, True, True))]
-            for compression, wire, raw, pool, insecure in runs:
+            variants = args.variants or ["swarm", *(["swarm-nopool"] if args.compare_pool else []),
+                                         *(["swarm-lowat", "swarm-free"] if args.compare_lockstep else []),
+                                         *(["swarm-insecure"] if args.compare_insecure else [])]
+            runs = [(c, wire, raw, v) for c, wire in ((0, "fp32"), (1, "fp16"))
+                    for raw, v in ((True, "raw"), *((False, v) for v in variants))]
+            for compression, wire, raw, variant in runs:
                 if wire not in args.wire or (args.only and args.only != ("raw" if raw else "swarm")):
-                    continue
-                if (not pool and not args.compare_pool) or (insecure and not args.compare_insecure):
                     continue
                 t0 = lab.relay_stats()["cpu_seconds"]
                 w0 = time.monotonic()
-                times = round_seconds(run_group(lab, n, args, compression, raw, pool, insecure))
+                times = round_seconds(run_group(lab, n, args, compression, raw, variant))
                 relay_cpu = (lab.relay_stats()["cpu_seconds"] - t0) / (time.monotonic() - w0)
                 sent = 2 * (n - 1) / n * args.mbytes * 1e6 / (2 if compression else 1)
                 bound = sent * 8 / (args.mbit * 1e6)
                 median = statistics.median(times) if times else float("nan")
-                who = ("raw TCP butterfly" if raw else "swarm, plaintext " if insecure else "swarm averager   " if pool
-                       else "swarm, no pool   ")
+                who = "raw TCP butterfly" if raw else {"swarm": "swarm averager", "swarm-nopool": "swarm, no pool",
+                                                       "swarm-lowat": "swarm, no lockstep",
+                                                       "swarm-free": "swarm, neither (before)",
+                                                       "swarm-nolowat": "swarm, no small send queue",
+                                                       "swarm-insecure": "swarm, plaintext"}[variant]
                 print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "
                       f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core", flush=True)
                 if args.diag and not raw:
-                    kind = "swarm-insecure" if insecure else "swarm" if pool else "swarm-nopool"
-                    print(timeline([os.path.join(args.diag, f"{n}-{compression}-{kind}-h{i}.log") for i in range(n)]),
+                    print(timeline([os.path.join(args.diag, f"{n}-{compression}-{variant}-h{i}.log") for i in range(n)]),
                           flush=True)
 
 

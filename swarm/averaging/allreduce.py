@@ -34,6 +34,7 @@ from swarm.averaging.config import AllReduceConfig
 from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.liveness import refuses_connections
+from swarm.averaging.lockstep import Lockstep
 from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.averaging.parts import Part, PartState, RoundFailed, plan_parts, scratch_numel
 from swarm.averaging.reducer import PartReducer, encode_failure_message, is_raw_float32
@@ -128,6 +129,12 @@ class ButterflyAllReduce:
         logger.debug("round %s: silence limits %s (sender_timeout %.2f s)", group.round_id.hex()[:8],
                      {group.members[i].peer_id[-6:]: round(v, 2) for i, v in self.silence.items()},
                      config.sender_timeout)
+        # this member's parts go out level with each other (`lockstep`), patient with each reducer
+        # for its silence limit
+        sending = [p for p in self.parts if p.index != self.my_part and p.size and self.me.is_sender
+                   and self.me.weight > 0]
+        self.lockstep = Lockstep([p.index for p in sending], config.lockstep,
+                                 {p.index: self.silence.get(p.reducer, config.sender_timeout) for p in sending})
         self.finished = asyncio.Event()   # this member is done with the round (its streams may close)
         # a part of this round will never be averaged (its reducer aborted it): no member can apply
         # the round, so no one will fetch its results from us (the round's buffer may go at once)
@@ -303,21 +310,26 @@ class ButterflyAllReduce:
         if has_data:
             assert self.flat is not None
             self._timeline("part %d: sending to its reducer", p.index)
-            for a, b in chunk_bounds(p.size, self.chunk_numel):
-                try:
-                    # views of our tensors where the codec allows (NONE): the bulk channel sends
-                    # them without a copy; they stay unchanged until the round applies its result
-                    payload = self.codec.encode_views(self.flat.read(p.start + a, p.start + b))
-                except CompressionError as e:
-                    yield encode_failure_message(p.index, f"cannot encode: {e}")
-                    break
-                yield payload
-                self.sent_chunks += 1
-                try:
-                    await self.faults.hit(FaultPoint.AFTER_CHUNKS_SENT, self.sent_chunks)
-                except FaultInjected:
-                    cancel.set()
-                    await asyncio.Event().wait()  # the exchange cancels the call
+            try:
+                for a, b in chunk_bounds(p.size, self.chunk_numel):
+                    await self.lockstep.turn(p.index)  # level with this member's other parts
+                    try:
+                        # views of our tensors where the codec allows (NONE): the bulk channel sends
+                        # them without a copy; they stay unchanged until the round applies its result
+                        payload = self.codec.encode_views(self.flat.read(p.start + a, p.start + b))
+                    except CompressionError as e:
+                        yield encode_failure_message(p.index, f"cannot encode: {e}")
+                        break
+                    yield payload
+                    self.lockstep.sent(p.index)  # resumed: the chunk is on its connection
+                    self.sent_chunks += 1
+                    try:
+                        await self.faults.hit(FaultPoint.AFTER_CHUNKS_SENT, self.sent_chunks)
+                    except FaultInjected:
+                        cancel.set()
+                        await asyncio.Event().wait()  # the exchange cancels the call
+            finally:
+                self.lockstep.leave(p.index)
             self._timeline("part %d: sent to its reducer", p.index)
         await p.resolved.wait()
         if p.state is PartState.COMPLETE:
@@ -358,6 +370,8 @@ class ButterflyAllReduce:
             logger.debug("part %d stream from %s failed: %s", p.index, reducer.peer_id[-8:], e)
             self.resolve(p, PartState.FAILED, f"stream from reducer {reducer.peer_id[-8:]} broke ({e})")
             self._suspect(p.reducer)
+        finally:
+            self.lockstep.leave(p.index)  # a broken stream's requests may never resume: stop waiting for it
 
     def _suspect(self, index: int) -> None:
         """The stream to member `index` broke: probe its address once, and when it refuses the

@@ -46,6 +46,9 @@ class AllReduceConfig:
         clip_iterations: bound on CenteredClip's iterations per part.
         clip_tolerance: CenteredClip stops once an iteration moves the centre by less than
             `clip_tolerance * tau`.
+        lockstep: how many chunks one of a member's part streams to their reducers may run ahead
+            of the slowest, so they finish together (`swarm.averaging.lockstep`); 0: each stream
+            as fast as its connection takes.
         verify: members check every part they receive against its reducer's published digest,
             clip scales and input sketches, and the leader compares what all members hold before
             anyone applies (`swarm.averaging.verification`); None: on in robust mode only.
@@ -68,6 +71,7 @@ class AllReduceConfig:
     clip_iterations: int = 20
     clip_tolerance: float = 1e-3
     verify: bool | None = None
+    lockstep: int = 2
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
@@ -80,6 +84,8 @@ class AllReduceConfig:
             raise ConfigError("need 1 <= clip_iterations <= 1000 and 0 < clip_tolerance < 1")
         if not 4096 <= self.chunk_bytes <= 4 << 20:
             raise ConfigError("chunk_bytes must be within 4 KiB .. 4 MiB (grpc message limits)")
+        if self.lockstep < 0:
+            raise ConfigError("lockstep must be >= 0 (0: off)")
         if self.sender_timeout <= 0 or self.linger < 0 or self.join_grace <= 0:
             raise ConfigError("sender_timeout and join_grace must be > 0, linger >= 0")
         if not 0 < self.report_at < self.decide_at < self.give_up_decision < 1:

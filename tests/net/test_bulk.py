@@ -198,6 +198,26 @@ def test_a_clean_stream_leaves_its_connection_for_the_next_stream(make_peer, poo
         assert kept[0][0].transport._pool == [] and kept[0][0].transport._plain_buffer is None
 
 
+def test_both_ends_of_a_bulk_connection_keep_the_kernels_unsent_queue_small(make_peer):
+    """TCP_NOTSENT_LOWAT (`bulk.NOTSENT_LOWAT`) on the caller's and the callee's socket, so that
+    a stream's writer waits on its own flow's progress (what `swarm.averaging.lockstep` counts)."""
+    a, b = make_peer(), make_peer()
+    seen: list = []
+
+    async def echo(requests, ctx):
+        sock = ctx.connection.transport.get_extra_info("socket")
+        seen.append(sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_NOTSENT_LOWAT", 25)))
+        async for message in requests:
+            yield bytes(message)
+
+    a.server.add_stream(ECHO, echo, bulk=True)
+    assert call(b, a, [b"x"]) == [b"x"]
+    assert seen == [bulk.NOTSENT_LOWAT] and bulk.NOTSENT_LOWAT > 0
+    kept = b.pool.get(a.addrs[0])._bulk_idle[0][0]
+    sock = kept.transport.get_extra_info("socket")
+    assert sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_NOTSENT_LOWAT", 25)) == bulk.NOTSENT_LOWAT
+
+
 def test_a_next_stream_sent_right_behind_the_last_ones_end_is_served(make_peer):
     """A caller may send its next token and data in the same packet as the END of its last stream
     (before the callee finished that stream): the token limit applies to the frame after the END
