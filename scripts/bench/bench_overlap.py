@@ -19,11 +19,13 @@ waiting for its group, and where each trainer process's CPU went, by thread (the
 the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
-        [--variants TARGET:LR[:WARMUP[:STALENESS]] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]] ...]
+        [--variants TARGET:LR[:WARMUP[:STALENESS[:TRIAL]]] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]] ...]
         [--plain-references BATCH:LR ...]
 
 `--variants` adds overlapped phases with another target batch, learning rate or warm-up, side by
-side with the default ones in the same invocation (what the held-out loss gap comes from);
+side with the default ones in the same invocation (what the held-out loss gap comes from; TRIAL 0
+turns off `CollaborationConfig.trial_step`, so overlapped trainers compute at the parameters they
+hold);
 `diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]]` adds a DiLoCo phase: H inner steps of the plain
 process's batch per round, 8-bit (4-bit; 32: uncompressed) pseudo-gradients, outer SGD with that
 learning rate and Nesterov momentum (0.7, 0.9; momentum 0: plain SGD), inner Adam at the plain
@@ -81,13 +83,14 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
           + ", ".join(f"{method} {rate:.1f}" for method, rate in top), flush=True)
 
 
-def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float]:
-    """`TARGET:LR[:WARMUP[:STALENESS]]`: target batch, Adam's learning rate, collective steps of linear
-    warm-up, max_staleness (1: rounds overlapped, the default; 0: each step waits for its round);
+def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float, bool]:
+    """`TARGET:LR[:WARMUP[:STALENESS[:TRIAL]]]`: target batch, Adam's learning rate, collective steps of
+    linear warm-up, max_staleness (1: rounds overlapped, the default; 0: each step waits for its round),
+    trial_step (1, the default; 0: off);
     or `diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]]`: DiLoCo with H inner steps per round, 8-bit
     (4-bit, 32: none) pseudo-gradients, outer SGD learning rate (0.7) and Nesterov momentum (0.9; 0:
     plain SGD), inner learning rate (0: the plain process's). Returns (target, lr, warm-up or H,
-    max_staleness, bits, outer lr, outer momentum); DiLoCo's target is 0 and its lr the inner one."""
+    max_staleness, bits, outer lr, outer momentum, trial step); DiLoCo's target is 0 and its lr the inner one."""
     parts = text.split(":")
     try:
         if parts[0] == "diloco" and 2 <= len(parts) <= 6 and (len(parts) == 2 or parts[2] in ("4", "8", "32")):
@@ -96,14 +99,14 @@ def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float]:
             momentum = float(parts[4]) if len(parts) >= 5 else 0.9
             inner_lr = float(parts[5]) if len(parts) == 6 else 0.0
             if outer_lr > 0 and 0 <= momentum < 1 and inner_lr >= 0:
-                return 0, inner_lr, int(parts[1]), 1, bits, outer_lr, momentum
-        elif len(parts) in (2, 3, 4) and (len(parts) < 4 or parts[3] in ("0", "1")):
+                return 0, inner_lr, int(parts[1]), 1, bits, outer_lr, momentum, False
+        elif 2 <= len(parts) <= 5 and all(flag in ("0", "1") for flag in parts[3:]):
             return (int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) >= 3 else 0,
-                    int(parts[3]) if len(parts) == 4 else 1, 32, 0.0, 0.0)
+                    int(parts[3]) if len(parts) >= 4 else 1, 32, 0.0, 0.0, len(parts) < 5 or parts[4] == "1")
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(
-        f"a variant is TARGET:LR[:WARMUP[:STALENESS]] or diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]], got {text!r}")
+        f"a variant is TARGET:LR[:WARMUP[:STALENESS[:TRIAL]]] or diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]], got {text!r}")
 
 
 def parse_plain(text: str) -> tuple[int, float]:
@@ -151,15 +154,17 @@ def main() -> None:
         print(f"plain reference, {threads} thread(s), batch {batch}, lr {lr}: {result['samples_per_s']:.1f} samples/s, "
               f"{result['steps']} steps, held-out loss {result['loss']:.3f} = {result['loss'] / plain['loss']:.3f}x "
               f"the baseline's ({plain['steps']} steps)", flush=True)
-    # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients), outer lr, outer momentum
-    phases: list[tuple[str, int, float, int, int, int, float, float]] = []
+    # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients), outer lr, outer momentum,
+    # trial step
+    phases: list[tuple[str, int, float, int, int, int, float, float, bool]] = []
     if not args.skip_default:
         phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
-                    args.lr, 0, staleness, 32, 0.0, 0.0) for staleness in ([1] if args.skip_sync else [0, 1])]
-    phases += [(f"max_staleness={variant[3]}, target {variant[0]}, lr {variant[1]}, warm-up {variant[2]}" if variant[0]
+                    args.lr, 0, staleness, 32, 0.0, 0.0, True) for staleness in ([1] if args.skip_sync else [0, 1])]
+    phases += [(f"max_staleness={variant[3]}, target {variant[0]}, lr {variant[1]}, warm-up {variant[2]}"
+                + ("" if variant[7] or not variant[3] else ", no trial step") if variant[0]
                 else f"DiLoCo H={variant[2]} ({variant[4]}-bit, overlapped), inner lr {variant[1] or args.lr}, "
                      f"outer lr {variant[5]}, momentum {variant[6]}", *variant) for variant in args.variants]
-    for name, target, lr, warmup, staleness, bits, outer_lr, momentum in phases:
+    for name, target, lr, warmup, staleness, bits, outer_lr, momentum, trial in phases:
         if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
             codec = "NONE" if bits == 32 else f"UNIFORM_{bits}BIT"
             extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(lr or args.lr), "--local-steps", str(warmup),
@@ -169,7 +174,7 @@ def main() -> None:
             describe(f"{args.peers} trainers, {name}", results, plain)
             continue
         extra = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(target), "--lr", str(lr),
-                 "--warmup-steps", str(warmup), "--max-staleness", str(staleness)]
+                 "--warmup-steps", str(warmup), "--max-staleness", str(staleness), *([] if trial else ["--no-trial-step"])]
         results = bench_training.run_workers("swarm", args.peers, extra, args.seconds + 180)
         describe(f"{args.peers} trainers, {name}", results, plain)
     print(f"baseline: the plain process with {threads} thread(s); load average after: {os.getloadavg()}",

@@ -318,7 +318,7 @@ class Trainer:
                 digest_epoch = opt.epoch
                 # the optimizer's shared tensors: the parameters (large-batch), or DiLoCo's outer
                 # parameters (its local ones drift apart between rounds by design)
-                shared = b"".join(t.detach().numpy().tobytes() for t in opt.mode.shared_tensors)
+                shared = b"".join(t.detach().numpy().tobytes() for t in opt.shared_tensors)
                 print(json.dumps({"kind": "digest", "name": cfg.name, "epoch": opt.epoch,
                                   "sha256": hashlib.sha256(shared).hexdigest()}), flush=True)
             step += 1

@@ -52,6 +52,17 @@ class CollaborationConfig:
             at most one collective step earlier (DiLoCo: the outer step lands up to one round late,
             on top of the local steps taken meanwhile). The trainer waits for a round only when
             the next one is due before it ended. 0: every round is waited for (synchronous).
+        trial_step: in large-batch mode with a round in flight, compute the next batches at the
+            parameters moved by a trial of the step the round will take: the optimizer's step on
+            this peer's own part of the round's gradients, its state left as it was. When the
+            average lands the trial is undone exactly (the parameters are copied back) and the
+            real step taken, so peers stay identical; what it changes is where the next batches'
+            gradients are computed: near the parameters they will be applied to, instead of one
+            whole step behind them (`swarm.optim.large_batch`; the loss it buys back:
+            BENCHMARKS.md, "Communication overlapped with compute"). It costs a copy of the
+            parameters while the round is in flight, and one of the optimizer's state and one
+            optimizer step per round for the trial. The optimizer must step without a closure (as
+            every collective step does). False: compute at the parameters held.
         aggregation: how groups combine what they average (gradients, or DiLoCo's pseudo-gradients):
             "mean", or "centered_clip" for byzantine-robust averaging (`swarm.averaging.robust`;
             every peer of a run must use the same).
@@ -70,6 +81,7 @@ class CollaborationConfig:
     load_state_on_start: bool = True
     gradient_compression: CompressionType = CompressionType.NONE
     max_staleness: int = 1
+    trial_step: bool = True
     aggregation: str = "mean"
 
     def __post_init__(self) -> None:

@@ -124,6 +124,9 @@ class DiLoCoMode:
         self.local_steps, self._samples = 0, 0
         return weight
 
+    def overlap(self, epoch: int) -> None:
+        """Nothing to do: the inner steps go on from the local parameters while the round averages."""
+
     def apply_round(self, epoch: int) -> None:
         """Outer Nesterov step of the fragment with the averaged Δ; the local parameters follow."""
         self._outer_step([self.pseudo_gradients[i] for i in self.fragments[self.fragment_of(epoch)]])

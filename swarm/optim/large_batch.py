@@ -6,10 +6,21 @@ After a successful round every member holds the exact weighted mean of the group
 one process would with the whole target batch (the arithmetic is in `swarm.optim.accumulator`).
 
 With a round in flight (`CollaborationConfig.max_staleness` 1), the window being averaged moves
-aside and the trainer accumulates the next one meanwhile, on the parameters it holds: the step
-of epoch e then applies the gradients of batches computed at epoch e-1 or e, one step late, as
-delayed parameter updates do. Every peer applies the same averaged gradient to the same
-parameters, so they stay identical at every epoch.
+aside and the trainer accumulates the next one meanwhile: the step of epoch e then applies the
+gradients of batches computed at epoch e-1 or e, one step late, as delayed parameter updates do.
+Every peer applies the same averaged gradient to the same parameters, so they stay identical at
+every epoch.
+
+A gradient one step late costs more than it seems: at the learning rates that train fastest,
+Adam's step is large, and the next batches' gradients, computed a whole step behind the
+parameters they are applied to, make the loss fall much more slowly (BENCHMARKS.md,
+"Communication overlapped with compute": 1.40x the loss of the same steps taken at once, replayed
+in one process). So while its round is in flight a peer computes at a guess of where the round
+will land (`CollaborationConfig.trial_step`): the optimizer's step on its own part of the round,
+taken with the optimizer's state saved and put back, so only the parameters move. The guess is
+mostly the optimizer's momentum, which every peer shares. When the average lands, the parameters
+are copied back from the ones saved before the trial, bit for bit, and the real step is taken, so
+the trial never reaches the shared state; a state served to a newcomer meanwhile is the saved one.
 """
 
 from __future__ import annotations
@@ -36,11 +47,13 @@ class LargeBatchMode:
     paced_alone = False  # a round is due when the swarm's samples reach the target
 
     def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, trial_step: bool = True) -> None:
         self.params: list[torch.Tensor] = list(params)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.accumulator = GradientAccumulator(self.params)
+        self.trial_step = trial_step
+        self._held: list[torch.Tensor] | None = None  # the shared parameters while a trial step moved them
 
     @property
     def averaged_fragments(self) -> list[list[torch.Tensor]]:
@@ -52,8 +65,9 @@ class LargeBatchMode:
 
     @property
     def shared_tensors(self) -> list[torch.Tensor]:
-        """The parameters: identical on every peer between collective steps."""
-        return self.params
+        """The parameters: identical on every peer between collective steps (while a trial step
+        moved them, the ones it moved them from)."""
+        return self._held if self._held is not None else self.params
 
     @property
     def samples(self) -> int:
@@ -76,10 +90,51 @@ class LargeBatchMode:
         returns this peer's weight."""
         return self.accumulator.begin_round()
 
+    def overlap(self, epoch: int) -> None:
+        """The round averages while the trainer computes on: with `trial_step`, moves the
+        parameters by a trial step on this peer's own mean gradient, to compute at meanwhile."""
+        if self.trial_step and self._held is None:
+            self._take_trial_step()
+
     def apply_round(self, epoch: int) -> None:
         """Steps the optimizer (and scheduler) with the averaged gradient."""
+        self._undo_trial_step()
         self.accumulator.apply_means_to_grads()
         self._step()
+
+    def _take_trial_step(self) -> None:
+        """The optimizer's step on the in-flight window's own mean, with its state put back after:
+        only the parameters move, and `_held` keeps what they were."""
+        held = [p.detach().clone() for p in self.params]
+        grads = [p.grad for p in self.params]
+        saved = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                 for p, state in self.optimizer.state.items()}
+        self.accumulator.in_flight_mean_to_grads()
+        try:
+            self.optimizer.step()
+        finally:
+            for p in list(self.optimizer.state):
+                if p not in saved:
+                    del self.optimizer.state[p]  # the trial was this parameter's first step
+            for p, values in saved.items():
+                state = self.optimizer.state[p]
+                for k, v in values.items():
+                    if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor):
+                        state[k].copy_(v)
+                    else:
+                        state[k] = v
+            for p, g in zip(self.params, grads):
+                p.grad = g
+        self._held = held
+
+    def _undo_trial_step(self) -> None:
+        """Copies the parameters back from before the trial step (bit for bit), if one was taken."""
+        if self._held is None:
+            return
+        with torch.no_grad():
+            for p, value in zip(self.params, self._held):
+                p.copy_(value)
+        self._held = None
 
     def step_alone(self, epoch: int) -> None:
         """Applies the round's local mean gradient as the whole swarm's (this peer is the only one left).
@@ -87,11 +142,14 @@ class LargeBatchMode:
         It does not go through the averaged buffers: a round cancelled because everyone else left
         may still be writing them.
         """
+        self._undo_trial_step()
         self.accumulator.in_flight_mean_to_grads()
         self._step()
 
     def abort_round(self, epoch: int) -> None:
-        """The round failed: its samples join the window being accumulated (retried with it)."""
+        """The round failed: its samples join the window being accumulated (retried with it), and
+        the parameters go back to the shared ones."""
+        self._undo_trial_step()
         self.accumulator.abort_round()
 
     def _step(self) -> None:
@@ -103,16 +161,18 @@ class LargeBatchMode:
 
     def discard(self) -> int:
         """Drops the accumulated gradients (they belong to an epoch the swarm has left)."""
+        self._undo_trial_step()
         return self.accumulator.reset()
 
     def state(self, epoch: int) -> TrainingState:
         return TrainingState(
-            epoch, [p.detach() for p in self.params], self.optimizer.state_dict(),
+            epoch, [p.detach() for p in self.shared_tensors], self.optimizer.state_dict(),
             self.scheduler.state_dict() if self.scheduler is not None else None,
         )
 
     def load_state(self, state: TrainingState) -> None:
         state.check_compatible(self.params)
+        self._held = None
         with torch.no_grad():
             for p, value in zip(self.params, state.params):
                 p.copy_(value)

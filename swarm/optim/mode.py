@@ -62,6 +62,10 @@ class TrainingMode(Protocol):
         aside, so local work can go on while the round is averaged; returns its weight."""
         ...
 
+    def overlap(self, epoch: int) -> None:
+        """The round of `epoch`, prepared, averages while local work goes on until it lands."""
+        ...
+
     def apply_round(self, epoch: int) -> None:
         """Turns the averaged tensors into the collective step."""
         ...

@@ -147,7 +147,7 @@ class Optimizer:
             scheduler, torch.optim.lr_scheduler.LRScheduler) else scheduler
         self.mode: TrainingMode = (
             DiLoCoMode(self.params, torch_optimizer, torch_scheduler, diloco) if diloco is not None
-            else LargeBatchMode(self.params, torch_optimizer, torch_scheduler)
+            else LargeBatchMode(self.params, torch_optimizer, torch_scheduler, trial_step=config.trial_step)
         )
         compression = diloco.compression if diloco is not None else config.gradient_compression
         prefix = f"{run_id}.{'outer' if diloco is not None else 'grads'}"
@@ -187,6 +187,14 @@ class Optimizer:
     def optimizer(self) -> torch.optim.Optimizer:
         """The wrapped torch optimizer (the inner one in DiLoCo mode)."""
         return self.mode.optimizer
+
+    @property
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """What every peer at `epoch` holds alike: the parameters (large-batch mode; while a
+        trial step moved the parameters for the round in flight, the ones it moved them from,
+        `CollaborationConfig.trial_step`), or DiLoCo's outer parameters. Checkpoints and
+        comparisons between peers read these; `flush()` first lands the round in flight."""
+        return self.mode.shared_tensors
 
     @property
     def averager(self) -> AveragerLike:
@@ -331,6 +339,9 @@ class Optimizer:
         averager = self.averagers[self.mode.fragment_of(epoch)]
         future = self.peer.loop.submit(self._average(averager, epoch, weight, progress.num_peers))
         self._in_flight = _InFlight(epoch, samples, self._window_opened, started, averager, future)
+        if self.config.max_staleness > 0:
+            with self._lock:
+                self.mode.overlap(epoch)  # the trainer computes on while the round averages
         return None
 
     def _land(self, wait: bool) -> RoundOutcome:

@@ -10,6 +10,7 @@ from swarm.core.errors import ConfigError
 from swarm.optim import CollaborationConfig, DiLoCoConfig
 from swarm.optim.accumulator import GradientAccumulator
 from swarm.optim.diloco import DiLoCoMode, split_fragments
+from swarm.optim.large_batch import LargeBatchMode
 
 
 def test_a_window_in_flight_is_kept_apart_and_a_failed_one_folds_back():
@@ -74,3 +75,76 @@ def test_staleness_and_fragment_settings_are_checked():
     for bad in ({"fragments": 0}, {"fragments": 3, "local_steps": 100}, {"fragments": True}):
         with pytest.raises(ConfigError):
             DiLoCoConfig(**bad)
+
+
+def _trial_twins(trial: bool) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer, LargeBatchMode]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(2, 3))]
+    adam = torch.optim.Adam(params, lr=0.1, betas=(0.9, 0.98))
+    return params, adam, LargeBatchMode(params, adam, None, trial_step=trial)
+
+
+def _batch(params: list[torch.nn.Parameter], seed: int) -> None:
+    """A deterministic gradient that depends on where the parameters are (as a real batch's does)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = p.detach() * 0.5 + torch.randn(p.shape, generator=g)
+
+
+def _optimizer_tensors(adam: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v.clone() for state in adam.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def test_a_trial_step_moves_only_the_parameters_and_is_undone_bit_for_bit_when_the_average_lands():
+    """With a round in flight, the trainer computes at the parameters moved by the optimizer's step
+    on its own window; the optimizer's state is untouched, the shared parameters are what a newcomer
+    downloads, and the landed step starts from them exactly: the epochs' parameters are bit for bit
+    those of a peer that took no trial step, given the same averaged gradients."""
+    with_trial, adam_t, mode_t = _trial_twins(True)
+    without, adam_n, mode_n = _trial_twins(False)
+    for epoch in range(3):
+        for params, mode in ((with_trial, mode_t), (without, mode_n)):
+            _batch(params, seed=epoch)
+            mode.on_batch(4)
+            mode.prepare_round(epoch)
+        held = [p.detach().clone() for p in with_trial]
+        state_before = _optimizer_tensors(adam_t)
+        mode_t.overlap(epoch)
+        mode_n.overlap(epoch)
+        assert all(torch.equal(p, q) for p, q in zip(held, without))  # the twins agree on the shared state
+        if epoch > 0:  # (Adam's first step has no state yet: the trial's step is its first)
+            assert not any(torch.equal(p, h) for p, h in zip(with_trial, held))  # the trial moved them
+        assert all(torch.equal(a, b) for a, b in zip(_optimizer_tensors(adam_t), state_before))
+        assert all(torch.equal(a, b) for a, b in zip(mode_t.shared_tensors, held))
+        assert all(torch.equal(a, b) for a, b in zip(mode_t.state(epoch).params, held))
+        # the same average lands on both (the group's mean; here each one's own window)
+        for a, b in zip(mode_t.accumulator.means, mode_n.accumulator.means):
+            assert torch.equal(a, b)
+        mode_t.apply_round(epoch)
+        mode_n.apply_round(epoch)
+        assert all(torch.equal(p, q) for p, q in zip(with_trial, without))
+        assert all(torch.equal(a, b) for a, b in zip(_optimizer_tensors(adam_t), _optimizer_tensors(adam_n)))
+
+
+def test_a_failed_or_lone_round_takes_back_the_trial_step():
+    params, _, mode = _trial_twins(True)
+    twin, _, twin_mode = _trial_twins(False)
+    for ps, m in ((params, mode), (twin, twin_mode)):
+        _batch(ps, seed=1)
+        m.on_batch(2)
+        m.prepare_round(0)
+        m.overlap(0)
+    mode.abort_round(0)  # the round failed: back to the shared parameters, the window kept
+    twin_mode.abort_round(0)
+    assert all(torch.equal(p, q) for p, q in zip(params, twin)) and mode.samples == 2
+    for ps, m in ((params, mode), (twin, twin_mode)):
+        m.prepare_round(0)
+        m.overlap(0)
+        m.step_alone(0)  # everyone else left: the window's own mean, from the shared parameters
+    assert all(torch.equal(p, q) for p, q in zip(params, twin))
+    _batch(params, seed=2)
+    mode.on_batch(1)
+    mode.prepare_round(1)
+    mode.overlap(1)
+    shared = [p.detach().clone() for p in mode.shared_tensors]
+    assert mode.discard() == 1 and all(torch.equal(p, s) for p, s in zip(params, shared))

@@ -66,7 +66,7 @@ def main() -> None:
         opt.zero_grad()
         if out.stepped:
             print(f"epoch {opt.epoch}", flush=True)
-    torch.save([p.detach() for p in model.parameters()], args.out)
+    torch.save([t.detach() for t in opt.shared_tensors], args.out)  # (a round may be in flight)
     for r in opt.history:
         print(f"round {r.epoch} {'ok' if r.ok else 'failed'} {r.seconds:.3f} {r.staleness}", flush=True)
     print(f"idle {opt.idle_seconds:.3f}", flush=True)
