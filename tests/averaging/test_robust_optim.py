@@ -62,7 +62,8 @@ def _run(aggregation: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tens
         for t in threads:
             t.join(60)
         assert all(o is not None and o.ok for o in outcomes), outcomes
-        weights = [m.weight.detach().clone() for m in models]
+        # what the peers hold alike (the model may hold a trial step of the next round in flight)
+        weights = [o.shared_tensors[0].detach().clone() for o in opts]
         for o in opts:
             o.shutdown()
         return weights, start, honest_mean
