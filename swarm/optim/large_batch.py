@@ -25,6 +25,7 @@ the trial never reaches the shared state; a state served to a newcomer meanwhile
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -103,29 +104,15 @@ class LargeBatchMode:
         self._step()
 
     def _take_trial_step(self) -> None:
-        """The optimizer's step on the in-flight window's own mean, with its state put back after:
-        only the parameters move, and `_held` keeps what they were."""
-        held = [p.detach().clone() for p in self.params]
+        """The optimizer's step on the in-flight window's own mean; `_held` keeps what the
+        parameters were."""
         grads = [p.grad for p in self.params]
-        saved = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-                 for p, state in self.optimizer.state.items()}
         self.accumulator.in_flight_mean_to_grads()
         try:
-            self.optimizer.step()
+            self._held = take_trial_step(self.optimizer, self.params)
         finally:
-            for p in list(self.optimizer.state):
-                if p not in saved:
-                    del self.optimizer.state[p]  # the trial was this parameter's first step
-            for p, values in saved.items():
-                state = self.optimizer.state[p]
-                for k, v in values.items():
-                    if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor):
-                        state[k].copy_(v)
-                    else:
-                        state[k] = v
             for p, g in zip(self.params, grads):
                 p.grad = g
-        self._held = held
 
     def _undo_trial_step(self) -> None:
         """Copies the parameters back from before the trial step (bit for bit), if one was taken."""
@@ -180,3 +167,16 @@ class LargeBatchMode:
         if self.scheduler is not None and state.scheduler is not None:
             self.scheduler.load_state_dict(state.scheduler)
         self.accumulator.reset()
+
+
+def take_trial_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Moves `params` by `optimizer.step()` on the gradients in their `.grad`, and puts the
+    optimizer's state (and parameter groups) back as they were: only the parameters move.
+    Returns copies of the parameters from before the step."""
+    held = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(optimizer.state_dict())
+    try:
+        optimizer.step()
+    finally:
+        optimizer.load_state_dict(saved)
+    return held
