@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import torch
 from netns import add_addresses
@@ -21,6 +22,27 @@ HONEST_HOST = "10.88.0.1"
 IDENTITIES = 5
 STREAMS = 64
 HID = 8
+HELD = 128  # the server's default max_inflight_per_source
+
+
+class _Settled:
+    """Counts the attack's streams that have their answer (a refusal comes at once; a held stream
+    has none until released), across the attackers' loops, and says when every stream past the
+    held ones has been answered. The gRPC server need not take up a connection's streams in the
+    order they were opened, so the sentinel call alone does not show that all were taken up, and
+    releasing the held streams before then would let a late one in."""
+
+    def __init__(self, expected: int) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._expected = expected
+        self.event = threading.Event()
+
+    def answered(self) -> None:
+        with self._lock:
+            self._count += 1
+            if self._count >= self._expected:
+                self.event.set()
 
 
 async def _held(stall: asyncio.Event, first: list[bytes]):
@@ -55,6 +77,7 @@ def main() -> None:
         attackers = [Peer(client_mode=True) for _ in range(IDENTITIES)]
         honest_peer = Peer(client_mode=True)
         peers += [*attackers, honest_peer]
+        settled = _Settled(IDENTITIES * STREAMS - HELD)
 
         def attack(attacker: Peer):
             async def go():
@@ -66,6 +89,7 @@ def main() -> None:
                         async for _ in channel.stream(FORWARD, _held(held, [header]), timeout=300):
                             pass
                     except RPCError as e:
+                        settled.answered()
                         return e
                     return None
 
@@ -87,7 +111,9 @@ def main() -> None:
             honest = "ok" if tuple(output.shape) == (3, HID) else f"shape {tuple(output.shape)}"
         except RPCError as e:
             honest = f"{type(e).__name__}: {e}"
+        all_answered = settled.event.wait(timeout=60)  # every stream past the held ones refused
         refusals: list[str] = []
+        others: list[str] = []
         for attacker, (tasks, held) in zip(attackers, launched):
             attacker.loop.loop.call_soon_threadsafe(held.set)
 
@@ -97,13 +123,17 @@ def main() -> None:
             for outcome in attacker.run(outcomes(), timeout=120):
                 if isinstance(outcome, ResourceExhausted):
                     refusals.append(str(outcome))
+                elif outcome is not None:
+                    others.append(f"{type(outcome).__name__}: {outcome}")
         print(json.dumps({
             "honest": honest,
             "in_flight": in_flight,
+            "all_answered_before_release": all_answered,
             "by_source": from_attacker,
             "refused_per_source": sum("per source address" in r for r in refusals),
             "refused_per_caller": sum("per caller" in r for r in refusals),
             "refused_server_full": sum("requests in flight, its limit" in r for r in refusals),
+            "other_errors": others[:5],
         }), flush=True)
     finally:
         for peer in reversed(peers):

@@ -67,4 +67,5 @@ def test_many_identities_from_one_network_cannot_lock_out_an_expert_server() -> 
     result = run_scenario(SCENARIO, timeout=170)
     assert result["honest"] == "ok", result  # served from another /24 while the attack holds its streams
     assert result["by_source"] == {"10.77.0.0/24": 128}, result  # the default max_inflight_per_source
+    assert result["all_answered_before_release"], result
     assert result["refused_per_source"] == 5 * 64 - 128 and result["refused_server_full"] == 0, result
