@@ -157,6 +157,8 @@ class Admission:
         """Requests admitted so far."""
         self.refused = 0
         """Requests refused so far because a limit was reached."""
+        self.too_slow = 0
+        """Admitted requests that lost their slot because their tensors arrived below the minimum rate."""
         self._idle: asyncio.Event | None = None
 
     async def wait_idle(self) -> None:

@@ -300,6 +300,7 @@ class ExpertServer(GroupCallHandlers):
             "inflight_bytes": self.admission.bytes,
             "admitted": self.admission.admitted,
             "refused": self.admission.refused,
+            "too_slow": self.admission.too_slow,
             "saved_graph_hits": sum(h.saved.hits for h in self.experts.values()),
             "saved_graph_misses": sum(h.saved.misses for h in self.experts.values()),
             "saved_graph_rows": sum(h.saved.rows for h in self.experts.values()),

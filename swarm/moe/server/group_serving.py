@@ -149,6 +149,7 @@ class GroupCallHandlers:
                     chunk = await anext(stream, None)
             except TimeoutError:
                 if paid < deadline:
+                    self.admission.too_slow += 1
                     raise DeadlineExceeded(
                         f"{what}: the request's tensors arrive too slowly ({received} of {nbytes} bytes in "
                         f"{loop.time() - start:.3g} s; at least {cfg.min_body_rate:g} bytes/s are required after "
