@@ -14,7 +14,8 @@ WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/constraints.txt" | sha256sum |
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "swarm: installing dependencies into $VENV (first run takes a minute or two)" >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
+  # --no-compile: byte-compiling all of torch costs ~45 s of CPU; Python compiles what is imported
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile \
       -c "$ROOT/scripts/constraints.txt" -e "$ROOT[dev,demo]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
   "$VENV/bin/python" -c "import swarm, torch, grpc" || { echo "swarm: install failed" >&2; exit 1; }
   echo "$WANT" > "$STAMP"

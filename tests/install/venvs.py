@@ -3,7 +3,7 @@
 `build_dists` runs `python -m build` on a copy of the checkout (the build's own isolated
 environment fetches setuptools from the package index). `Venv` is a venv made with this
 interpreter's `venv` module; pip in it sees the same indexes and find-links as the caller (this
-machine's CPU torch wheel lies in PIP_FIND_LINKS).
+machine's CPU torch wheel lies in PIP_FIND_LINKS) and installs without byte-compiling.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ class Venv:
         run([sys.executable, "-m", "venv", str(path)], timeout=120)
         self.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         self.env["PATH"] = f"{path / 'bin'}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
+        # pip byte-compiles every file it installs (torch alone: ~45 s of a 2-core machine's CPU);
+        # these venvs import a small part of what they hold, and Python compiles that on first import
+        self.env["PIP_NO_COMPILE"] = "1"
 
     def bin(self, name: str) -> Path:
         return self.path / "bin" / name
