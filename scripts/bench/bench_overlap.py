@@ -135,9 +135,6 @@ def main() -> None:
     parser.add_argument("--plain-references", nargs="*", type=parse_plain, default=[],
                         help="more plain processes, each BATCH:LR, after the baseline (e.g. 64:0.006: one process "
                              "taking the steps of 4 trainers' combined batch, what data-parallel training can reach)")
-    parser.add_argument("--compare-strict-target", action="store_true",
-                        help="run every large-batch phase twice: as configured, then with nearest_target=False "
-                             "(a round only once the swarm's samples reach the target)")
     parser.add_argument("--skip-default", action="store_true",
                         help="run only the --variants phases (the plain baseline still runs first)")
     args = parser.parse_args()
@@ -159,7 +156,7 @@ def main() -> None:
               f"the baseline's ({plain['steps']} steps)", flush=True)
     # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients), outer lr, outer momentum,
     # trial step
-    phases: list[tuple] = []  # the fields below; with --compare-strict-target, a strict flag after them
+    phases: list[tuple[str, int, float, int, int, int, float, float, bool]] = []
     if not args.skip_default:
         phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
                     args.lr, 0, staleness, 32, 0.0, 0.0, True) for staleness in ([1] if args.skip_sync else [0, 1])]
@@ -167,10 +164,7 @@ def main() -> None:
                 + ("" if variant[7] or not variant[3] else ", no trial step") if variant[0]
                 else f"DiLoCo H={variant[2]} ({variant[4]}-bit, overlapped), inner lr {variant[1] or args.lr}, "
                      f"outer lr {variant[5]}, momentum {variant[6]}", *variant) for variant in args.variants]
-    if args.compare_strict_target:
-        phases = [p for phase in phases for p in ([phase] if phase[1] == 0 else [phase, (
-            phase[0] + ", strict target (nearest_target=False)", *phase[1:], True)])]
-    for name, target, lr, warmup, staleness, bits, outer_lr, momentum, trial, *strict in phases:
+    for name, target, lr, warmup, staleness, bits, outer_lr, momentum, trial in phases:
         if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
             codec = "NONE" if bits == 32 else f"UNIFORM_{bits}BIT"
             extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(lr or args.lr), "--local-steps", str(warmup),
@@ -180,8 +174,7 @@ def main() -> None:
             describe(f"{args.peers} trainers, {name}", results, plain)
             continue
         extra = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(target), "--lr", str(lr),
-                 "--warmup-steps", str(warmup), "--max-staleness", str(staleness), *([] if trial else ["--no-trial-step"]),
-                 *(["--strict-target"] if strict and strict[0] else [])]
+                 "--warmup-steps", str(warmup), "--max-staleness", str(staleness), *([] if trial else ["--no-trial-step"])]
         results = bench_training.run_workers("swarm", args.peers, extra, args.seconds + 180)
         describe(f"{args.peers} trainers, {name}", results, plain)
     print(f"baseline: the plain process with {threads} thread(s); load average after: {os.getloadavg()}",

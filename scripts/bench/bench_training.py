@@ -137,8 +137,7 @@ def worker(args: argparse.Namespace) -> None:
     collaboration = CollaborationConfig(
         target_batch_size=args.target_batch_size, report_period=0.1 if args.mode == "step" else 0.5,
         min_refresh_period=0.02, max_refresh_period=1.0, averaging_timeout=20.0, matchmaking_window=0.5,
-        max_staleness=args.max_staleness, trial_step=not args.no_trial_step,
-        nearest_target=not args.strict_target)
+        max_staleness=args.max_staleness, trial_step=not args.no_trial_step)
     diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType[args.compression],
                           fragments=args.fragments, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                           nesterov=args.outer_momentum > 0) if args.mode == "diloco" else None
@@ -294,7 +293,6 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help=argparse.SUPPRESS)
     parser.add_argument("--max-staleness", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--no-trial-step", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--strict-target", action="store_true", help=argparse.SUPPRESS)  # nearest_target=False
     parser.add_argument("--warmup-steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--compression", default="UNIFORM_8BIT", help=argparse.SUPPRESS)  # DiLoCo's outer codec
     parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)

@@ -63,13 +63,6 @@ class CollaborationConfig:
             parameters while the round is in flight, and one of the optimizer's state and one
             optimizer step per round for the trial. The optimizer must step without a closure (as
             every collective step does). False: compute at the parameters held.
-        nearest_target: in large-batch mode, a peer also starts a round when the swarm is short of
-            the target batch by less than half of what it adds while this peer computes one more
-            batch: the round then averages the count nearest the target, below or above it, rather
-            than the first past it (which, for a target that is a multiple of batches ending
-            together, is one more batch on every peer: twice the samples, half the steps). A
-            round may so average up to half a swarm-wide batch less than the target. False: only
-            once the target is reached (as hivemind does).
         aggregation: how groups combine what they average (gradients, or DiLoCo's pseudo-gradients):
             "mean", or "centered_clip" for byzantine-robust averaging (`swarm.averaging.robust`;
             every peer of a run must use the same).
@@ -89,7 +82,6 @@ class CollaborationConfig:
     gradient_compression: CompressionType = CompressionType.NONE
     max_staleness: int = 1
     trial_step: bool = True
-    nearest_target: bool = True
     aggregation: str = "mean"
 
     def __post_init__(self) -> None:

@@ -101,7 +101,7 @@ class DiLoCoMode:
         self._samples += batch_size
         self._batch = batch_size
 
-    def wants_round(self, progress: SwarmProgress, samples_per_second: float) -> bool:
+    def wants_round(self, progress: SwarmProgress) -> bool:
         return self.local_steps >= self.config.steps_per_round
 
     def eta(self, progress: SwarmProgress, samples_per_second: float) -> float:

@@ -48,15 +48,12 @@ class LargeBatchMode:
     paced_alone = False  # a round is due when the swarm's samples reach the target
 
     def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, trial_step: bool = True,
-                 nearest_target: bool = True) -> None:
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, trial_step: bool = True) -> None:
         self.params: list[torch.Tensor] = list(params)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.accumulator = GradientAccumulator(self.params)
         self.trial_step = trial_step
-        self.nearest_target = nearest_target
-        self._batch = 0  # the last local batch's size
         self._held: list[torch.Tensor] | None = None  # the shared parameters while a trial step moved them
 
     @property
@@ -81,25 +78,9 @@ class LargeBatchMode:
     def on_batch(self, batch_size: int) -> None:
         """Takes in the gradients of one local batch (already in `param.grad`)."""
         self.accumulator.add(batch_size)
-        self._batch = batch_size
 
-    def wants_round(self, progress: SwarmProgress, samples_per_second: float) -> bool:
-        """True once the swarm holds the target batch; with `nearest_target`, also when it is short
-        of it by less than half of what the swarm adds while this peer computes one more batch.
-
-        The swarm's count moves in steps of local batches. When it lands just under the target
-        (the target a multiple of the batches that end together), the first count at or past it
-        is one more batch on every peer: nearly twice the target, and half the collective steps.
-        Stepping at the count nearest the target, below or above, keeps a round close to it.
-        """
-        if self.accumulator.samples == 0:
-            return False
-        if progress.ready:
-            return True
-        if not self.nearest_target or progress.target_batch_size is None or samples_per_second <= 0:
-            return False
-        next_batch_adds = progress.samples_per_second * self._batch / samples_per_second
-        return progress.target_batch_size - progress.estimated_samples < next_batch_adds / 2
+    def wants_round(self, progress: SwarmProgress) -> bool:
+        return self.accumulator.samples > 0 and progress.ready
 
     def eta(self, progress: SwarmProgress, samples_per_second: float) -> float:
         """When the swarm's reports reach the target batch."""

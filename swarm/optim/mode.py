@@ -49,8 +49,8 @@ class TrainingMode(Protocol):
         """Takes in one local batch whose gradients are in `param.grad`."""
         ...
 
-    def wants_round(self, progress: SwarmProgress, samples_per_second: float) -> bool:
-        """True when this peer should average now (`samples_per_second`: its own pace)."""
+    def wants_round(self, progress: SwarmProgress) -> bool:
+        """True when this peer should average now."""
         ...
 
     def eta(self, progress: SwarmProgress, samples_per_second: float) -> float:

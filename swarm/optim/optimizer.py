@@ -147,8 +147,7 @@ class Optimizer:
             scheduler, torch.optim.lr_scheduler.LRScheduler) else scheduler
         self.mode: TrainingMode = (
             DiLoCoMode(self.params, torch_optimizer, torch_scheduler, diloco) if diloco is not None
-            else LargeBatchMode(self.params, torch_optimizer, torch_scheduler, trial_step=config.trial_step,
-                                nearest_target=config.nearest_target)
+            else LargeBatchMode(self.params, torch_optimizer, torch_scheduler, trial_step=config.trial_step)
         )
         compression = diloco.compression if diloco is not None else config.gradient_compression
         prefix = f"{run_id}.{'outer' if diloco is not None else 'grads'}"
@@ -248,7 +247,7 @@ class Optimizer:
             if not landed.ok and self.tracker.progress.epoch > self.epoch:
                 return self._after_failure(landed)
         progress = self._next_round_progress()
-        if not self.mode.wants_round(progress, self._meter.rate):
+        if not self.mode.wants_round(progress):
             self._announce_round(progress)
             return StepOutcome(self.epoch, round=landed)
         if self._in_flight is not None:
@@ -257,7 +256,7 @@ class Optimizer:
             if not landed.ok and self.tracker.progress.epoch > self.epoch:
                 return self._after_failure(landed)
             progress = self.tracker.progress
-            if not self.mode.wants_round(progress, self._meter.rate):
+            if not self.mode.wants_round(progress):
                 self._announce_round(progress)
                 return StepOutcome(self.epoch, round=landed)
         launched = self.epoch

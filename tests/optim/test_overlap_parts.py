@@ -11,7 +11,6 @@ from swarm.optim import CollaborationConfig, DiLoCoConfig
 from swarm.optim.accumulator import GradientAccumulator
 from swarm.optim.diloco import DiLoCoMode, split_fragments
 from swarm.optim.large_batch import LargeBatchMode
-from swarm.optim.progress import SwarmProgress
 
 
 def test_a_window_in_flight_is_kept_apart_and_a_failed_one_folds_back():
@@ -56,7 +55,7 @@ def test_diloco_rounds_sync_one_fragment_each_and_keep_the_steps_taken_meanwhile
     for p in params:
         p.grad = -torch.ones(4)  # each inner step adds 1
     mode.on_batch(1)
-    assert mode.wants_round(None, 0.0)  # steps_per_round = local_steps / fragments = 1
+    assert mode.wants_round(None)  # steps_per_round = local_steps / fragments = 1
     mode.prepare_round(0)  # fragment 0: Δ = θ - x = -1
     mode.on_batch(1)  # an inner step while the round is in flight
     mode.apply_round(0)  # the (here unchanged) average lands: θ0 = 0 - 1 * (-1) = 1
@@ -149,26 +148,3 @@ def test_a_failed_or_lone_round_takes_back_the_trial_step():
     mode.overlap(1)
     shared = [p.detach().clone() for p in mode.shared_tensors]
     assert mode.discard() == 1 and all(torch.equal(p, s) for p, s in zip(params, shared))
-
-
-def _progress(estimated: float, target: int = 64, swarm_rate: float = 200.0) -> SwarmProgress:
-    return SwarmProgress(epoch=0, samples=int(estimated), estimated_samples=estimated, target_batch_size=target,
-                         num_peers=4, num_peers_at_epoch=4, samples_per_second=swarm_rate, eta=0.0, now=0.0)
-
-
-@pytest.mark.parametrize("nearest", [True, False])
-def test_a_round_starts_at_the_count_nearest_the_target_not_only_past_it(nearest: bool) -> None:
-    p = torch.nn.Parameter(torch.zeros(2))
-    mode = LargeBatchMode([p], torch.optim.SGD([p], lr=0.1), None, trial_step=False, nearest_target=nearest)
-    assert not mode.wants_round(_progress(100.0), 50.0)  # nothing accumulated here: nothing to average
-    p.grad = torch.ones(2)
-    mode.on_batch(16)
-    # this peer runs 50 samples/s of the swarm's 200: one more batch of 16 here is 0.32 s, in which
-    # the swarm adds 64 samples; the nearer count is now while it is short by less than 32
-    assert mode.wants_round(_progress(64.0), 50.0)  # reached: always
-    assert mode.wants_round(_progress(33.0), 50.0) is nearest  # 31 short now, 33 over after one more batch
-    assert not mode.wants_round(_progress(32.0), 50.0)  # 32 short now or 32 over: the tie waits
-    assert not mode.wants_round(_progress(63.0), 0.0)  # its own pace unknown: only a reached target counts
-    # one peer alone: the swarm adds its own batch, so it rounds its count to the nearest batch
-    assert mode.wants_round(_progress(57.0, swarm_rate=50.0), 50.0) is nearest  # 7 short, 9 over
-    assert not mode.wants_round(_progress(48.0, swarm_rate=50.0), 50.0)  # 16 short, exactly at target after
