@@ -27,3 +27,25 @@ def make_peer() -> Iterator[Callable[..., Peer]]:
     yield factory
     for peer in reversed(peers):
         peer.shutdown()
+
+
+
+# scripts/test.sh runs the suite on two xdist workers (`-n 2 --dist loadfile
+# --no-loadscope-reorder`): about half of a test's wall time here is waiting (on processes
+# starting, on timeouts, on pip and podman writing to disk), so two at once fill the cores. Each
+# file runs on one worker, so module fixtures are made once (the install tests' wheel is shared
+# through a lock: tests/install/conftest.py), and the files that run longest (the container image
+# build, the venvs, the notebook, the lab) start first, so that neither worker is left with a long
+# tail. (Not `--dist loadgroup`: pytest-xdist 3.8 groups by rewriting `item._nodeid`, which pytest
+# 9.2's items no longer read.)
+_LONGEST_FIRST = ("tests/docker/", "tests/install/", "tests/examples/", "tests/testing/", "tests/demo/",
+                  "tests/test_types.py")
+
+
+def _rank(item: pytest.Item) -> int:
+    path = item.nodeid.partition("::")[0]
+    return next((i for i, prefix in enumerate(_LONGEST_FIRST) if path.startswith(prefix)), len(_LONGEST_FIRST))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_rank)  # stable: the order within a file stays as collected

@@ -86,7 +86,9 @@ def test_a_later_expiration_replaces_the_earlier_value_everywhere_it_is_fetched_
 def test_the_client_mode_peer_never_appears_in_a_routing_table(network):
     nodes, client, _ = network
     assert client.dht.store("client-was-here", 1, get_dht_time() + 60)
-    assert client.dht.get("key-1") is not None
+    assert nodes[25].dht.get("client-was-here").value == 1  # it stores and finds through the others
+    assert nodes[5].dht.store("for-the-client", 2, get_dht_time() + 60)
+    assert client.dht.get("for-the-client").value == 2
     for peer in nodes:
         table = peer.dht.node.routing_table
         assert table.get(peer_id=client.peer_id) is None

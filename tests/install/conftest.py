@@ -1,7 +1,9 @@
-"""The install tests share one build of swarm's sdist and wheel."""
+"""The install tests share one build of swarm's sdist and wheel, also across xdist workers."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 
 import pytest
@@ -11,4 +13,16 @@ from install.venvs import build_dists
 @pytest.fixture(scope="session")
 def dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     pytest.importorskip("build", reason="the dev extra's `build` makes the sdist and wheel")
-    return build_dists(tmp_path_factory.mktemp("dists"))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's directory, above each worker's own
+    out = base / "swarm-dists"
+    with open(base / "swarm-dists.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker builds; one that comes later reuses it
+        if (out / "built").is_file():
+            sdist, wheel = (out / (out / "built").read_text().splitlines()[i] for i in (0, 1))
+            return sdist, wheel
+        out.mkdir(exist_ok=True)
+        sdist, wheel = build_dists(out)
+        (out / "built").write_text(f"{sdist.relative_to(out)}\n{wheel.relative_to(out)}\n")
+        return sdist, wheel
