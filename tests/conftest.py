@@ -30,16 +30,21 @@ def make_peer() -> Iterator[Callable[..., Peer]]:
 
 
 
-# scripts/test.sh runs the suite on two xdist workers (`-n 2 --dist loadfile
-# --no-loadscope-reorder`): about half of a test's wall time here is waiting (on processes
-# starting, on timeouts, on pip and podman writing to disk), so two at once fill the cores. Each
-# file runs on one worker, so module fixtures are made once (the install tests' wheel is shared
-# through a lock: tests/install/conftest.py), and the files that run longest (the container image
-# build, the venvs, the notebook, the lab) start first, so that neither worker is left with a long
-# tail. (Not `--dist loadgroup`: pytest-xdist 3.8 groups by rewriting `item._nodeid`, which pytest
-# 9.2's items no longer read.)
+
+# scripts/test.sh runs the suite in two passes. First, on two xdist workers (`-n 2 --dist loadfile
+# --no-loadscope-reorder`), every test but those marked `alone`: about half of a test's wall time
+# here is waiting (on processes starting, on timeouts, on pip and podman writing to disk), so two at
+# once fill the cores. Each file runs on one worker, so module fixtures are made once (the install
+# tests' wheel is shared through a lock: tests/install/conftest.py), and the files that run
+# longest (the container image build, the venvs, the notebook, the lab) start first, so that
+# neither worker is left with a long tail. (Not `--dist loadgroup`: pytest-xdist 3.8 groups by
+# rewriting `item._nodeid`, which pytest 9.2's items no longer read.) Then, in one process, the
+# tests marked `alone`: the averaging and optimizer tests run several peers in one process against
+# round deadlines learned from their own first rounds, and a neighbour test's load arriving between
+# those rounds made a round miss its deadline (twice in four runs on two workers).
 _LONGEST_FIRST = ("tests/docker/", "tests/install/", "tests/examples/", "tests/testing/", "tests/demo/",
                   "tests/test_types.py")
+_ALONE = ("tests/averaging/", "tests/optim/")
 
 
 def _rank(item: pytest.Item) -> int:
@@ -48,4 +53,7 @@ def _rank(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(_ALONE):
+            item.add_marker(pytest.mark.alone)
     items.sort(key=_rank)  # stable: the order within a file stays as collected
