@@ -29,8 +29,6 @@ def make_peer() -> Iterator[Callable[..., Peer]]:
         peer.shutdown()
 
 
-
-
 # scripts/test.sh runs the suite in two passes. First, on two xdist workers (`-n 2 --dist loadfile
 # --no-loadscope-reorder`), every test but those marked `alone`: about half of a test's wall time
 # here is waiting (on processes starting, on timeouts, on pip and podman writing to disk), so two at
