@@ -253,6 +253,9 @@ def main() -> None:
                         help="TCP congestion control on every lab host (e.g. reno, loss-based like most hosts' cubic, which "
                              "this machine does not allow in namespaces; default: the host's, "
                              "inherited by the namespaces: bbr on this machine)")
+    parser.add_argument("--relay-normal", action="store_true",
+                        help="run the lab's delay relay as a normal process, not in the real-time class (the lab's "
+                             "default before 2026-12-03), to compare")
     parser.add_argument("--diag", default="", help="a folder: per-peer debug logs and `ss -tin` samples go there")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -272,7 +275,7 @@ def main() -> None:
     print(f"lab averaging: {args.mbytes} MB per peer, every host {args.mbit:g} Mbit/s each way, "
           f"{4 * args.delay_ms:g} ms round trip between hosts; {args.rounds} rounds after one warm-up", flush=True)
     for n in args.peers:
-        with Lab([HostSpec(f"h{i}", link) for i in range(n)], seed=1) as lab:
+        with Lab([HostSpec(f"h{i}", link) for i in range(n)], seed=1, realtime_relay=not args.relay_normal) as lab:
             if args.congestion:
                 for i in range(n):
                     done = lab.exec(f"h{i}", ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={args.congestion}"])
@@ -291,7 +294,8 @@ def main() -> None:
                 t0 = lab.relay_stats()["cpu_seconds"]
                 w0 = time.monotonic()
                 times = round_seconds(run_group(lab, n, args, compression, raw, variant))
-                relay_cpu = (lab.relay_stats()["cpu_seconds"] - t0) / (time.monotonic() - w0)
+                relay = lab.relay_stats()
+                relay_cpu = (relay["cpu_seconds"] - t0) / (time.monotonic() - w0)
                 sent = 2 * (n - 1) / n * args.mbytes * 1e6 / (2 if compression else 1)
                 bound = sent * 8 / (args.mbit * 1e6)
                 median = statistics.median(times) if times else float("nan")
@@ -302,7 +306,9 @@ def main() -> None:
                                                        "swarm-insecure": "swarm, plaintext"}[variant]
                 print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "
-                      f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core", flush=True)
+                      f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core, "
+                      f"{'real-time' if relay['realtime'] else 'normal'}, lag so far mean {relay['late_ms_mean']:.2f} "
+                      f"max {relay['late_ms_max']:.1f} ms", flush=True)
                 if args.diag and not raw:
                     print(timeline([os.path.join(args.diag, f"{n}-{compression}-{variant}-h{i}.log") for i in range(n)]),
                           flush=True)

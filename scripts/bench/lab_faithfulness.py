@@ -5,6 +5,10 @@ goodput measured (one connection, `--seconds` s), the loss asked for against the
 the relay's CPU time per second of traffic.
 
     .venv/bin/python scripts/bench/lab_faithfulness.py [--seconds 10]
+
+`--busy N` runs N busy-looping processes beside it (a loaded machine), `--relay-normal` runs the
+relay as a normal process instead of in the real-time class, `--only TEXT` the profiles whose
+label contains TEXT.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -33,15 +38,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--probes", type=int, default=200)
+    parser.add_argument("--busy", type=int, default=0, help="busy-looping processes to run beside it")
+    parser.add_argument("--relay-normal", action="store_true", help="the relay as a normal process")
+    parser.add_argument("--only", default="", help="only the profiles whose label contains this")
     args = parser.parse_args()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        run(args)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+
+
+def run(args: argparse.Namespace) -> None:
     from swarm.testing import HostSpec, Lab, LinkProfile
 
     py = sys.executable
     env = {**os.environ, "PYTHONPATH": ROOT}
-    print(f"lab faithfulness: two hosts, one TCP connection for {args.seconds:g} s, {args.probes} UDP probes", flush=True)
+    print(f"lab faithfulness: two hosts, one TCP connection for {args.seconds:g} s, {args.probes} UDP probes; "
+          f"{args.busy} busy processes beside it; relay {'normal' if args.relay_normal else 'real-time'}", flush=True)
     for label, link in PROFILES:
+        if args.only not in label:
+            continue
         profile = LinkProfile(**link)
-        with Lab([HostSpec("a", profile), HostSpec("b", profile)], seed=1) as lab:
+        with Lab([HostSpec("a", profile), HostSpec("b", profile)], seed=1, realtime_relay=not args.relay_normal) as lab:
             echo = lab.spawn("b", [py, "-m", "swarm.testing.probe", "echo", lab.address("b"), "9000"], env=env)
             echo.stdout.readline()
             rtt = json.loads(lab.exec("a", [py, "-m", "swarm.testing.probe", "rtt", lab.address("b"), "9000",

@@ -147,9 +147,12 @@ class Lab:
         hosts: the hosts; their names must be distinct.
         seed: seeds the relay's loss and jitter (None: random).
         clean_stale: first remove what labs killed outright left behind.
+        realtime_relay: run the delay relay in the real-time scheduling class, so the links'
+            delays hold however busy the hosts keep the CPUs (see `swarm.testing.relay`).
     """
 
-    def __init__(self, hosts: Sequence[HostSpec], seed: int | None = None, clean_stale: bool = True) -> None:
+    def __init__(self, hosts: Sequence[HostSpec], seed: int | None = None, clean_stale: bool = True,
+                 realtime_relay: bool = True) -> None:
         names = [h.name for h in hosts]
         if not hosts or len(set(names)) != len(names):
             raise ValueError("a lab needs at least one host, with distinct names")
@@ -157,6 +160,7 @@ class Lab:
             raise ValueError("at most 250 hosts")
         self.specs = {h.name: h for h in hosts}
         self.seed = seed
+        self.realtime_relay = realtime_relay
         self.prefix = new_prefix()
         self.bridge_ns = f"{self.prefix}-br"
         self.nodes: dict[str, _Node] = {}
@@ -263,6 +267,7 @@ class Lab:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.seed is not None:
             env["SWARM_LAB_SEED"] = str(self.seed)
+        env["SWARM_LAB_REALTIME"] = "1" if self.realtime_relay else "0"
         self.relay = subprocess.Popen([sys.executable, "-m", "swarm.testing.relay"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
         for node in self.nodes.values():

@@ -19,6 +19,13 @@ reads commands from stdin, one JSON object a line, and answers each with one lin
     {"op": "stats"}            -> {"ok": true, "stats": {NAME: {QUEUE: {"seen": .., "dropped": ..}}}}
 
 and exits when stdin closes. See docs/network-lab.md for how faithful it is.
+
+With `SWARM_LAB_REALTIME=1` in its environment (the lab's default) the relay asks for the
+real-time scheduling class (`SCHED_FIFO`, priority 1) so that it runs the moment a packet is due,
+however busy the hosts' processes keep the CPUs: a real network does not wait for the hosts'
+CPU. Where that is not allowed (no `CAP_SYS_NICE`) it stays a normal process; `stats` says which.
+The kernel's real-time throttling (`kernel.sched_rt_runtime_us`, 95% by default) still leaves
+the other processes their share if the relay ever spun.
 """
 
 from __future__ import annotations
@@ -103,6 +110,7 @@ class Relay:
         self.channels: dict[str, dict[int, Channel]] = {}
         self.selector = selectors.DefaultSelector()
         self.overruns = 0
+        self.realtime = False
         self.cpu_started = time.process_time()
         self.wall_started = time.monotonic()
 
@@ -149,7 +157,7 @@ class Relay:
         wall = max(time.monotonic() - self.wall_started, 1e-9)
         return {
             "cpu_seconds": time.process_time() - self.cpu_started, "wall_seconds": wall,
-            "overruns": self.overruns,
+            "overruns": self.overruns, "realtime": self.realtime,
             "late_ms_mean": 1000 * sum(c.late_total for chans in self.channels.values() for c in chans.values())
             / max(1, sum(c.batches for chans in self.channels.values() for c in chans.values())),
             "late_ms_max": 1000 * max((c.late_max for chans in self.channels.values() for c in chans.values()),
@@ -221,8 +229,19 @@ class Relay:
             qs.close()
 
 
+def _ask_realtime() -> bool:
+    """Real-time scheduling for this process (see the module docstring); False if refused."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except (AttributeError, PermissionError, OSError):
+        return False
+    return True
+
+
 def main() -> int:
     relay = Relay(int(os.environ["SWARM_LAB_SEED"]) if os.environ.get("SWARM_LAB_SEED") else None)
+    if os.environ.get("SWARM_LAB_REALTIME") == "1":
+        relay.realtime = _ask_realtime()
     try:
         relay.run(sys.stdin.fileno())
     except KeyboardInterrupt:

@@ -58,6 +58,22 @@ def test_delay_makes_the_round_trip_at_least_what_was_asked() -> None:
     assert stats["overruns"] == 0
 
 
+@pytest.mark.parametrize("realtime", [True, False])
+def test_the_relay_runs_in_the_real_time_class_unless_told_not_to(realtime: bool) -> None:
+    slow = LinkProfile(delay_ms=1)
+    with Lab([HostSpec("a", slow), HostSpec("b", slow)], realtime_relay=realtime) as lab:
+        assert lab.relay is not None
+        policy = os.sched_getscheduler(lab.relay.pid)
+        stats = lab.relay_stats()
+    if realtime and not stats["realtime"]:
+        probe = subprocess.run([PY, "-c", "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"],
+                               capture_output=True, check=False)
+        assert probe.returncode != 0, "this machine allows the real-time class, but the relay did not get it"
+        pytest.skip("this machine refuses the real-time class (no CAP_SYS_NICE): the relay stays a normal process")
+    assert stats["realtime"] is realtime
+    assert policy == (os.SCHED_FIFO if realtime else os.SCHED_OTHER)
+
+
 def test_loss_drops_packets_and_the_relay_counts_them() -> None:
     lossy = LinkProfile(loss=0.3)
     with Lab([HostSpec("a", lossy), HostSpec("b")], seed=3) as lab:
