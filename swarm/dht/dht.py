@@ -214,6 +214,25 @@ class DHT:
         found = await self._gets[latest].submit(raw_key)
         return self._decode(hashlib.sha256(raw_key).digest(), raw_key, found)
 
+    def holds_replica(self, key: Key) -> bool:
+        """Whether this node is one of `key`'s replicas, the nodes every writer's store of it
+        reaches (`DHTNode.holds_replica`); never in client mode. Call it on the peer's loop."""
+        return self.node.holds_replica(hashlib.sha256(serialize_key(key)).digest())
+
+    def local_copy(self, key: Key) -> ValueWithExpiration | None:
+        """This node's own stored copy of `key`'s value (its DHT storage, not its cache), decoded
+        as `aget` returns it, or None; no request is sent. The records were validated when they
+        were stored here. Call it on the peer's loop (`watch_local` callbacks run there)."""
+        raw_key = serialize_key(key)
+        key_id = hashlib.sha256(raw_key).digest()
+        return self._decode(key_id, raw_key, self.node.storage.get(key_id))
+
+    def watch_local(self, key: Key, callback: Callable[[], None]) -> Callable[[], None]:
+        """Calls `callback()` on the peer's event loop each time a store changes this node's
+        copy of `key` (another peer's store reaching this replica, or this peer's own); returns
+        the function that stops it. Call it on the peer's event loop."""
+        return self.node.storage.watch(hashlib.sha256(serialize_key(key)).digest(), callback)
+
     async def astore_many(
         self,
         keys: Sequence[Key],

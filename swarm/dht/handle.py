@@ -8,7 +8,7 @@ See docs/architecture.md for the layers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from swarm.dht.buckets import NodeInfo
@@ -60,6 +60,21 @@ class KeyValueStore(Protocol):
 
     async def wait_for_stores(self, timeout: float | None = None) -> bool:
         """Waits until the replicas of earlier stores have answered; True if none is left in flight."""
+        ...
+
+    def holds_replica(self, key: Key) -> bool:
+        """Whether this node is one of `key`'s replicas, which every writer's store reaches (on the
+        peer's loop)."""
+        ...
+
+    def local_copy(self, key: Key) -> ValueWithExpiration | None:
+        """This node's own stored copy of `key`'s value, or None; no request is sent (on the
+        peer's loop)."""
+        ...
+
+    def watch_local(self, key: Key, callback: Callable[[], None]) -> Callable[[], None]:
+        """Calls `callback()` on the peer's loop whenever a store changes this node's copy of
+        `key`; returns the function that stops it."""
         ...
 
     def store(self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None) -> bool: ...

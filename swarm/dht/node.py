@@ -326,6 +326,20 @@ class DHTNode:
         """Finds the values of serialized keys (`Retriever.get_many`)."""
         return await self._retriever.get_many(raw_keys, latest=latest, timeout=timeout, on_result=on_result)
 
+    def holds_replica(self, key: bytes) -> bool:
+        """Whether this node is one of the `num_replicas` nodes nearest to the 32-byte `key` that
+        its routing table knows: the nodes a store's first round writes to (`StoreOperation.targets`
+        takes this node in by the same rule), so in a swarm whose writers know the same nearest
+        nodes, every writer's store of `key` reaches this node's storage. Never in client mode."""
+        if self.client_mode:
+            return False
+        key_id = DHTID.from_bytes(key)
+        replicas = self.config.num_replicas
+        nearest = self.routing_table.get_nearest_neighbors(key_id, self.config.bucket_size)
+        diversity = self.config.diversity
+        chosen = nearest[:replicas] if diversity is None else diversity.pick(nearest, replicas)
+        return len(chosen) < replicas or self.node_id ^ key_id < chosen[-1].node_id ^ key_id
+
     # -- upkeep (§2.3 refresh, §2.5 republish) -----------------------------------------------------
 
     async def _refresh_loop(self) -> None:

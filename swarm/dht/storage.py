@@ -32,6 +32,10 @@ else the caller that sent it; its source is the network the store came from (the
 stores for itself are charged to no writer and no source. A store past a quota is refused (and
 `last_refusal` says which one); nothing already stored is evicted for it.
 
+`watch(key, callback)` calls `callback()` each time a store changes `key`'s record here (the
+progress tracker of a peer that is one of its run's replicas follows the others' reports that
+way, without asking the network: `swarm.optim.tracker`).
+
 `ValueWithExpiration` (from `expiring.py`, with the expiring map both stores build on) and
 `DictionaryValue` (from `dictionary_value.py`) are re-exported here.
 """
@@ -39,6 +43,7 @@ stores for itself are charged to no writer and no source. A store past a quota i
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -46,6 +51,8 @@ from typing import Any, NamedTuple
 
 from swarm.dht.dictionary_value import DictionaryValue
 from swarm.dht.expiring import ExpiringMap, ValueWithExpiration, check_bytes, check_expiration
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CacheStorage", "DHTLocalStorage", "StorageQuota", "latest", "merge", "merge_all"]
 
@@ -127,6 +134,30 @@ class DHTLocalStorage(ExpiringMap):
         """Bytes charged for every record held."""
         self.last_refusal: str | None = None
         """Why the last refused store was refused, if a quota refused it (else None)."""
+        self._watchers: dict[bytes, list[Callable[[], None]]] = {}
+
+    def watch(self, key: bytes, callback: Callable[[], None]) -> Callable[[], None]:
+        """Calls `callback()` after each store that changes `key`'s record here; returns the
+        function that stops it. The callback runs inside the store, so it must be quick and must
+        not store into this storage (the tracker's sets an event)."""
+        check_bytes(key=key)
+        self._watchers.setdefault(key, []).append(callback)
+
+        def unwatch() -> None:
+            callbacks = self._watchers.get(key, [])
+            if callback in callbacks:
+                callbacks.remove(callback)
+            if not callbacks:
+                self._watchers.pop(key, None)
+
+        return unwatch
+
+    def _changed(self, key: bytes) -> None:
+        for callback in list(self._watchers.get(key, ())):
+            try:
+                callback()
+            except Exception:  # a watcher's bug must not fail the store that woke it
+                logger.exception("a watcher of a DHT key failed")
 
     def store(
         self,
@@ -167,6 +198,8 @@ class DHTLocalStorage(ExpiringMap):
         stored = self._store(key, value, expiration_time, subkey, writer, source or None)
         if stored:
             self.mark_received(key, raw_key)
+            if self._watchers:
+                self._changed(key)
         return stored
 
     def mark_received(self, key: bytes, raw_key: bytes | None = None) -> None:
@@ -346,6 +379,8 @@ class DHTLocalStorage(ExpiringMap):
         stored = self._store_dictionary(key, dictionary, writer)
         if stored:
             self.mark_received(key, raw_key)
+            if self._watchers:
+                self._changed(key)
         return stored
 
     def _store_dictionary(self, key: bytes, dictionary: DictionaryValue, writer: str | None) -> bool:

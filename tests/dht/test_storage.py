@@ -292,3 +292,29 @@ def test_store_dictionary_keeps_the_original_key(storage: DHTLocalStorage) -> No
     raw = msgpack.packb("key", use_bin_type=True)
     assert storage.store_dictionary(KEY, DictionaryValue([(SUB_A, b"1", 200.0)]), raw_key=raw)
     assert storage.raw_key(KEY) == raw
+
+
+def test_a_watcher_hears_of_each_store_that_changes_its_key_and_of_nothing_else(storage: DHTLocalStorage) -> None:
+    heard: list[str] = []
+    unwatch = storage.watch(KEY, lambda: heard.append("key"))
+    assert storage.store(KEY, b"v1", 200.0, SUB_A)
+    assert not storage.store(KEY, b"old", 150.0, SUB_A)  # refused: expires earlier than what is held
+    assert storage.store(OTHER, b"x", 200.0)  # another key
+    assert storage.store_dictionary(KEY, DictionaryValue([(SUB_B, b"w", 210.0)]))
+    assert heard == ["key", "key"]
+    unwatch()
+    unwatch()  # twice is harmless
+    assert storage.store(KEY, b"v2", 220.0, SUB_A)
+    assert heard == ["key", "key"]
+
+
+def test_a_failing_watcher_does_not_fail_the_store(storage: DHTLocalStorage) -> None:
+    def broken() -> None:
+        raise RuntimeError("watcher bug")
+
+    heard: list[int] = []
+    storage.watch(KEY, broken)
+    storage.watch(KEY, lambda: heard.append(1))
+    assert storage.store(KEY, b"v", 200.0)
+    assert storage.get(KEY) == ValueWithExpiration(b"v", 200.0)
+    assert heard == [1]  # the next watcher still heard of it
