@@ -27,7 +27,9 @@ class CollaborationConfig:
 
     Attributes:
         target_batch_size: samples the whole swarm accumulates before one collective step
-            (large-batch mode). In DiLoCo mode it is unused and may be None.
+            (large-batch mode), as the peers' progress reports, each extrapolated by its peer's
+            throughput since it was sent, estimate it: a round may hold a little more or fewer.
+            In DiLoCo mode it is unused and may be None.
         target_group_size: most peers averaging together in one group; set it at least to
             the number of peers that should stay identical.
         averaging_timeout: seconds one averaging round (matchmaking and all-reduce) may take
