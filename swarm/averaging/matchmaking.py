@@ -89,6 +89,12 @@ class MatchmakingConfig:
             declared peer that never comes costs at most this.
         round_timeout_multiple: the round's timeout is this many times its expected duration.
         min_round_timeout: floor of that timeout, seconds (the step's remaining time is its cap).
+        follow_last_leader: where group keys name successive rounds (a DHT election given a key
+            per step, as `swarm.Optimizer` gives each epoch), a follower whose last group formed
+            goes straight to that group's leader for its next round, without declaring itself or
+            reading the declarations in the DHT; the leader holds such a join for a later round
+            until its own step begins (at most `max_wait`), and a follower it does not take falls
+            back to the DHT at once. Every peer of a run should set it alike.
     """
 
     target_group_size: int = 4
@@ -103,6 +109,7 @@ class MatchmakingConfig:
     max_wait: float = 5.0
     round_timeout_multiple: float = 4.0
     min_round_timeout: float = 1.0
+    follow_last_leader: bool = False
 
     def __post_init__(self) -> None:
         if self.min_group_size < 1 or self.target_group_size < self.min_group_size:
@@ -126,6 +133,7 @@ class _Joiner:
     answer: asyncio.Future[averaging_pb2.JoinResponse]
     arrived: float = 0.0  # loop time
     excludes: frozenset[str] = frozenset()  # peers it will not average with (`JoinRequest.excludes`)
+    key: str = ""  # the group key it asks for ("": any; a follower whose keys name no rounds)
 
 
 class Matchmaking:
@@ -169,6 +177,11 @@ class Matchmaking:
         self._vanished: set[str] = set()  # leaders this step took for gone by its own checks (`_leader_vanished`)
         self._missed: str | None = None  # why this step knows a group of its round started without it
         self._last_round: bytes | None = None  # the round this peer's last step joined (until the next step)
+        self._key = ""  # the group key this step looks under, where keys name rounds (else "")
+        self._last_key: str | None = None  # the key of the last group this peer's steps formed
+        self._last_leader: Candidate | None = None  # that group's leader, when it was another peer
+        self._led_last = False  # this peer led that group
+        self._following = False  # this step waits on another peer's Join now
         self._link = peer.pool.estimates
         self._link.exclude(JOIN, REPORT)  # long polls, not round trips
         AveragingService.of(peer).join_handlers[prefix] = self.rpc_join
@@ -202,12 +215,31 @@ class Matchmaking:
         self._down = set()
         self._vanished = set()
         self._missed = None
-        self._last_round = None
+        names_round = isinstance(self.election, DHTElection) and self.election.names_round
+        self._key = self.election.group_key if isinstance(self.election, DHTElection) and names_round else ""
+        self._refuse_other_rounds()
         self._looking = me
         group: GroupInfo | None = None
-        await self.election.begin(me, get_dht_time() + timeout)
+        deadline_wall = get_dht_time() + timeout
+        # the leader of this peer's last group, for the next round's group (`follow_last_leader`)
+        straight = self._last_leader if (cfg.follow_last_leader and self._key and self._last_key is not None
+                                         and self._last_key != self._key) else None
+        declared = straight is None
+        if declared:
+            await self.election.begin(me, deadline_wall)
         try:
             while loop.time() < deadline:
+                if straight is not None:
+                    group = await self._follow_leader(me, straight, deadline)
+                    if group is not None:
+                        return group
+                    # not taken (it leads no group of this round, or not yet): ask the DHT as usual
+                    logger.debug("last leader %s did not take this peer for round %s: declaring in the DHT",
+                                 straight.peer_id[-8:], self._key)
+                    straight = None
+                    declared = True
+                    await self.election.begin(me, deadline_wall)
+                    continue
                 candidate = await self.election.leader(me, self._down)
                 if cfg.adaptive and self._missed is None and isinstance(self.election, DHTElection) \
                         and self.election.started:
@@ -227,18 +259,18 @@ class Matchmaking:
                     continue
                 # we follow someone else: whoever asked us to lead must look again
                 self._refuse_all("not the leader")
-                group = await self._follow(me, candidate, deadline)
+                group = await self._follow_leader(me, candidate, deadline)
                 if group is not None:
                     return group
             if self._missed is not None:
                 raise AveragingError(f"no averaging group formed within {timeout:.1f} s: {self._missed}")
             raise AveragingError(f"no averaging group formed within {timeout:.1f} s")
         finally:
+            self._end_of_step(me, group)
             self._looking = None
-            if group is None:
+            if group is None and declared:
                 await self.election.end(me, None)
-            else:
-                self._last_round = group.round_id
+            if group is not None and declared:
                 # Withdrawing the declaration is a DHT store: seconds at WAN latencies, and more on
                 # one member than another. Each member counts the round's timeout from when it holds
                 # the group, so waiting for it here started some members seconds after the others,
@@ -257,6 +289,13 @@ class Matchmaking:
             refusal = "its last group held a peer this peer excludes"
         return refusal
 
+    async def _follow_leader(self, me: MemberInfo, leader: Candidate, deadline: float) -> GroupInfo | None:
+        self._following = True
+        try:
+            return await self._follow(me, leader, deadline)
+        finally:
+            self._following = False
+
     async def _follow(self, me: MemberInfo, leader: Candidate, deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
         refusal = self._refused(leader.peer_id)
@@ -266,8 +305,8 @@ class Matchmaking:
             return None
         remaining = deadline - loop.time()
         request = averaging_pb2.JoinRequest(
-            prefix=self.prefix, schema=self.schema, numel=self.numel, member=me.to_proto(), timeout=remaining,
-            excludes=self.excluding() if self.excluding is not None else (),
+            prefix=self.prefix, group_key=self._key, schema=self.schema, numel=self.numel, member=me.to_proto(),
+            timeout=remaining, excludes=self.excluding() if self.excluding is not None else (),
         )
         channel = self.peer.pool.get(leader.addr)
         join = asyncio.ensure_future(channel.unary(JOIN, request, averaging_pb2.JoinResponse, timeout=max(0.01, remaining)))
@@ -387,26 +426,84 @@ class Matchmaking:
             return averaging_pb2.JoinResponse(accepted=False, reason=refusal)
         if self.peer.peer_id in request.excludes:
             return averaging_pb2.JoinResponse(accepted=False, reason="the follower excludes this leader")
-        if not self._may_lead():
-            if self._looking is None and self._last_round is not None and self.config.adaptive:
-                return averaging_pb2.JoinResponse(
-                    accepted=False, reason=f"{_STARTED}: this peer is in round {self._last_round.hex()[:8]}")
+        key = request.group_key
+        missed = (f"{_STARTED}: this peer is in round {self._last_round.hex()[:8]}"
+                  if self._last_round is not None and self.config.adaptive else None)
+        if self._looking is not None and self._key and key and key != self._key:
+            # a group of another round: never mix rounds in one group
+            if key == self._last_key and missed is not None:
+                return averaging_pb2.JoinResponse(accepted=False, reason=missed)
+            return averaging_pb2.JoinResponse(accepted=False, reason=f"this peer looks for the group of {self._key!r}")
+        hold = self._holds(key)
+        if not hold and not self._may_lead():
+            if self._looking is None and missed is not None:
+                return averaging_pb2.JoinResponse(accepted=False, reason=missed)
             return averaging_pb2.JoinResponse(accepted=False, reason="not the leader")
         loop = asyncio.get_running_loop()
         previous = self._joiners.pop(member.peer_id, None)
         if previous is not None and not previous.answer.done():
             previous.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason="joined again"))
         joiner = _Joiner(member, loop.time() + max(0.0, request.timeout), loop.create_future(), loop.time(),
-                         frozenset(request.excludes))
+                         frozenset(request.excludes), key)
         self._joiners[member.peer_id] = joiner
         self._arrived.set()
         try:
-            return await asyncio.wait_for(asyncio.shield(joiner.answer), max(0.01, request.timeout))
+            if hold and self._looking is None:
+                # held for this peer's next step: at most `max_wait`, so a leader that stopped
+                # stepping does not keep its last group's members from the DHT for long
+                try:
+                    return await asyncio.wait_for(asyncio.shield(joiner.answer), min(request.timeout, self.config.max_wait))
+                except TimeoutError:
+                    if self._looking is None or self._key != key:
+                        return self._answer(joiner, "not leading a group of that round yet")
+            left = joiner.timeout_at - loop.time()
+            return await asyncio.wait_for(asyncio.shield(joiner.answer), max(0.01, left))
         except TimeoutError:
-            return averaging_pb2.JoinResponse(accepted=False, reason="no group formed in time")
+            return self._answer(joiner, "no group formed in time")
         finally:
             if self._joiners.get(member.peer_id) is joiner:
                 del self._joiners[member.peer_id]
+
+    @staticmethod
+    def _answer(joiner: _Joiner, refusal: str) -> averaging_pb2.JoinResponse:
+        """The joiner's answer: the one it was given, else this refusal (given here, once, so a
+        group that formed just now keeps its answer)."""
+        if not joiner.answer.done():
+            joiner.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason=refusal))
+        return joiner.answer.result()
+
+    def _holds(self, key: str) -> bool:
+        """Whether a join for group `key` waits here although this peer does not lead a group now
+        (`follow_last_leader`): this peer led the last group it was in, and a member of it asks for
+        the next round's group before this peer's step for it began (held until it begins) or while
+        that step still reads who leads (answered when it knows)."""
+        return (self.config.follow_last_leader and bool(key) and self._led_last and key != self._last_key
+                and self.peer.server is not None and not self._following
+                and (self._looking is None or key == self._key))
+
+    def _end_of_step(self, me: MemberInfo, group: GroupInfo | None) -> None:
+        """Records the step's group for the next step's matchmaking and answers the joins still
+        waiting for this step's group: it formed without them, or none formed here."""
+        if group is None:
+            self._last_round, self._last_leader, self._led_last = None, None, False  # the next try asks the DHT
+        else:
+            self._last_round, self._last_key = group.round_id, self._key
+            leader = group.leader
+            self._led_last = leader.peer_id == me.peer_id
+            self._last_leader = None if self._led_last else Candidate(leader.peer_id, leader.addr)
+        reason = "not the leader" if group is None or not self.config.adaptive else \
+            f"{_STARTED}: this peer is in round {group.round_id.hex()[:8]}"
+        for j in list(self._joiners.values()):
+            if not j.answer.done() and (not j.key or j.key == self._key):
+                j.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason=reason))
+
+    def _refuse_other_rounds(self) -> None:
+        """At a step's start: joins held for another round than this step's are refused, so their
+        followers look in the DHT at once."""
+        for j in list(self._joiners.values()):
+            if j.key and j.key != self._key and not j.answer.done():
+                j.answer.set_result(averaging_pb2.JoinResponse(
+                    accepted=False, reason=f"this peer looks for the group of {self._key!r}"))
 
     def _may_lead(self) -> bool:
         if self._looking is None:

@@ -119,8 +119,10 @@ def make_swarm_averager(peer: PeerHandle, tensors: Sequence[torch.Tensor], prefi
 
     numel = sum(t.numel() for t in tensors)
     settings = AveragerConfig(
+        # each round's key is its epoch, so a round's group is most often the last one's: its
+        # followers go straight to its leader, with no DHT declaration or read (`follow_last_leader`)
         matchmaking=MatchmakingConfig(target_group_size=config.target_group_size, min_group_size=2,
-                                      join_window=config.matchmaking_window),
+                                      join_window=config.matchmaking_window, follow_last_leader=True),
         compression=compression, allreduce=AllReduceConfig(aggregation=config.aggregation),
     )
     averager = Averager(peer, list(tensors), prefix=prefix, config=settings)

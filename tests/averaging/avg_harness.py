@@ -11,7 +11,10 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
+
+from swarm.core.timeutil import get_dht_time
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 DHT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dht_worker.py")
@@ -166,3 +169,37 @@ def run_steps(avgs: list[Any], weights: list[float] | None = None, timeout: floa
     for t in threads:
         t.join(timeout + 10)
     return out
+
+
+@dataclass
+class ValueWithExpiration:
+    value: Any
+    expiration_time: float
+
+
+class FakeDHT:
+    """In-memory `astore`/`aget` with subkeys and expirations, shared by several peers."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[Any, ValueWithExpiration]] = {}
+        self.lock = threading.Lock()
+
+    async def astore(self, key: str, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        with self.lock:
+            entries = self.data.setdefault(key, {})
+            old = entries.get(subkey)
+            if old is not None and old.expiration_time > expiration_time and value is not None:
+                return False
+            entries[subkey] = ValueWithExpiration(value, expiration_time)
+            return True
+
+    def read_patience(self) -> float:
+        return 0.0
+
+    async def aget(self, key: str, latest: bool = False) -> ValueWithExpiration | None:
+        now = get_dht_time()
+        with self.lock:
+            entries = {k: v for k, v in self.data.get(key, {}).items() if v.expiration_time > now}
+        if not entries:
+            return None
+        return ValueWithExpiration(entries, max(v.expiration_time for v in entries.values()))

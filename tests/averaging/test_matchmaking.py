@@ -1,17 +1,16 @@
 """Matchmaking: leader election (static and DHT), group formation, Moshpit group keys.
 
-The DHT is a tiny in-memory stand-in with the API `swarm.dht` offers on `peer.dht`."""
+The DHT is a tiny in-memory stand-in with the API `swarm.dht` offers on `peer.dht` (`avg_harness.FakeDHT`)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from avg_harness import run_steps
+from avg_harness import FakeDHT, ValueWithExpiration, run_steps
 
 from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig
 from swarm.averaging.moshpit import moshpit_group_key, moshpit_next_coords
@@ -19,40 +18,6 @@ from swarm.core.errors import AveragingError
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import owner_marker
 from swarm.peer import Peer
-
-
-@dataclass
-class ValueWithExpiration:
-    value: Any
-    expiration_time: float
-
-
-class FakeDHT:
-    """In-memory `astore`/`aget` with subkeys and expirations, shared by several peers."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, dict[Any, ValueWithExpiration]] = {}
-        self.lock = threading.Lock()
-
-    async def astore(self, key: str, value: Any, expiration_time: float, subkey: Any = None) -> bool:
-        with self.lock:
-            entries = self.data.setdefault(key, {})
-            old = entries.get(subkey)
-            if old is not None and old.expiration_time > expiration_time and value is not None:
-                return False
-            entries[subkey] = ValueWithExpiration(value, expiration_time)
-            return True
-
-    def read_patience(self) -> float:
-        return 0.0
-
-    async def aget(self, key: str, latest: bool = False) -> ValueWithExpiration | None:
-        now = get_dht_time()
-        with self.lock:
-            entries = {k: v for k, v in self.data.get(key, {}).items() if v.expiration_time > now}
-        if not entries:
-            return None
-        return ValueWithExpiration(entries, max(v.expiration_time for v in entries.values()))
 
 
 def test_moshpit_group_keys_mix_peers_across_rounds():

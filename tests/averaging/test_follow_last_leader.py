@@ -1,0 +1,201 @@
+"""Followers that go straight to their last group's leader (`MatchmakingConfig.follow_last_leader`).
+
+Where each step's group key names a round (as `swarm.Optimizer` gives each epoch), a round's group
+is most often the last one's. Its followers then join the last leader directly, without declaring
+themselves or reading the declarations in the DHT, and fall back to the DHT whenever that leader
+does not take them. Real peers on loopback; the DHT is `avg_harness.FakeDHT`, shared, with one
+view per peer that counts what that peer stored and read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import torch
+from avg_harness import FakeDHT, run_steps
+
+from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig
+from swarm.averaging.service import JOIN
+from swarm.peer import Peer
+from swarm.proto import averaging_pb2
+
+PREFIX = "mm"
+
+
+class View:
+    """One peer's access to the shared `FakeDHT`: counts its stores and reads per key, and sets
+    `stored[key]` once it stored under `key`."""
+
+    def __init__(self, dht: FakeDHT) -> None:
+        self.dht = dht
+        self.stores: dict[str, int] = {}
+        self.reads: dict[str, int] = {}
+        self.stored: dict[str, threading.Event] = {}
+
+    def event(self, key: str) -> threading.Event:
+        return self.stored.setdefault(key, threading.Event())
+
+    async def astore(self, key: str, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        self.stores[key] = self.stores.get(key, 0) + 1
+        ok = await self.dht.astore(key, value, expiration_time, subkey)
+        self.event(key).set()
+        return ok
+
+    async def aget(self, key: str, latest: bool = False) -> Any:
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return await self.dht.aget(key, latest)
+
+    def read_patience(self) -> float:
+        return 0.0
+
+
+def make(n: int, max_wait: float = 5.0) -> tuple[list[Peer], list[View], list[Averager]]:
+    dht = FakeDHT()
+    peers = [Peer() for _ in range(n)]
+    views = [View(dht) for _ in peers]
+    for p, v in zip(peers, views):
+        p.dht = v
+    config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.2, follow_last_leader=True, max_wait=max_wait))
+    avgs = [Averager(p, [torch.full((64,), float(i))], prefix=PREFIX, target_group_size=n, config=config)
+            for i, p in enumerate(peers)]
+    return peers, views, avgs
+
+
+def first_round(avgs: list[Averager]) -> str:
+    """Round "0" through the DHT; returns its leader's PeerID."""
+    out = run_steps(avgs, timeout=10, group_key="0", expected_size=len(avgs))
+    assert all(not isinstance(r, Exception) for r in out), out
+    assert len({r.round_id for r in out}) == 1 and len(out[0].group) == len(avgs)
+    return out[0].group[0]
+
+
+@pytest.mark.timeout(60)
+def test_followers_of_the_last_group_go_straight_to_its_leader_without_the_dht():
+    peers, views, avgs = make(3)
+    try:
+        leader = first_round(avgs)
+        out = run_steps(avgs, timeout=10, group_key="1", expected_size=3)
+        assert all(not isinstance(r, Exception) for r in out), out
+        assert len({r.round_id for r in out}) == 1 and out[0].group[0] == leader and len(out[0].group) == 3
+        key = f"{PREFIX}.group.1"
+        for p, v in zip(peers, views):
+            if p.peer_id == leader:  # the leader declares, so newcomers find it, and reads
+                assert v.stores.get(key, 0) >= 1 and v.reads.get(key, 0) >= 1
+            else:  # its followers neither declare nor read
+                assert v.stores.get(key, 0) == 0 and v.reads.get(key, 0) == 0, (v.stores, v.reads)
+        for avg in avgs:  # both rounds averaged: the mean of 0, 1, 2 both times
+            assert torch.equal(avg.tensors[0], torch.full((64,), 1.0))
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_follower_whose_last_leader_is_gone_finds_the_group_through_the_dht():
+    peers, views, avgs = make(3)
+    try:
+        leader = first_round(avgs)
+        gone = next(i for i, p in enumerate(peers) if p.peer_id == leader)
+        avgs[gone].shutdown()
+        peers[gone].shutdown()
+        rest = [a for i, a in enumerate(avgs) if i != gone]
+        out = run_steps(rest, timeout=10, group_key="1", expected_size=2)
+        assert all(not isinstance(r, Exception) for r in out), out
+        assert len({r.round_id for r in out}) == 1 and len(out[0].group) == 2 and leader not in out[0].group
+        # its followers declared themselves once the last leader did not answer
+        assert all(views[i].stores.get(f"{PREFIX}.group.1", 0) >= 1 for i in range(3) if i != gone)
+    finally:
+        for i, p in enumerate(peers):
+            if i != gone:
+                p.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_join_for_the_next_round_waits_for_the_leaders_step():
+    peers, views, avgs = make(2)
+    try:
+        leader = first_round(avgs)
+        lead, follow = (0, 1) if peers[0].peer_id == leader else (1, 0)
+        result: dict[str, Any] = {}
+
+        def step() -> None:
+            try:
+                result["follower"] = avgs[follow].step(timeout=20, group_key="1", expected_size=2)
+            except Exception as e:  # noqa: BLE001 - inspected below
+                result["follower"] = e
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        # the follower's join reaches the leader before the leader's own step for round "1" began
+        matchmaking = avgs[lead].matchmaking
+        peers[lead].run(asyncio.wait_for(matchmaking._arrived.wait(), 10), timeout=15)
+        assert any(j.key == "1" for j in matchmaking._joiners.values())
+        got = avgs[lead].step(timeout=10, group_key="1", expected_size=2)
+        thread.join(30)
+        assert not isinstance(result["follower"], Exception), result
+        assert got.round_id == result["follower"].round_id and got.group[0] == leader
+        assert views[follow].stores.get(f"{PREFIX}.group.1", 0) == 0
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_that_does_not_step_holds_its_followers_at_most_max_wait():
+    # the last leader trains on but never steps for round "1": its followers are held at most
+    # max_wait, then form the round's group through the DHT without it
+    peers, views, avgs = make(3, max_wait=0.5)
+    try:
+        leader = first_round(avgs)
+        rest = [a for a, p in zip(avgs, peers) if p.peer_id != leader]
+        out = run_steps(rest, timeout=10, group_key="1", expected_size=2)
+        assert all(not isinstance(r, Exception) for r in out), out
+        assert len({r.round_id for r in out}) == 1 and len(out[0].group) == 2 and leader not in out[0].group
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_join_for_another_round_is_refused_never_put_in_this_rounds_group():
+    peers, views, avgs = make(2)
+    stranger = Peer()
+    try:
+        leader = first_round(avgs)
+        lead, follow = (0, 1) if peers[0].peer_id == leader else (1, 0)
+        result: dict[str, Any] = {}
+
+        def step() -> None:
+            try:
+                result["leader"] = avgs[lead].step(timeout=20, group_key="1", expected_size=2)
+            except Exception as e:  # noqa: BLE001 - inspected below
+                result["leader"] = e
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        # the leader is in its step for round "1" once it declared under that key
+        assert views[lead].event(f"{PREFIX}.group.1").wait(10)
+        channel = stranger.pool.get(peers[lead].addrs[0])
+        matchmaking = avgs[lead].matchmaking
+
+        def join(key: str) -> averaging_pb2.JoinResponse:
+            me = averaging_pb2.AvgMember(peer_id=stranger.peer_id, addr=stranger.addrs[0], weight=1.0, bandwidth=1.0)
+            request = averaging_pb2.JoinRequest(prefix=PREFIX, group_key=key, schema=matchmaking.schema,
+                                                numel=matchmaking.numel, member=me, timeout=5.0)
+            return stranger.run(channel.unary(JOIN, request, averaging_pb2.JoinResponse, timeout=5.0), timeout=10)
+
+        late = join("0")  # a latecomer for the round that already averaged
+        assert not late.accepted and late.reason.startswith("group started"), late
+        other = join("7")
+        assert not other.accepted and "looks for the group of '1'" in other.reason, other
+        got = avgs[follow].step(timeout=10, group_key="1", expected_size=2)
+        thread.join(30)
+        assert not isinstance(result["leader"], Exception), result
+        assert stranger.peer_id not in got.group and len(got.group) == 2
+    finally:
+        stranger.shutdown()
+        for p in peers:
+            p.shutdown()
