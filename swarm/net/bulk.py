@@ -8,7 +8,12 @@ loopback ceiling (BENCHMARKS.md, "Transport facts"). So a stream registered with
    few seconds, bound to the caller's PeerID and the method;
 2. it dials that port on the host it already reached the callee at and sends the token first;
 3. both sides then exchange frames (`swarm.net.frames`); an ERROR frame's status becomes the
-   same typed error a gRPC status would give.
+   same typed error a gRPC status would give;
+4. a connection whose stream ended cleanly both ways may carry the caller's next stream to the
+   same callee: it starts with a new token, or, where the callee said so in the OpenBulk answer
+   that opened the connection (`BulkOpenResponse.reopen`), with an in-band reopen frame naming the
+   method and timeout, and no OpenBulk call at all (`reopen`). The connection's caller is the
+   one its first token was issued to: its TLS session carries only that caller's frames.
 
 The handler is the one the gRPC stream runs (same `CallContext`: caller PeerID, deadline), so the
 two paths cannot drift apart. The connection starts with a TLS 1.3 handshake with the callee's gRPC
@@ -24,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import ssl
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -52,6 +59,10 @@ logger = logging.getLogger(__name__)
 
 OPEN_BULK = "/swarm.Peer/OpenBulk"
 TOKEN_BYTES = 16
+# An in-band reopen frame: this tag, the stream's timeout (float64, big-endian), its method path
+# (UTF-8). Never TOKEN_BYTES long (a method path is longer than 4 bytes), so never taken for a token.
+REOPEN_TAG = b"SWR1"
+REOPEN_LIMIT = 512  # bytes a frame right after a clean END may have on a connection with a known caller
 # Bytes a bulk connection's kernel send queue may hold beyond what is in flight (TCP_NOTSENT_LOWAT;
 # 0: the kernel's default, as much as the autotuned send buffer takes, 3-4 MB per connection on a
 # 100 Mbit/s, 50 ms link). Kept small, a stream's writer waits on its own flow's progress, not on
@@ -60,7 +71,7 @@ TOKEN_BYTES = 16
 NOTSENT_LOWAT = 256 << 10
 
 __all__ = ["DATA", "END", "ERROR", "OPEN_BULK", "TOKEN_BYTES", "BulkListener", "BulkProtocolError",
-           "FrameConnection", "Sink", "Sunk", "connect", "exchange", "reuse"]
+           "FrameConnection", "Sink", "Sunk", "connect", "exchange", "reopen", "reuse"]
 
 
 @dataclass
@@ -110,6 +121,10 @@ class BulkListener:
         self.idle_timeout = idle_timeout
         self.max_tickets = max_tickets
         self.port: int | None = None
+        self.reopen = True
+        """Whether the OpenBulk answers say that this listener takes reopen frames (it always
+        does; False answers as a peer of an earlier version would, whose callers then ask for a
+        token for every stream)."""
         self._tickets: dict[bytes, _Ticket] = {}
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -184,8 +199,13 @@ class BulkListener:
             await asyncio.wait_for(asyncio.shield(ready), self.token_ttl)
             limit_unsent(conn.transport.get_extra_info("socket") if conn.transport is not None else None)
             wait = self.token_ttl
-            while await self._serve(conn, wait):
-                # a clean end both ways: the caller may start its next stream here (a new token)
+            caller = ""
+            while True:
+                clean, caller = await self._serve(conn, wait, caller)
+                if not clean:
+                    break
+                # a clean end both ways: the caller may start its next stream here (a new token,
+                # or a reopen frame)
                 conn.trim()
                 wait = self.idle_timeout
         except (OSError, TimeoutError) as e:  # ssl.SSLError is an OSError
@@ -193,13 +213,24 @@ class BulkListener:
         finally:
             protocol.close()
 
-    async def _serve(self, conn: FrameConnection, wait: float) -> bool:
-        """One stream; True when it ended cleanly both ways (the connection may carry another)."""
-        # the first frame is the token (a stranger gets nothing bigger than that read)
-        kind, token = await asyncio.wait_for(conn.read_frame(), wait)
-        ticket = self._tickets.pop(bytes(token), None) if kind == DATA else None
-        if ticket is None or ticket.expires < time.monotonic():
-            return False  # unknown, used or expired: nothing to say to a stranger
+    async def _serve(self, conn: FrameConnection, wait: float, caller: str) -> tuple[bool, str]:
+        """One stream on a connection whose earlier streams' caller is `caller` ("" before the
+        first); returns whether it ended cleanly both ways (the connection may carry another) and
+        the connection's caller."""
+        # the first frame is the token (a stranger gets nothing bigger than that read), or on a
+        # connection that carried a stream of its caller, a reopen frame
+        kind, first = await asyncio.wait_for(conn.read_frame(), wait)
+        ticket = None
+        if kind == DATA and len(first) == TOKEN_BYTES:
+            ticket = self._tickets.pop(bytes(first), None)
+        elif kind == DATA and caller:
+            ticket = self._reopened(caller, bytes(first))
+        if ticket is None or ticket.expires < time.monotonic() or (caller and ticket.caller != caller):
+            return False, caller  # unknown, used, expired or another caller's: nothing to say to a stranger
+        caller = ticket.caller
+        # the connection is its caller's now: its next stream's first frame may be a reopen frame,
+        # which may follow this stream's END before this stream's answer is done
+        conn.after_end_limit = REOPEN_LIMIT
         conn.stream_base = conn.read_data_frames - 1  # the token is this stream's first message
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ticket.timeout
@@ -234,10 +265,24 @@ class BulkListener:
         # connection and could destroy our last frames on the way), or end its half: then the
         # connection is kept for the caller's next stream.
         try:
-            return await asyncio.wait_for(_until_end(conn, requests.ended), 2.0) and clean
+            return await asyncio.wait_for(_until_end(conn, requests.ended), 2.0) and clean, caller
         except TimeoutError:
             logger.debug("bulk stream %s: the caller did not end its side within 2 s: closing", ticket.method)
-            return False
+            return False, caller
+
+    def _reopened(self, caller: str, frame: bytes) -> _Ticket | None:
+        """The stream a reopen frame asks for on `caller`'s connection, or None (malformed, or no
+        bulk stream of that name)."""
+        if len(frame) <= len(REOPEN_TAG) + 8 or not frame.startswith(REOPEN_TAG):
+            return None
+        (timeout,) = struct.unpack_from(">d", frame, len(REOPEN_TAG))
+        try:
+            method = frame[len(REOPEN_TAG) + 8:].decode()
+        except UnicodeDecodeError:
+            return None
+        if method not in self.handlers or not (0 < timeout < 1e6):
+            return None
+        return _Ticket(caller, method, timeout, math.inf)
 
 
 class _Requests:
@@ -395,6 +440,16 @@ def reuse(conn: FrameConnection, token: bytes) -> bool:
         conn.abort()
         return False
     conn.write_frame(DATA, token)
+    return True
+
+
+def reopen(conn: FrameConnection, method: str, timeout: float) -> bool:
+    """Starts a stream of `method` on a kept-alive connection whose callee takes reopen frames
+    (`BulkOpenResponse.reopen`), with no OpenBulk call; False (the connection closed) as `reuse`."""
+    if not conn.idle or not _socket_open(conn):
+        conn.abort()
+        return False
+    conn.write_frame(DATA, REOPEN_TAG + struct.pack(">d", timeout) + method.encode())
     return True
 
 

@@ -126,7 +126,8 @@ class PeerChannel:
         self._bulk_retry_at = 0.0  # while bulk_reachable is False: loop time its port is dialled again
         self._bulk_retry_after = pool.config.bulk_retry_after
         # kept bulk connections, the most recently used last: (connection, callee's bulk port, expiry)
-        self._bulk_idle: list[tuple[bulk_channel.FrameConnection, int, asyncio.TimerHandle]] = []
+        # kept bulk connections: (connection, the callee's bulk port, it takes reopen frames, expiry)
+        self._bulk_idle: list[tuple[bulk_channel.FrameConnection, int, bool, asyncio.TimerHandle]] = []
         self._closed = False
         self._calls: CallStream | None = None  # small unary calls, multiplexed (swarm.net.calls)
         self.calls_supported = pool.config.multiplex  # False: unary calls of their own (or an older peer)
@@ -367,13 +368,13 @@ class PeerChannel:
                 def count_received(n: int) -> None:
                     received.value += n
 
-                conn, deadline, port = connection
+                conn, deadline, port, reopens = connection
                 if sink is not None:
                     sink.attach(conn)
                 try:
                     async for response in bulk_channel.exchange(
                         conn, requests, deadline, self.peer_id, method, count_sent, count_received,
-                        release=lambda c: self._keep_bulk(c, port),
+                        release=lambda c: self._keep_bulk(c, port, reopens),
                     ):
                         yield response
                     ok = True
@@ -397,11 +398,21 @@ class PeerChannel:
             call.cancel()
             stats.finish(started, ok)  # metrics
 
-    async def _open_bulk(self, method: str, timeout: float) -> tuple[bulk_channel.FrameConnection, float, int] | None:
+    async def _open_bulk(self, method: str, timeout: float) -> tuple[bulk_channel.FrameConnection, float, int, bool] | None:
         """A connection for one bulk stream (a kept one if any is still open, else a new one), its
-        deadline and the callee's bulk port; None to use gRPC (no side channel, or unreachable)."""
+        deadline, the callee's bulk port and whether the callee takes reopen frames on it; None to
+        use gRPC (no side channel, or unreachable). A kept connection whose callee takes reopen
+        frames starts the stream with one, with no OpenBulk call (`bulk_channel.reopen`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        for entry in [e for e in reversed(self._bulk_idle) if e[2]]:
+            self._bulk_idle.remove(entry)
+            kept, port, _, expiry = entry
+            expiry.cancel()
+            if bulk_channel.reopen(kept, method, timeout):
+                _count_bulk_connection("reused")
+                return kept, deadline, port, True
+            logger.debug("kept bulk connection to %s not usable (closed, or unasked data)", self.peer_id)
         try:
             opened = await self.unary(bulk_channel.OPEN_BULK, peer_pb2.BulkOpenRequest(method=method, timeout=timeout),
                                       peer_pb2.BulkOpenResponse, timeout=min(timeout, self.pool.config.handshake_timeout))
@@ -412,11 +423,11 @@ class PeerChannel:
             self.bulk_reachable, self._bulk_retry_at = False, math.inf
             return None
         while self._bulk_idle:
-            kept, port, expiry = self._bulk_idle.pop()
+            kept, port, _, expiry = self._bulk_idle.pop()
             expiry.cancel()
             if port == opened.port and bulk_channel.reuse(kept, opened.token):
                 _count_bulk_connection("reused")
-                return kept, deadline, port
+                return kept, deadline, port, opened.reopen
             logger.debug("kept bulk connection to %s not usable (closed, or unasked data): dialing", self.peer_id)
             kept.abort()  # closed meanwhile, or the callee restarted on another port: dial afresh
         logger.debug("bulk stream %s to %s: dialing a new connection", method, self.peer_id)
@@ -435,16 +446,16 @@ class PeerChannel:
             return None
         self.bulk_reachable, self._bulk_retry_after = True, self.pool.config.bulk_retry_after
         _count_bulk_connection("dialed")
-        return conn, deadline, opened.port
+        return conn, deadline, opened.port, opened.reopen
 
-    def _keep_bulk(self, conn: bulk_channel.FrameConnection, port: int) -> None:
+    def _keep_bulk(self, conn: bulk_channel.FrameConnection, port: int, reopens: bool) -> None:
         """Keeps a bulk connection whose stream ended cleanly for the next stream to this peer."""
         cfg = self.pool.config
         if self._closed or not cfg.bulk_pool or len(self._bulk_idle) >= cfg.bulk_pool_size:
             conn.abort()
             return
         expiry = asyncio.get_running_loop().call_later(cfg.bulk_idle_timeout, self._expire_bulk, conn)
-        self._bulk_idle.append((conn, port, expiry))
+        self._bulk_idle.append((conn, port, reopens, expiry))
 
     def _expire_bulk(self, conn: bulk_channel.FrameConnection) -> None:
         self._bulk_idle = [entry for entry in self._bulk_idle if entry[0] is not conn]
@@ -484,7 +495,7 @@ class PeerChannel:
 
     async def close(self) -> None:
         self._closed = True
-        for conn, _, expiry in self._bulk_idle:
+        for conn, _, _, expiry in self._bulk_idle:
             expiry.cancel()
             conn.close()
         self._bulk_idle = []

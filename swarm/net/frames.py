@@ -87,6 +87,10 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.max_frame_bytes = max_frame_bytes
         self._first_frame_limit = first_frame_limit
         self._limit = first_frame_limit or max_frame_bytes  # strangers get a small first frame
+        self.after_end_limit = first_frame_limit
+        self._after_end = False  # the next frame follows a received END
+        """With `first_frame_limit`: how large the frame right after a received END may be (the
+        listener raises it for a reopen frame once the connection carried its caller's stream)."""
         self.transport: Any = None
         self._header = bytearray(_HEADER.size)
         self._header_view = memoryview(self._header)
@@ -129,6 +133,8 @@ class FrameConnection(asyncio.BufferedProtocol):
             if self._got < _HEADER.size:
                 return
             kind, length = _HEADER.unpack(self._header)
+            if self._after_end:  # read now: the listener may have raised it since the END came
+                self._limit, self._after_end = self.after_end_limit or self.max_frame_bytes, False
             if kind not in (DATA, END, ERROR) or length > self._limit:
                 why = f"unknown frame kind {kind}" if kind not in (DATA, END, ERROR) else (
                     f"frame of {length} bytes exceeds the {self._limit}-byte limit")
@@ -145,9 +151,10 @@ class FrameConnection(asyncio.BufferedProtocol):
                 self._sunk = Sunk(views, length)
                 self._targets = [v for v in views if len(v)]
             elif length == 0:
-                if kind == END and self._first_frame_limit is not None:
-                    # the caller's stream ended: what may follow is the token of its next stream
-                    self._limit = self._first_frame_limit
+                if kind == END and self.after_end_limit is not None:
+                    # the caller's stream ended: what may follow is the token (or reopen frame) of
+                    # its next stream
+                    self._after_end = True
                 self._push(kind, b"")
                 return
             else:

@@ -418,7 +418,7 @@ class RPCServer:
 
     async def _open_bulk(self, request: peer_pb2.BulkOpenRequest, ctx: CallContext) -> peer_pb2.BulkOpenResponse:
         token = self.bulk.issue(ctx.peer_id, request.method, request.timeout)
-        return peer_pb2.BulkOpenResponse(port=self.bulk.port or 0, token=token)
+        return peer_pb2.BulkOpenResponse(port=self.bulk.port or 0, token=token, reopen=self.bulk.reopen)
 
     # -- lifecycle ----------------------------------------------------------------------------
 

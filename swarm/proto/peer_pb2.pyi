@@ -56,12 +56,14 @@ class BulkOpenRequest(_message.Message):
     def __init__(self, method: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class BulkOpenResponse(_message.Message):
-    __slots__ = ("port", "token")
+    __slots__ = ("port", "token", "reopen")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REOPEN_FIELD_NUMBER: _ClassVar[int]
     port: int
     token: bytes
-    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+    reopen: bool
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., reopen: bool = ...) -> None: ...
 
 class CallRequest(_message.Message):
     __slots__ = ("id", "method", "payload", "timeout")

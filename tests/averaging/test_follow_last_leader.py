@@ -147,7 +147,7 @@ def test_a_join_for_the_next_round_waits_for_the_leaders_step():
 def test_a_leader_that_does_not_step_holds_its_followers_at_most_max_wait():
     # the last leader trains on but never steps for round "1": its followers are held at most
     # max_wait, then form the round's group through the DHT without it
-    peers, views, avgs = make(3, max_wait=0.5)
+    peers, _, avgs = make(3, max_wait=0.5)
     try:
         leader = first_round(avgs)
         rest = [a for a, p in zip(avgs, peers) if p.peer_id != leader]

@@ -198,6 +198,53 @@ def test_a_clean_stream_leaves_its_connection_for_the_next_stream(make_peer, poo
         assert kept[0][0].transport._pool == [] and kept[0][0].transport._plain_buffer is None
 
 
+def open_bulk_calls(peer) -> int:
+    """OpenBulk calls this peer served so far."""
+    stats = peer.server.metrics.methods.get(bulk.OPEN_BULK)
+    return 0 if stats is None else int(stats.ok.value + stats.failed.value)
+
+
+@pytest.mark.parametrize("reopen", [True, False])
+def test_later_streams_on_a_kept_connection_start_without_an_openbulk_call(make_peer, reopen):
+    """A callee that says so in its OpenBulk answer takes a kept connection's next streams from an
+    in-band reopen frame: one OpenBulk call for four streams, one connection, every message intact.
+    A callee that does not (`reopen=False`, as a peer of an earlier version answers) gets a token
+    asked for every stream, on the same kept connection."""
+    a, b = make_peer(), make_peer()
+    a.server.bulk.reopen = reopen
+    seen: list = []
+    serve_peername(a, seen)
+    big = os.urandom(3 << 20)
+    for requests in ([b"one"], [big, b"x"], [], [b"two", big[:5000]]):
+        assert call(b, a, requests) == [bytes(m)[::-1] for m in requests]
+    assert len(set(seen)) == 1 and len(seen) == 4
+    assert open_bulk_calls(a) == (1 if reopen else 4)
+
+
+def test_a_reopen_frame_starts_a_stream_only_where_the_connection_carried_its_callers_stream(make_peer):
+    a, b = make_peer(), make_peer()
+    serve_echo(a)
+    port, token = _token(b, a)
+    reopen = bulk.REOPEN_TAG + struct.pack(">d", 5.0) + ECHO.encode()
+    # as the first frame (no caller known yet): larger than a token, the connection is cut
+    assert sealed_talk(port, [_frame(bulk.DATA, reopen) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b"")],
+                       a.peer_id) == b""
+    # after a stream of its caller: served, on the same connection
+    caller = SealedCaller(port, a.peer_id)
+    try:
+        caller.send([_frame(bulk.DATA, token) + _frame(bulk.DATA, b"hi") + _frame(bulk.END, b"")])
+        assert caller.read(streams=1).endswith(_frame(bulk.END, b""))
+        caller.send([_frame(bulk.DATA, reopen) + _frame(bulk.DATA, b"yo") + _frame(bulk.END, b"")])
+        answer = caller.read(streams=2)
+        assert _frame(bulk.DATA, b"oy") in answer and answer.endswith(_frame(bulk.END, b""))
+        # one naming a method not served over the bulk channel: closed without an answer
+        bad = bulk.REOPEN_TAG + struct.pack(">d", 5.0) + b"/swarm.Peer/Info"
+        caller.send([_frame(bulk.DATA, bad) + _frame(bulk.DATA, b"x") + _frame(bulk.END, b"")])
+        assert caller.read(streams=3) == answer
+    finally:
+        caller.close()
+
+
 def test_both_ends_of_a_bulk_connection_keep_the_kernels_unsent_queue_small(make_peer):
     """TCP_NOTSENT_LOWAT (`bulk.NOTSENT_LOWAT`) on the caller's and the callee's socket, so that
     a stream's writer waits on its own flow's progress (what `swarm.averaging.lockstep` counts)."""
@@ -323,52 +370,76 @@ def _talk(port: int, data: bytes, callee: str) -> bytes:
     return sealed_talk(port, [data], callee)
 
 
+class SealedCaller:
+    """A caller's end of a bulk connection made by hand: the TLS 1.3 handshake checking `callee`'s
+    certificate, then the key material (`swarm.net.sealed`); `send` seals records, `read` returns
+    the plaintext the callee answered."""
+
+    def __init__(self, port: int, callee: str) -> None:
+        incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls_object = tls.client_context(callee).wrap_bio(incoming, self._outgoing, server_hostname=tls.SERVER_NAME)
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        while True:
+            try:
+                tls_object.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self.sock.sendall(self._outgoing.read())
+                incoming.write(self.sock.recv(65536))
+        material = os.urandom(sealed.RANDOM_BYTES)
+        tls_object.write(material)
+        to_callee, to_caller = sealed.derive_keys(material, tls_object.getpeercert(binary_form=True))
+        self.sealer, self.opener = sealed.Sealer(to_callee), sealed.Opener(to_caller)
+        self.answer = bytearray()
+        self._received = bytearray()
+        self._offset = 0
+
+    def send(self, records: list[bytes], tamper=None, half_close: bool = False) -> None:
+        wire = [self.sealer.seal(record) for record in records]
+        if tamper is not None:
+            wire = tamper(wire)
+        self.sock.sendall(self._outgoing.read() + b"".join(wire))
+        if half_close:
+            self.sock.shutdown(socket.SHUT_WR)
+
+    def read(self, streams: int = 1) -> bytes:
+        """Everything answered so far, once the connection closed or `streams` response streams
+        (counted from its start) have ended."""
+        try:
+            # until it closes, or until the answer's END or ERROR frame (the callee then keeps the
+            # connection open for a next stream)
+            while not _ended(self.answer, streams) and (chunk := self.sock.recv(65536)):
+                self._received += chunk
+                while self._offset + 4 <= len(self._received):
+                    (length,) = struct.unpack_from("<I", self._received, self._offset)
+                    if self._offset + 4 + length > len(self._received):
+                        break
+                    out = bytearray(length - 16)
+                    start = self._offset
+                    self.opener.open_into(bytes(self._received[start:start + 4]),
+                                          memoryview(self._received)[start + 4:start + 4 + length], memoryview(out))
+                    self.answer += out
+                    self._offset += 4 + length
+        except ConnectionResetError:
+            pass  # refused by a reset: what arrived before it is the answer
+        return bytes(self.answer)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def sealed_talk(port: int, records: list[bytes], callee: str, tamper=None, half_close: bool = False,
                 streams: int = 1) -> bytes:
     """`_talk` with the request bytes cut into `records` (each sealed on its own); `tamper(list of
     sealed records)` may alter, drop, reorder or repeat them before they are sent; `half_close`
     ends the caller's side of the TCP connection after them (a cut stream); it reads until the
     connection closes or `streams` response streams have ended."""
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls_object = tls.client_context(callee).wrap_bio(incoming, outgoing, server_hostname=tls.SERVER_NAME)
-    answer = bytearray()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        while True:
-            try:
-                tls_object.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                s.sendall(outgoing.read())
-                incoming.write(s.recv(65536))
-        material = os.urandom(sealed.RANDOM_BYTES)
-        tls_object.write(material)
-        to_callee, to_caller = sealed.derive_keys(material, tls_object.getpeercert(binary_form=True))
-        sealer, opener = sealed.Sealer(to_callee), sealed.Opener(to_caller)
-        wire = [sealer.seal(record) for record in records]
-        if tamper is not None:
-            wire = tamper(wire)
-        s.sendall(outgoing.read() + b"".join(wire))
-        if half_close:
-            s.shutdown(socket.SHUT_WR)
-        received = bytearray()
-        offset = 0
-        try:
-            # until it closes, or until the answer's END or ERROR frame (the callee then keeps the
-            # connection open for a next stream)
-            while not _ended(answer, streams) and (chunk := s.recv(65536)):
-                received += chunk
-                while offset + 4 <= len(received):
-                    (length,) = struct.unpack_from("<I", received, offset)
-                    if offset + 4 + length > len(received):
-                        break
-                    out = bytearray(length - 16)
-                    opener.open_into(bytes(received[offset:offset + 4]),
-                                     memoryview(received)[offset + 4:offset + 4 + length], memoryview(out))
-                    answer += out
-                    offset += 4 + length
-        except ConnectionResetError:
-            pass  # refused by a reset: what arrived before it is the answer
-    return bytes(answer)
+    caller = SealedCaller(port, callee)
+    try:
+        caller.send(records, tamper, half_close)
+        return caller.read(streams)
+    finally:
+        caller.close()
 
 
 def _ended(answer: bytes, streams: int = 1) -> bool:
