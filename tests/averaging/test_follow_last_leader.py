@@ -127,10 +127,15 @@ def test_a_join_for_the_next_round_waits_for_the_leaders_step():
             except Exception as e:  # noqa: BLE001 - inspected below
                 result["follower"] = e
 
+        matchmaking = avgs[lead].matchmaking
+
+        async def forget_arrivals() -> None:  # the last round's arrivals may have left it set
+            matchmaking._arrived.clear()
+
+        peers[lead].run(forget_arrivals())
         thread = threading.Thread(target=step)
         thread.start()
         # the follower's join reaches the leader before the leader's own step for round "1" began
-        matchmaking = avgs[lead].matchmaking
         peers[lead].run(asyncio.wait_for(matchmaking._arrived.wait(), 10), timeout=15)
         assert any(j.key == "1" for j in matchmaking._joiners.values())
         got = avgs[lead].step(timeout=10, group_key="1", expected_size=2)
