@@ -8,6 +8,7 @@ with a clear message instead of being half-understood.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass
 
@@ -34,6 +35,10 @@ class Multiaddr:
         """Parses `/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...`; raises `MultiaddrError` on anything else."""
         if not isinstance(text, str) or not text.startswith("/"):
             raise MultiaddrError(f"a multiaddr starts with '/', got {text!r}")
+        return _parse_cached(text)  # a peer parses the same few addresses every round
+
+    @classmethod
+    def _parse(cls, text: str) -> Multiaddr:
         parts = text.rstrip("/").split("/")[1:]
         if (len(parts) - parts.count("p2p-circuit")) % 2:
             raise MultiaddrError(f"multiaddr {text!r}: protocol {parts[-1]!r} has no value")
@@ -108,6 +113,14 @@ def _check_peer_id(peer_id: str, text: str) -> str:
         raise MultiaddrError(f"multiaddr {text!r}: {e}") from None
     return peer_id
 
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(text: str) -> Multiaddr:
+    """`Multiaddr.parse` of valid addresses, remembered: checking a PeerID decodes its key, and the
+    channel pool and the averaging rounds parse the same addresses over and over (a refused text
+    raises every time, so only valid ones are kept)."""
+    return Multiaddr._parse(text)
 
 def _check_host(protocol: str, host: str, text: str) -> None:
     try:
