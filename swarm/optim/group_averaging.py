@@ -28,14 +28,11 @@ class RoundResult:
         group_size: members of the group.
         contributors: members whose tensors are in the mean.
         bytes_sent: bytes this peer sent in the round (0 when unknown).
-        members: PeerIDs of the group's members (every one applied the round, as this peer did),
-            where the strategy knows them.
     """
 
     group_size: int
     contributors: int
     bytes_sent: int = 0
-    members: tuple[str, ...] = ()
 
 
 class AveragerLike(Protocol):
@@ -92,7 +89,7 @@ class SwarmAverager:
         group = len(result.group)
         sent = self._estimate_bytes_sent(group)
         self.bytes_sent += sent
-        return RoundResult(group, len(result.contributors), sent, tuple(result.group))
+        return RoundResult(group, len(result.contributors), sent)
 
     def abandon_matchmaking(self, reason: str) -> bool:
         return self.averager.abandon_matchmaking(reason)

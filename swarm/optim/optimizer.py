@@ -383,11 +383,8 @@ class Optimizer:
         self.bytes_sent += result.bytes_sent
         outcome = RoundOutcome(flight.epoch, True, result.group_size, result.contributors, flight.samples, seconds,
                                staleness=staleness)
-        # overlapped, the members computed while the round averaged (their windows opened when it began)
-        computing = seconds if self.config.max_staleness > 0 else 0.0
         return self._finish_round(outcome, f"averaged {what}{fragment} of {result.contributors}/{result.group_size} "
-                                           f"peers, {flight.samples} local samples, staleness {staleness}",
-                                  members=result.members, computing=computing)
+                                           f"peers, {flight.samples} local samples, staleness {staleness}")
 
     def _drop_in_flight(self) -> None:
         """Cancels the round in flight (this peer leaves, or loads another state) and waits for its end."""
@@ -482,23 +479,13 @@ class Optimizer:
         future = self.peer.loop.submit(aannounce(eta, str(epoch)))
         future.add_done_callback(_log_announce_failure)
 
-    def _finish_round(self, outcome: RoundOutcome, summary: str, members: Sequence[str] = (),
-                      computing: float = 0.0) -> RoundOutcome:
-        """Records the round and logs its outcome once.
-
-        `members`: the round's group, every one of which took the same step (and computed the next
-        window for `computing` seconds meanwhile). The tracker counts them at the new epoch at once
-        (`ProgressTracker.note_round`), so where the group held every peer reporting, nobody needs
-        this peer's report of its new epoch at once: it goes at the next report period (a store to
-        every replica saved per round)."""
-        urgent = True
+    def _finish_round(self, outcome: RoundOutcome, summary: str) -> RoundOutcome:
+        """Records the round and logs its outcome once."""
         if outcome.ok:
             with self._lock:
                 self.epoch += 1
                 self._digest = state_digest(self.mode.shared_tensors)
             self.failed_rounds = 0
-            if members:
-                urgent = not self.tracker.note_round(members, self.epoch, self._digest, computing)
             logger.info("[%s] epoch %d -> %d: %s in %.2f s", self.run_id, outcome.epoch, self.epoch, summary,
                         outcome.seconds)
         elif self.tracker.progress.epoch > outcome.epoch:
@@ -515,7 +502,7 @@ class Optimizer:
             if self.failed_rounds >= self.config.max_failed_rounds:
                 self.tracker.request_refresh()  # the swarm may have moved on without us
         self.history.append(outcome)
-        self._report(urgent=urgent)
+        self._report(urgent=True)
         return outcome
 
     def _resync(self, why: str, min_epoch: int, digest: str | None = None) -> StepOutcome:
@@ -533,8 +520,7 @@ class Optimizer:
     # -- helpers ------------------------------------------------------------------------------
 
     def _report(self, urgent: bool = False) -> None:
-        self.tracker.update(self.epoch, self.mode.samples, self._meter.rate, self._digest, urgent=urgent,
-                            epoch_urgent=urgent)
+        self.tracker.update(self.epoch, self.mode.samples, self._meter.rate, self._digest, urgent=urgent)
 
     def _snapshot(self) -> TrainingState:
         with self._lock:

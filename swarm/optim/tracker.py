@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 
 from swarm.core.errors import DHTError, SwarmError
@@ -84,11 +84,10 @@ class ProgressTracker:
     # -- training thread ----------------------------------------------------------------------
 
     def update(self, epoch: int, samples: int, samples_per_second: float, digest: str, *,
-               urgent: bool = False, epoch_urgent: bool = True) -> None:
-        """Records this peer's progress; it reaches the DHT within `report_period` (at once if urgent,
-        or if the epoch changed and `epoch_urgent`)."""
+               urgent: bool = False) -> None:
+        """Records this peer's progress; it reaches the DHT within `report_period` (at once if urgent)."""
         with self._lock:
-            changed_epoch = epoch != self._local.epoch and epoch_urgent
+            changed_epoch = epoch != self._local.epoch
             self._local = PeerProgress(self.peer.peer_id, epoch, samples, samples_per_second, self.clock(),
                                        self.peer.client_mode, self.addr, digest)
             wake = not self._dirty or urgent or changed_epoch
@@ -96,28 +95,6 @@ class ProgressTracker:
             self._urgent = self._urgent or urgent or changed_epoch
         if wake and self._wake is not None and not self._closed:
             self.peer.loop.loop.call_soon_threadsafe(self._wake.set)
-
-    def note_round(self, members: Sequence[str], epoch: int, digest: str, accumulating_for: float = 0.0) -> bool:
-        """Counts the members of a round this peer took part in at `epoch` (the one the round led
-        to), as their own reports would say once they arrive: each applied the same round
-        (docs/architecture.md, "Life of an averaging step"), so holds the same state (`digest`),
-        and has accumulated for the next round for `accumulating_for` seconds (0 where each round
-        is waited for; the round's duration where peers compute while it averages): the report says
-        0 samples that long ago, and its throughput extrapolates the rest. A member's report at a
-        later epoch is kept. Returns whether every other peer reporting was in the round: then no
-        one needs this peer's report of the new epoch at once (the others know it from the round)."""
-        now = self.clock() - max(0.0, accumulating_for)
-        inside = set(members)
-        with self._lock:
-            for peer_id in inside - {self.peer.peer_id}:
-                known = self._reports.get(peer_id)
-                if known is not None and known.epoch >= epoch:
-                    continue
-                self._reports[peer_id] = (
-                    replace(known, epoch=epoch, samples=0, time=now, digest=digest) if known is not None
-                    else PeerProgress(peer_id, epoch, 0, 0.0, now, digest=digest))
-            self._changed.notify_all()
-            return all(peer_id in inside for peer_id in self._reports if peer_id != self.peer.peer_id)
 
     @property
     def local(self) -> PeerProgress:

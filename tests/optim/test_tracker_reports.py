@@ -94,37 +94,3 @@ async def _client_sees(tracker: ProgressTracker) -> int:
     tracker.request_refresh()
     progress = await tracker.wait_until(lambda p: p.samples >= 80)
     return progress.samples
-
-
-def test_a_round_counts_its_members_at_the_new_epoch_before_their_reports_come(make_peer) -> None:
-    """After a round, every member applied it: the tracker counts them at the new epoch with
-    nothing accumulated (`note_round`), and says whether the round held every peer reporting (then
-    this peer's own report of the new epoch need not go at once). A member's report at a later
-    epoch is not taken back."""
-    peers = [make_peer() for _ in range(3)]
-    config = CollaborationConfig(target_batch_size=10**6, report_period=0.05, min_refresh_period=0.02,
-                                 max_refresh_period=0.2)
-    trackers = [ProgressTracker(p, "news", config, addr=str(p.addrs[0])) for p in peers]
-    try:
-        for t in trackers:
-            p = t.peer
-            p.run(t.astart(), timeout=30)
-        for t in trackers:
-            t.update(epoch=3, samples=48, samples_per_second=100.0, digest="old")
-        a = trackers[0]
-        assert a.wait_for(lambda p: p.num_peers_at_epoch == 3 and p.epoch == 3, timeout=20)
-        a.update(epoch=4, samples=0, samples_per_second=100.0, digest="new", epoch_urgent=False)
-        ids = [p.peer_id for p in peers]
-        assert a.note_round(ids[:2], 4, "new") is False  # the third peer was not in the round
-        counted = {r.peer_id: r for r in a.reports()}
-        assert counted[ids[1]].epoch == 4 and counted[ids[1]].samples == 0 and counted[ids[1]].digest == "new"
-        assert counted[ids[2]].epoch == 3 and a.progress.num_peers_at_epoch == 2
-        assert a.note_round(ids, 4, "new") is True
-        # a member already known at a later epoch keeps that report
-        trackers[1].update(epoch=6, samples=16, samples_per_second=100.0, digest="later")
-        assert a.wait_for(lambda p: p.epoch == 6, timeout=20)
-        a.note_round(ids, 5, "new")
-        assert {r.peer_id: r.epoch for r in a.reports()}[ids[1]] == 6
-    finally:
-        for t in trackers:
-            t.peer.run(t.ashutdown(), timeout=10)
