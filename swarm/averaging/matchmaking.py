@@ -46,6 +46,12 @@ logger = logging.getLogger(__name__)
 
 _STARTED = "group started"  # how a refusal says: a group of this round formed, and you are not in it
 
+
+def _of_group(key: str | None) -> str:
+    """How a "group started" refusal names the group key of the round it speaks of (none where
+    keys name no rounds)."""
+    return f" of group {key!r}" if key else ""
+
 MATCHMAKING_WAIT_BOUND = REGISTRY.gauge(
     "swarm_matchmaking_wait_bound_seconds", "How long a leader waits for a declared peer past its readiness "
     "(learned from joiners' lateness)", ("prefix",))
@@ -230,7 +236,7 @@ class Matchmaking:
         try:
             while loop.time() < deadline:
                 if straight is not None:
-                    group = await self._follow_leader(me, straight, deadline)
+                    group = await self._follow_leader(me, straight, deadline, straight=True)
                     if group is not None:
                         return group
                     # not taken (it leads no group of this round, or not yet): ask the DHT as usual
@@ -289,14 +295,21 @@ class Matchmaking:
             refusal = "its last group held a peer this peer excludes"
         return refusal
 
-    async def _follow_leader(self, me: MemberInfo, leader: Candidate, deadline: float) -> GroupInfo | None:
+    async def _follow_leader(self, me: MemberInfo, leader: Candidate, deadline: float,
+                             straight: bool = False) -> GroupInfo | None:
         self._following = True
         try:
-            return await self._follow(me, leader, deadline)
+            return await self._follow(me, leader, deadline, straight)
         finally:
             self._following = False
 
-    async def _follow(self, me: MemberInfo, leader: Candidate, deadline: float) -> GroupInfo | None:
+    async def _follow(self, me: MemberInfo, leader: Candidate, deadline: float,
+                      straight: bool = False) -> GroupInfo | None:
+        """Joins `leader`'s group. `straight`: it led this peer's last group, and no declaration
+        named it for this round: a refusal then only means "not here" (it led none of this
+        round yet, follows another, or is of a version that keeps no keys, whose "group started"
+        names its last round), and the step asks the DHT at once, holding nothing against it;
+        only a "group started" that names this round's key says this peer missed it."""
         loop = asyncio.get_running_loop()
         refusal = self._refused(leader.peer_id)
         if refusal is not None:  # local reputation: this peer does not average with it, led or not
@@ -330,7 +343,7 @@ class Matchmaking:
             return None
         except RPCError as e:  # slow or refusing, not gone: ask again rather than lead without it
             logger.debug("join at %s failed: %s", leader.peer_id[-8:], e)
-            if isinstance(e, DeadlineExceeded) and loop.time() >= deadline - 0.05:
+            if straight or (isinstance(e, DeadlineExceeded) and loop.time() >= deadline - 0.05):
                 return None
             await asyncio.sleep(self.config.retry_interval * (1 + random.random()))
             return None
@@ -351,6 +364,11 @@ class Matchmaking:
                 return None
             return group
         logger.debug("leader %s refused: %s", leader.peer_id[-8:], response.reason)
+        if "schema" in response.reason:
+            raise AveragingError(f"leader {leader.peer_id} averages other tensors: {response.reason}")
+        if straight and not (self._key and response.reason.startswith(_STARTED)
+                             and response.reason.endswith(_of_group(self._key))):
+            return None
         if response.reason.startswith(_STARTED) and self.config.adaptive:
             # it is in a group of this round already: look for the next one now, not after a pause
             self._down.add(leader.peer_id)
@@ -363,8 +381,6 @@ class Matchmaking:
             # vanished leader (it notices later); asking it again soon makes one group of them
             # (issue #20: followers going back to the vanished leader came too late and scattered).
             self._down = set(self._vanished)
-        if "schema" in response.reason:
-            raise AveragingError(f"leader {leader.peer_id} averages other tensors: {response.reason}")
         await asyncio.sleep(self.config.retry_interval * (1 + random.random()))
         return None
 
@@ -427,7 +443,7 @@ class Matchmaking:
         if self.peer.peer_id in request.excludes:
             return averaging_pb2.JoinResponse(accepted=False, reason="the follower excludes this leader")
         key = request.group_key
-        missed = (f"{_STARTED}: this peer is in round {self._last_round.hex()[:8]}"
+        missed = (f"{_STARTED}: this peer is in round {self._last_round.hex()[:8]}{_of_group(self._last_key)}"
                   if self._last_round is not None and self.config.adaptive else None)
         if self._looking is not None and self._key and key and key != self._key:
             # a group of another round: never mix rounds in one group
@@ -492,7 +508,7 @@ class Matchmaking:
             self._led_last = leader.peer_id == me.peer_id
             self._last_leader = None if self._led_last else Candidate(leader.peer_id, leader.addr)
         reason = "not the leader" if group is None or not self.config.adaptive else \
-            f"{_STARTED}: this peer is in round {group.round_id.hex()[:8]}"
+            f"{_STARTED}: this peer is in round {group.round_id.hex()[:8]}{_of_group(self._key)}"
         for j in list(self._joiners.values()):
             if not j.answer.done() and (not j.key or j.key == self._key):
                 j.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason=reason))

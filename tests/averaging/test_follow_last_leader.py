@@ -10,6 +10,7 @@ view per peer that counts what that peer stored and read.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from typing import Any
 
@@ -202,5 +203,37 @@ def test_a_join_for_another_round_is_refused_never_put_in_this_rounds_group():
         assert stranger.peer_id not in got.group and len(got.group) == 2
     finally:
         stranger.shutdown()
+        for p in peers:
+            p.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_last_leader_that_holds_no_joins_is_found_again_through_the_dht():
+    """A leader that does not hold joins for its next round (the setting off, as on a peer of an
+    earlier version, which answers "group started" naming its last round) sends the follower to the
+    DHT without counting against it: they form the next round's group together."""
+    peers, views, avgs = make(2)
+    try:
+        leader = first_round(avgs)
+        lead, follow = (0, 1) if peers[0].peer_id == leader else (1, 0)
+        matchmaking = avgs[lead].matchmaking
+        matchmaking.config = dataclasses.replace(matchmaking.config, follow_last_leader=False)
+        result: dict[str, Any] = {}
+
+        def step() -> None:
+            try:
+                result["follower"] = avgs[follow].step(timeout=20, group_key="1", expected_size=2)
+            except Exception as e:  # noqa: BLE001 - inspected below
+                result["follower"] = e
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        # the follower was turned away and declared itself in the DHT before the leader steps
+        assert views[follow].event(f"{PREFIX}.group.1").wait(10)
+        got = avgs[lead].step(timeout=10, group_key="1", expected_size=2)
+        thread.join(30)
+        assert not isinstance(result["follower"], Exception), result
+        assert got.round_id == result["follower"].round_id and len(got.group) == 2
+    finally:
         for p in peers:
             p.shutdown()
