@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -67,9 +68,15 @@ def worker(args: argparse.Namespace) -> None:
             failures.append(f"{type(e).__name__}: {e}")
             continue
         times.append((start, time.time()))
-    print(json.dumps({"times": times[1:], "failures": failures}), flush=True)
+    print(json.dumps({"times": times[1:], "failures": failures, "cpu": _cpu()}), flush=True)
     sys.stdin.readline()
     peer.shutdown()
+
+
+def _cpu() -> tuple[float, float]:
+    """This process's user and system CPU seconds so far (its start included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
 
 
 def raw_worker(args: argparse.Namespace) -> None:
@@ -116,7 +123,7 @@ def raw_worker(args: argparse.Namespace) -> None:
             for t in threads:
                 t.join()
         times.append((start, time.time()))
-    print(json.dumps({"times": times[1:], "failures": []}), flush=True)
+    print(json.dumps({"times": times[1:], "failures": [], "cpu": _cpu()}), flush=True)
     sys.stdin.readline()
 
 
@@ -141,6 +148,13 @@ VARIANTS = {
 }
 
 
+def variant_arguments(variant: str) -> list[str]:
+    """A swarm variant's worker arguments: one of `VARIANTS`, or `swarm-lockstepN` (lockstep N)."""
+    if variant.startswith("swarm-lockstep") and variant[len("swarm-lockstep"):].isdigit():
+        return ["--lockstep", variant[len("swarm-lockstep"):]]
+    return VARIANTS[variant]
+
+
 def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool = False,
               variant: str = "swarm") -> list[dict]:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
@@ -151,7 +165,7 @@ def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--address",
                 lab.address(host), "--mbytes", str(args.mbytes), "--rounds", str(args.rounds),
                 "--compression", str(compression), *(["--raw"] if raw else []), *(["--diag", args.diag] if args.diag else []),
-                *([] if raw else VARIANTS[variant])]
+                *([] if raw else variant_arguments(variant))]
         kind = "raw" if raw else variant
         log = os.path.join(args.diag, f"{n}-{compression}-{kind}-h{i}.log") if args.diag else ""
         with open(log or os.devnull, "wb") as stderr:  # the child keeps its own descriptor
@@ -248,11 +262,16 @@ def main() -> None:
     parser.add_argument("--insecure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--lockstep", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--lowat", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--variants", nargs="+", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="swarm's variants to run instead of the default set: " + ", ".join(VARIANTS)
+                             + ", or swarm-lockstepN (lockstep N chunks)")
     parser.add_argument("--congestion", default="",
                         help="TCP congestion control on every lab host (e.g. reno, loss-based like most hosts' cubic, which "
                              "this machine does not allow in namespaces; default: the host's, "
                              "inherited by the namespaces: bbr on this machine)")
+    parser.add_argument("--slow-start-after-idle", type=int, choices=(0, 1), default=None,
+                        help="set net.ipv4.tcp_slow_start_after_idle on every lab host (default: the host's, 1 on "
+                             "Linux: a connection idle for a retransmission timeout starts its window again)")
     parser.add_argument("--relay-normal", action="store_true",
                         help="run the lab's delay relay as a normal process, not in the real-time class (the lab's "
                              "default before 2026-12-03), to compare")
@@ -281,6 +300,11 @@ def main() -> None:
                     done = lab.exec(f"h{i}", ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={args.congestion}"])
                     if done.returncode != 0:
                         raise SystemExit(f"cannot set {args.congestion} on h{i}: {done.stderr.strip()}")
+            if args.slow_start_after_idle is not None:
+                for i in range(n):
+                    lab.exec(f"h{i}", ["sysctl", "-qw", f"net.ipv4.tcp_slow_start_after_idle={args.slow_start_after_idle}"])
+                idle = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"]).stdout.strip()
+                print(f"  {n} peers: tcp_slow_start_after_idle {idle}", flush=True)
             used = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
             print(f"  {n} peers: TCP congestion control {used}", flush=True)
             variants = args.variants or ["swarm", *(["swarm-nopool"] if args.compare_pool else []),
@@ -293,7 +317,9 @@ def main() -> None:
                     continue
                 t0 = lab.relay_stats()["cpu_seconds"]
                 w0 = time.monotonic()
-                times = round_seconds(run_group(lab, n, args, compression, raw, variant))
+                reports = run_group(lab, n, args, compression, raw, variant)
+                times = round_seconds(reports)
+                cpu = [r.get("cpu", (0.0, 0.0)) for r in reports]
                 relay = lab.relay_stats()
                 relay_cpu = (relay["cpu_seconds"] - t0) / (time.monotonic() - w0)
                 sent = 2 * (n - 1) / n * args.mbytes * 1e6 / (2 if compression else 1)
@@ -303,12 +329,15 @@ def main() -> None:
                                                        "swarm-lowat": "swarm, no lockstep",
                                                        "swarm-free": "swarm, neither (before)",
                                                        "swarm-nolowat": "swarm, no small send queue",
-                                                       "swarm-insecure": "swarm, plaintext"}[variant]
+                                                       "swarm-insecure": "swarm, plaintext"}.get(
+                                                           variant, variant.replace("swarm-lockstep", "swarm, lockstep "))
                 print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "
                       f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core, "
                       f"{'real-time' if relay['realtime'] else 'normal'}, lag so far mean {relay['late_ms_mean']:.2f} "
-                      f"max {relay['late_ms_max']:.1f} ms", flush=True)
+                      f"max {relay['late_ms_max']:.1f} ms; CPU per peer process, start included: user "
+                      f"{statistics.median(u for u, _ in cpu):.1f} s, system {statistics.median(t for _, t in cpu):.1f} s",
+                      flush=True)
                 if args.diag and not raw:
                     print(timeline([os.path.join(args.diag, f"{n}-{compression}-{variant}-h{i}.log") for i in range(n)]),
                           flush=True)
