@@ -53,16 +53,28 @@ class View:
         return 0.0
 
 
-def make(n: int, max_wait: float = 5.0) -> tuple[list[Peer], list[View], list[Averager]]:
-    dht = FakeDHT()
-    peers = [Peer() for _ in range(n)]
-    views = [View(dht) for _ in peers]
-    for p, v in zip(peers, views):
-        p.dht = v
-    config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.2, follow_last_leader=True, max_wait=max_wait))
-    avgs = [Averager(p, [torch.full((64,), float(i))], prefix=PREFIX, target_group_size=n, config=config)
-            for i, p in enumerate(peers)]
-    return peers, views, avgs
+@pytest.fixture
+def make():
+    """Builds `n` peers on one shared `FakeDHT` (a counting `View` each) with an averager each;
+    shuts every peer down at the end."""
+    made: list[Peer] = []
+
+    def build(n: int, max_wait: float = 5.0) -> tuple[list[Peer], list[View], list[Averager]]:
+        dht = FakeDHT()
+        peers = [Peer() for _ in range(n)]
+        made.extend(peers)
+        views = [View(dht) for _ in peers]
+        for p, v in zip(peers, views):
+            p.dht = v
+        config = AveragerConfig(matchmaking=MatchmakingConfig(join_window=0.2, follow_last_leader=True,
+                                                              max_wait=max_wait))
+        avgs = [Averager(p, [torch.full((64,), float(i))], prefix=PREFIX, target_group_size=n, config=config)
+                for i, p in enumerate(peers)]
+        return peers, views, avgs
+
+    yield build
+    for p in made:
+        p.shutdown()
 
 
 def first_round(avgs: list[Averager]) -> str:
@@ -73,115 +85,95 @@ def first_round(avgs: list[Averager]) -> str:
     return out[0].group[0]
 
 
+def step_in_background(avg: Averager, timeout: float, key: str, expected: int) -> tuple[threading.Thread, dict[str, Any]]:
+    """Starts `avg.step` for group `key` in a thread; its result (or the exception it raised) lands
+    in the returned dict under "out"."""
+    result: dict[str, Any] = {}
+
+    def step() -> None:
+        try:
+            result["out"] = avg.step(timeout=timeout, group_key=key, expected_size=expected)
+        except Exception as e:  # noqa: BLE001 - inspected by the test
+            result["out"] = e
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    return thread, result
+
+
 @pytest.mark.timeout(60)
-def test_followers_of_the_last_group_go_straight_to_its_leader_without_the_dht():
+def test_followers_of_the_last_group_go_straight_to_its_leader_without_the_dht(make):
     peers, views, avgs = make(3)
-    try:
-        leader = first_round(avgs)
-        out = run_steps(avgs, timeout=10, group_key="1", expected_size=3)
-        assert all(not isinstance(r, Exception) for r in out), out
-        assert len({r.round_id for r in out}) == 1 and out[0].group[0] == leader and len(out[0].group) == 3
-        key = f"{PREFIX}.group.1"
-        for p, v in zip(peers, views):
-            if p.peer_id == leader:  # the leader declares, so newcomers find it, and reads
-                assert v.stores.get(key, 0) >= 1 and v.reads.get(key, 0) >= 1
-            else:  # its followers neither declare nor read
-                assert v.stores.get(key, 0) == 0 and v.reads.get(key, 0) == 0, (v.stores, v.reads)
-        for avg in avgs:  # both rounds averaged: the mean of 0, 1, 2 both times
-            assert torch.equal(avg.tensors[0], torch.full((64,), 1.0))
-    finally:
-        for p in peers:
-            p.shutdown()
+    leader = first_round(avgs)
+    out = run_steps(avgs, timeout=10, group_key="1", expected_size=3)
+    assert all(not isinstance(r, Exception) for r in out), out
+    assert len({r.round_id for r in out}) == 1 and out[0].group[0] == leader and len(out[0].group) == 3
+    key = f"{PREFIX}.group.1"
+    for p, v in zip(peers, views):
+        if p.peer_id == leader:  # the leader declares, so newcomers find it, and reads
+            assert v.stores.get(key, 0) >= 1 and v.reads.get(key, 0) >= 1
+        else:  # its followers neither declare nor read
+            assert v.stores.get(key, 0) == 0 and v.reads.get(key, 0) == 0, (v.stores, v.reads)
+    for avg in avgs:  # both rounds averaged: the mean of 0, 1, 2 both times
+        assert torch.equal(avg.tensors[0], torch.full((64,), 1.0))
 
 
 @pytest.mark.timeout(60)
-def test_a_follower_whose_last_leader_is_gone_finds_the_group_through_the_dht():
+def test_a_follower_whose_last_leader_is_gone_finds_the_group_through_the_dht(make):
     peers, views, avgs = make(3)
-    try:
-        leader = first_round(avgs)
-        gone = next(i for i, p in enumerate(peers) if p.peer_id == leader)
-        avgs[gone].shutdown()
-        peers[gone].shutdown()
-        rest = [a for i, a in enumerate(avgs) if i != gone]
-        out = run_steps(rest, timeout=10, group_key="1", expected_size=2)
-        assert all(not isinstance(r, Exception) for r in out), out
-        assert len({r.round_id for r in out}) == 1 and len(out[0].group) == 2 and leader not in out[0].group
-        # its followers declared themselves once the last leader did not answer
-        assert all(views[i].stores.get(f"{PREFIX}.group.1", 0) >= 1 for i in range(3) if i != gone)
-    finally:
-        for i, p in enumerate(peers):
-            if i != gone:
-                p.shutdown()
+    leader = first_round(avgs)
+    gone = next(i for i, p in enumerate(peers) if p.peer_id == leader)
+    avgs[gone].shutdown()
+    peers[gone].shutdown()
+    rest = [a for i, a in enumerate(avgs) if i != gone]
+    out = run_steps(rest, timeout=10, group_key="1", expected_size=2)
+    assert all(not isinstance(r, Exception) for r in out), out
+    assert len({r.round_id for r in out}) == 1 and len(out[0].group) == 2 and leader not in out[0].group
+    # its followers declared themselves once the last leader did not answer
+    assert all(views[i].stores.get(f"{PREFIX}.group.1", 0) >= 1 for i in range(3) if i != gone)
 
 
 @pytest.mark.timeout(60)
-def test_a_join_for_the_next_round_waits_for_the_leaders_step():
+def test_a_join_for_the_next_round_waits_for_the_leaders_step(make):
     peers, views, avgs = make(2)
-    try:
-        leader = first_round(avgs)
-        lead, follow = (0, 1) if peers[0].peer_id == leader else (1, 0)
-        result: dict[str, Any] = {}
+    leader = first_round(avgs)
+    lead, follow = (0, 1) if peers[0].peer_id == leader else (1, 0)
+    matchmaking = avgs[lead].matchmaking
 
-        def step() -> None:
-            try:
-                result["follower"] = avgs[follow].step(timeout=20, group_key="1", expected_size=2)
-            except Exception as e:  # noqa: BLE001 - inspected below
-                result["follower"] = e
+    async def forget_arrivals() -> None:  # the last round's arrivals may have left it set
+        matchmaking._arrived.clear()
 
-        matchmaking = avgs[lead].matchmaking
-
-        async def forget_arrivals() -> None:  # the last round's arrivals may have left it set
-            matchmaking._arrived.clear()
-
-        peers[lead].run(forget_arrivals())
-        thread = threading.Thread(target=step)
-        thread.start()
-        # the follower's join reaches the leader before the leader's own step for round "1" began
-        peers[lead].run(asyncio.wait_for(matchmaking._arrived.wait(), 10), timeout=15)
-        assert any(j.key == "1" for j in matchmaking._joiners.values())
-        got = avgs[lead].step(timeout=10, group_key="1", expected_size=2)
-        thread.join(30)
-        assert not isinstance(result["follower"], Exception), result
-        assert got.round_id == result["follower"].round_id and got.group[0] == leader
-        assert views[follow].stores.get(f"{PREFIX}.group.1", 0) == 0
-    finally:
-        for p in peers:
-            p.shutdown()
+    peers[lead].run(forget_arrivals())
+    thread, result = step_in_background(avgs[follow], 20, "1", 2)
+    # the follower's join reaches the leader before the leader's own step for round "1" began
+    peers[lead].run(asyncio.wait_for(matchmaking._arrived.wait(), 10), timeout=15)
+    assert any(j.key == "1" for j in matchmaking._joiners.values())
+    got = avgs[lead].step(timeout=10, group_key="1", expected_size=2)
+    thread.join(30)
+    assert not isinstance(result["out"], Exception), result
+    assert got.round_id == result["out"].round_id and got.group[0] == leader
+    assert views[follow].stores.get(f"{PREFIX}.group.1", 0) == 0
 
 
 @pytest.mark.timeout(60)
-def test_a_leader_that_does_not_step_holds_its_followers_at_most_max_wait():
+def test_a_leader_that_does_not_step_holds_its_followers_at_most_max_wait(make):
     # the last leader trains on but never steps for round "1": its followers are held at most
     # max_wait, then form the round's group through the DHT without it
     peers, _, avgs = make(3, max_wait=0.5)
-    try:
-        leader = first_round(avgs)
-        rest = [a for a, p in zip(avgs, peers) if p.peer_id != leader]
-        out = run_steps(rest, timeout=10, group_key="1", expected_size=2)
-        assert all(not isinstance(r, Exception) for r in out), out
-        assert len({r.round_id for r in out}) == 1 and len(out[0].group) == 2 and leader not in out[0].group
-    finally:
-        for p in peers:
-            p.shutdown()
+    leader = first_round(avgs)
+    rest = [a for a, p in zip(avgs, peers) if p.peer_id != leader]
+    out = run_steps(rest, timeout=10, group_key="1", expected_size=2)
+    assert all(not isinstance(r, Exception) for r in out), out
+    assert len({r.round_id for r in out}) == 1 and len(out[0].group) == 2 and leader not in out[0].group
 
 
 @pytest.mark.timeout(60)
-def test_a_join_for_another_round_is_refused_never_put_in_this_rounds_group():
+def test_a_join_for_another_round_is_refused_never_put_in_this_rounds_group(make):
     peers, views, avgs = make(2)
-    stranger = Peer()
-    try:
+    with Peer() as stranger:
         leader = first_round(avgs)
         lead, follow = (0, 1) if peers[0].peer_id == leader else (1, 0)
-        result: dict[str, Any] = {}
-
-        def step() -> None:
-            try:
-                result["leader"] = avgs[lead].step(timeout=20, group_key="1", expected_size=2)
-            except Exception as e:  # noqa: BLE001 - inspected below
-                result["leader"] = e
-
-        thread = threading.Thread(target=step)
-        thread.start()
+        thread, result = step_in_background(avgs[lead], 20, "1", 2)
         # the leader is in its step for round "1" once it declared under that key
         assert views[lead].event(f"{PREFIX}.group.1").wait(10)
         channel = stranger.pool.get(peers[lead].addrs[0])
@@ -199,41 +191,24 @@ def test_a_join_for_another_round_is_refused_never_put_in_this_rounds_group():
         assert not other.accepted and "looks for the group of '1'" in other.reason, other
         got = avgs[follow].step(timeout=10, group_key="1", expected_size=2)
         thread.join(30)
-        assert not isinstance(result["leader"], Exception), result
+        assert not isinstance(result["out"], Exception), result
         assert stranger.peer_id not in got.group and len(got.group) == 2
-    finally:
-        stranger.shutdown()
-        for p in peers:
-            p.shutdown()
 
 
 @pytest.mark.timeout(60)
-def test_a_last_leader_that_holds_no_joins_is_found_again_through_the_dht():
+def test_a_last_leader_that_holds_no_joins_is_found_again_through_the_dht(make):
     """A leader that does not hold joins for its next round (the setting off, as on a peer of an
     earlier version, which answers "group started" naming its last round) sends the follower to the
     DHT without counting against it: they form the next round's group together."""
     peers, views, avgs = make(2)
-    try:
-        leader = first_round(avgs)
-        lead, follow = (0, 1) if peers[0].peer_id == leader else (1, 0)
-        matchmaking = avgs[lead].matchmaking
-        matchmaking.config = dataclasses.replace(matchmaking.config, follow_last_leader=False)
-        result: dict[str, Any] = {}
-
-        def step() -> None:
-            try:
-                result["follower"] = avgs[follow].step(timeout=20, group_key="1", expected_size=2)
-            except Exception as e:  # noqa: BLE001 - inspected below
-                result["follower"] = e
-
-        thread = threading.Thread(target=step)
-        thread.start()
-        # the follower was turned away and declared itself in the DHT before the leader steps
-        assert views[follow].event(f"{PREFIX}.group.1").wait(10)
-        got = avgs[lead].step(timeout=10, group_key="1", expected_size=2)
-        thread.join(30)
-        assert not isinstance(result["follower"], Exception), result
-        assert got.round_id == result["follower"].round_id and len(got.group) == 2
-    finally:
-        for p in peers:
-            p.shutdown()
+    leader = first_round(avgs)
+    lead, follow = (0, 1) if peers[0].peer_id == leader else (1, 0)
+    matchmaking = avgs[lead].matchmaking
+    matchmaking.config = dataclasses.replace(matchmaking.config, follow_last_leader=False)
+    thread, result = step_in_background(avgs[follow], 20, "1", 2)
+    # the follower was turned away and declared itself in the DHT before the leader steps
+    assert views[follow].event(f"{PREFIX}.group.1").wait(10)
+    got = avgs[lead].step(timeout=10, group_key="1", expected_size=2)
+    thread.join(30)
+    assert not isinstance(result["out"], Exception), result
+    assert got.round_id == result["out"].round_id and len(got.group) == 2
