@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -58,7 +59,10 @@ def worker(args: argparse.Namespace) -> None:
                    config=AveragerConfig(compression=args.compression, allreduce=AllReduceConfig(
                        **({} if args.lockstep < 0 else {"lockstep": args.lockstep}))))
     times, failures = [], []
-    for _ in range(args.rounds + 1):
+    usage = None
+    for r in range(args.rounds + 1):
+        if r == 1:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
         start = time.time()
         if args.diag:
             logging.getLogger("lab").warning("step called")
@@ -68,15 +72,19 @@ def worker(args: argparse.Namespace) -> None:
             failures.append(f"{type(e).__name__}: {e}")
             continue
         times.append((start, time.time()))
-    print(json.dumps({"times": times[1:], "failures": failures, "cpu": _cpu()}), flush=True)
+    print(json.dumps({"times": times[1:], "failures": failures, "cpu": _cpu(usage, args.rounds)}), flush=True)
     sys.stdin.readline()
     peer.shutdown()
 
 
-def _cpu() -> tuple[float, float]:
-    """This process's user and system CPU seconds so far (its start included)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime, usage.ru_stime
+def _cpu(before: resource.struct_rusage | None, rounds: int) -> tuple[float, float, float]:
+    """This process's user and system CPU seconds and minor page faults per measured round (the
+    rounds after the warm-up: `before` is the usage when the first of them started)."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    if before is None or rounds < 1:
+        return float("nan"), float("nan"), float("nan")
+    return ((now.ru_utime - before.ru_utime) / rounds, (now.ru_stime - before.ru_stime) / rounds,
+            (now.ru_minflt - before.ru_minflt) / rounds)
 
 
 def raw_worker(args: argparse.Namespace) -> None:
@@ -110,7 +118,10 @@ def raw_worker(args: argparse.Namespace) -> None:
             got += s.recv_into(buf, min(1 << 20, part - got))
 
     times = []
-    for _ in range(args.rounds + 1):
+    usage = None
+    for r in range(args.rounds + 1):
+        if r == 1:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
         for s in socks.values():  # a barrier: every peer is ready
             s.sendall(b"R")
         for s in socks.values():
@@ -123,7 +134,7 @@ def raw_worker(args: argparse.Namespace) -> None:
             for t in threads:
                 t.join()
         times.append((start, time.time()))
-    print(json.dumps({"times": times[1:], "failures": [], "cpu": _cpu()}), flush=True)
+    print(json.dumps({"times": times[1:], "failures": [], "cpu": _cpu(usage, args.rounds)}), flush=True)
     sys.stdin.readline()
 
 
@@ -319,7 +330,7 @@ def main() -> None:
                 w0 = time.monotonic()
                 reports = run_group(lab, n, args, compression, raw, variant)
                 times = round_seconds(reports)
-                cpu = [r.get("cpu", (0.0, 0.0)) for r in reports]
+                cpu = [r.get("cpu", (math.nan,) * 3) for r in reports]
                 relay = lab.relay_stats()
                 relay_cpu = (relay["cpu_seconds"] - t0) / (time.monotonic() - w0)
                 sent = 2 * (n - 1) / n * args.mbytes * 1e6 / (2 if compression else 1)
@@ -335,8 +346,9 @@ def main() -> None:
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "
                       f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core, "
                       f"{'real-time' if relay['realtime'] else 'normal'}, lag so far mean {relay['late_ms_mean']:.2f} "
-                      f"max {relay['late_ms_max']:.1f} ms; CPU per peer process, start included: user "
-                      f"{statistics.median(u for u, _ in cpu):.1f} s, system {statistics.median(t for _, t in cpu):.1f} s",
+                      f"max {relay['late_ms_max']:.1f} ms; per peer per round (medians): CPU user "
+                      f"{statistics.median(c[0] for c in cpu):.2f} s, system {statistics.median(c[1] for c in cpu):.2f} s, "
+                      f"{statistics.median(c[2] for c in cpu) / 1e3:.0f}k minor page faults",
                       flush=True)
                 if args.diag and not raw:
                     print(timeline([os.path.join(args.diag, f"{n}-{compression}-{variant}-h{i}.log") for i in range(n)]),
