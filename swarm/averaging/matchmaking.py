@@ -46,12 +46,6 @@ logger = logging.getLogger(__name__)
 
 _STARTED = "group started"  # how a refusal says: a group of this round formed, and you are not in it
 
-
-def _of_group(key: str | None) -> str:
-    """How a "group started" refusal names the group key of the round it speaks of (none where
-    keys name no rounds)."""
-    return f" of group {key!r}" if key else ""
-
 MATCHMAKING_WAIT_BOUND = REGISTRY.gauge(
     "swarm_matchmaking_wait_bound_seconds", "How long a leader waits for a declared peer past its readiness "
     "(learned from joiners' lateness)", ("prefix",))
@@ -367,7 +361,7 @@ class Matchmaking:
         if "schema" in response.reason:
             raise AveragingError(f"leader {leader.peer_id} averages other tensors: {response.reason}")
         if straight and not (self._key and response.reason.startswith(_STARTED)
-                             and response.reason.endswith(_of_group(self._key))):
+                             and response.started_group_key == self._key):
             return None
         if response.reason.startswith(_STARTED) and self.config.adaptive:
             # it is in a group of this round already: look for the next one now, not after a pause
@@ -443,17 +437,18 @@ class Matchmaking:
         if self.peer.peer_id in request.excludes:
             return averaging_pb2.JoinResponse(accepted=False, reason="the follower excludes this leader")
         key = request.group_key
-        missed = (f"{_STARTED}: this peer is in round {self._last_round.hex()[:8]}{_of_group(self._last_key)}"
+        missed = (averaging_pb2.JoinResponse(accepted=False, reason=f"{_STARTED}: this peer is in round "
+                                             f"{self._last_round.hex()[:8]}", started_group_key=self._last_key or "")
                   if self._last_round is not None and self.config.adaptive else None)
         if self._looking is not None and self._key and key and key != self._key:
             # a group of another round: never mix rounds in one group
             if key == self._last_key and missed is not None:
-                return averaging_pb2.JoinResponse(accepted=False, reason=missed)
+                return missed
             return averaging_pb2.JoinResponse(accepted=False, reason=f"this peer looks for the group of {self._key!r}")
         hold = self._holds(key)
         if not hold and not self._may_lead():
             if self._looking is None and missed is not None:
-                return averaging_pb2.JoinResponse(accepted=False, reason=missed)
+                return missed
             return averaging_pb2.JoinResponse(accepted=False, reason="not the leader")
         loop = asyncio.get_running_loop()
         previous = self._joiners.pop(member.peer_id, None)
@@ -507,11 +502,14 @@ class Matchmaking:
             leader = group.leader
             self._led_last = leader.peer_id == me.peer_id
             self._last_leader = None if self._led_last else Candidate(leader.peer_id, leader.addr)
-        reason = "not the leader" if group is None or not self.config.adaptive else \
-            f"{_STARTED}: this peer is in round {group.round_id.hex()[:8]}{_of_group(self._key)}"
+        if group is None or not self.config.adaptive:
+            refusal = averaging_pb2.JoinResponse(accepted=False, reason="not the leader")
+        else:
+            refusal = averaging_pb2.JoinResponse(accepted=False, reason=f"{_STARTED}: this peer is in round "
+                                                 f"{group.round_id.hex()[:8]}", started_group_key=self._key or "")
         for j in list(self._joiners.values()):
             if not j.answer.done() and (not j.key or j.key == self._key):
-                j.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason=reason))
+                j.answer.set_result(refusal)
 
     def _refuse_other_rounds(self) -> None:
         """At a step's start: joins held for another round than this step's are refused, so their

@@ -60,14 +60,16 @@ class JoinRequest(_message.Message):
     def __init__(self, prefix: _Optional[str] = ..., group_key: _Optional[str] = ..., schema: _Optional[bytes] = ..., numel: _Optional[int] = ..., member: _Optional[_Union[AvgMember, _Mapping]] = ..., timeout: _Optional[float] = ..., excludes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "group")
+    __slots__ = ("accepted", "reason", "group", "started_group_key")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    STARTED_GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     group: AvgGroup
-    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., group: _Optional[_Union[AvgGroup, _Mapping]] = ...) -> None: ...
+    started_group_key: str
+    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., group: _Optional[_Union[AvgGroup, _Mapping]] = ..., started_group_key: _Optional[str] = ...) -> None: ...
 
 class ReduceHeader(_message.Message):
     __slots__ = ("prefix", "round_id", "part", "sender", "numel", "has_data")

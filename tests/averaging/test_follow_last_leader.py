@@ -186,9 +186,11 @@ def test_a_join_for_another_round_is_refused_never_put_in_this_rounds_group(make
             return stranger.run(channel.unary(JOIN, request, averaging_pb2.JoinResponse, timeout=5.0), timeout=10)
 
         late = join("0")  # a latecomer for the round that already averaged
-        assert not late.accepted and late.reason.startswith("group started"), late
+        # it names the round the latecomer missed, so a follower can tell it from another round's
+        assert not late.accepted and late.reason.startswith("group started") and late.started_group_key == "0", late
         other = join("7")
         assert not other.accepted and "looks for the group of '1'" in other.reason, other
+        assert other.started_group_key == "", other
         got = avgs[follow].step(timeout=10, group_key="1", expected_size=2)
         thread.join(30)
         assert not isinstance(result["out"], Exception), result
@@ -198,8 +200,8 @@ def test_a_join_for_another_round_is_refused_never_put_in_this_rounds_group(make
 @pytest.mark.timeout(60)
 def test_a_last_leader_that_holds_no_joins_is_found_again_through_the_dht(make):
     """A leader that does not hold joins for its next round (the setting off, as on a peer of an
-    earlier version, which answers "group started" naming its last round) sends the follower to the
-    DHT without counting against it: they form the next round's group together."""
+    earlier version) answers "group started" for its last round, not the follower's: that sends
+    the follower to the DHT without counting against it, and they form the round's group together."""
     peers, views, avgs = make(2)
     leader = first_round(avgs)
     lead, follow = (0, 1) if peers[0].peer_id == leader else (1, 0)
