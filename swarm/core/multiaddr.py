@@ -114,13 +114,13 @@ def _check_peer_id(peer_id: str, text: str) -> str:
     return peer_id
 
 
-
 @functools.lru_cache(maxsize=4096)
 def _parse_cached(text: str) -> Multiaddr:
     """`Multiaddr.parse` of valid addresses, remembered: checking a PeerID decodes its key, and the
     channel pool and the averaging rounds parse the same addresses over and over (a refused text
     raises every time, so only valid ones are kept)."""
     return Multiaddr._parse(text)
+
 
 def _check_host(protocol: str, host: str, text: str) -> None:
     try:
