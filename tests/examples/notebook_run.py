@@ -174,7 +174,8 @@ def run_notebook(tmp_path: Path, python: str, env: dict[str, str], install: str)
     model = ModelConfig()
     with notebook_kernel(tmp_path, python, env) as kernel, PeerProcess(
             "--listen", "/ip4/127.0.0.1/tcp/0", "--experts", model.expert_pattern, "--expert-cls", "ffn",
-            "--hidden-dim", str(model.hidden_dim), "--log-level", "WARNING") as server:
+            "--hidden-dim", str(model.hidden_dim), "--log-level", "WARNING",
+            ready_timeout=60) as server:  # it starts beside the kernel's own torch import, on a loaded CI box
         full = DemoTrainer(server.addrs[0], tmp_path / "full-trainer.log")
         try:
             full.wait_for_progress(timeout=60)
