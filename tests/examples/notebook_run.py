@@ -144,6 +144,10 @@ def notebook_kernel(tmp_path: Path, python: str, env: dict[str, str]) -> Iterato
     try:
         try:
             client.km = client.create_kernel_manager()
+            # unix sockets, not TCP ports: a port picked free can be taken by a test's own peers
+            # before the kernel binds it (seen: the heartbeat's bind failed, and the client hung)
+            client.km.transport = "ipc"
+            client.km.ip = str(tmp_path / "kernel")
             client.start_new_kernel(env={**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                                     cwd=str(tmp_path))
             client.start_new_kernel_client()
