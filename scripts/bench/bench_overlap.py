@@ -8,6 +8,10 @@ same data, each phase `--seconds` of wall time:
    process on this box; `--plain-threads 1 2` runs both and the faster counts), then any
    `--plain-references BATCH:LR` (e.g. the batch of all trainers together: the loss that
    data-parallel training at the trainers' step rate can reach in the same wall time);
+   and any `--ddp-references LR[:WARMUP]`: `--peers` processes x 1 thread of synchronous
+   data-parallel training with torch.distributed (gloo), batch 16 each, one all-reduce a step (the
+   loss the trainers could reach on these CPUs if coordinating cost nothing beyond gloo's
+   all-reduce: the bound to read the trainers' figures against);
 2. `--peers` swarm trainers x 1 torch thread in large-batch mode, every round waited for
    (`max_staleness=0`);
 3. the same trainers with each round averaging while they compute the next batches
@@ -20,7 +24,7 @@ the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
         [--variants TARGET:LR[:WARMUP[:STALENESS[:TRIAL]]] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]] ...]
-        [--plain-references BATCH:LR ...]
+        [--plain-references BATCH:LR ...] [--ddp-references LR[:WARMUP] ...]
 
 `--variants` adds overlapped phases with another target batch, learning rate or warm-up, side by
 side with the default ones in the same invocation (what the held-out loss gap comes from; TRIAL 0
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import socket
 import statistics
 import sys
 from pathlib import Path
@@ -118,6 +123,21 @@ def parse_plain(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"a plain reference is BATCH:LR, got {text!r}") from None
 
 
+def parse_ddp(text: str) -> tuple[float, int]:
+    """`LR[:WARMUP]`: a torch.distributed data-parallel phase with this Adam learning rate and warm-up."""
+    try:
+        lr, _, warmup = text.partition(":")
+        return float(lr), int(warmup or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a ddp reference is LR[:WARMUP], got {text!r}") from None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=60)
@@ -135,6 +155,10 @@ def main() -> None:
     parser.add_argument("--plain-references", nargs="*", type=parse_plain, default=[],
                         help="more plain processes, each BATCH:LR, after the baseline (e.g. 64:0.006: one process "
                              "taking the steps of 4 trainers' combined batch, what data-parallel training can reach)")
+    parser.add_argument("--ddp-references", nargs="*", type=parse_ddp, default=[],
+                        help="synchronous data-parallel phases with torch.distributed (gloo), each LR[:WARMUP]: "
+                             "--peers processes x 1 thread, batch 16 each, one all-reduce per step; the loss the "
+                             "trainers could reach with no coordination cost beyond gloo's all-reduce")
     parser.add_argument("--skip-default", action="store_true",
                         help="run only the --variants phases (the plain baseline still runs first)")
     args = parser.parse_args()
@@ -154,6 +178,12 @@ def main() -> None:
         print(f"plain reference, {threads} thread(s), batch {batch}, lr {lr}: {result['samples_per_s']:.1f} samples/s, "
               f"{result['steps']} steps, held-out loss {result['loss']:.3f} = {result['loss'] / plain['loss']:.3f}x "
               f"the baseline's ({plain['steps']} steps)", flush=True)
+    for lr, warmup in args.ddp_references:
+        results = bench_training.run_workers("ddp", args.peers, [
+            "--max-seconds", seconds, "--threads", "1", "--lr", str(lr), "--warmup-steps", str(warmup),
+            "--ddp-port", str(free_port())], args.seconds + 120)
+        describe(f"{args.peers} torch.distributed (gloo) ranks, synchronous, batch {bench_training.BATCH} each, "
+                 f"lr {lr}, warm-up {warmup}", results, plain)
     # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients), outer lr, outer momentum,
     # trial step
     phases: list[tuple[str, int, float, int, int, int, float, float, bool]] = []

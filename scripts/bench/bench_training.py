@@ -121,6 +121,10 @@ def worker(args: argparse.Namespace) -> None:
                           "cpu_s": cpu_s, "steps": samples // args.batch}), flush=True)
         return
 
+    if args.mode == "ddp":
+        ddp_worker(args, model, train, held_out, gen, adam)
+        return
+
     if os.environ.get("SWARM_BENCH_LOG"):
         import logging
 
@@ -196,6 +200,67 @@ def worker(args: argparse.Namespace) -> None:
     peer.shutdown()
 
 
+def ddp_worker(args: argparse.Namespace, model: Any, train: Any, held_out: Any, gen: Any, adam: Any) -> None:
+    """One rank of synchronous data-parallel training with torch.distributed (gloo, over loopback):
+    the same batch of 16 per process, local gradients clipped as a swarm trainer clips them, then
+    one all-reduce of all of them (flattened) per step, and Adam on the mean. What the swarm's
+    trainers would reach with an all-reduce that costs what gloo's does and no coordination at all:
+    the bound their loss is measured against, on the same CPUs. A stop flag rides in the
+    all-reduce, so every rank takes the same number of steps."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.ddp_port}", rank=args.index,
+                            world_size=args.peers)
+    params = [p for p in model.parameters() if p.requires_grad]
+    scheduler = None
+    if args.warmup_steps:
+        warmup = args.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(adam, lambda step: min(1.0, (step + 1) / warmup))
+    flat = torch.zeros(sum(p.numel() for p in params) + 1)
+    dist.barrier()
+    started, cpu_before = time.monotonic(), thread_cpu()
+    samples = steps = 0
+    compute = 0.0
+    while True:
+        t0 = time.monotonic()
+        x, y = train.batch(BATCH, gen)
+        adam.zero_grad()
+        model.loss(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        compute += time.monotonic() - t0
+        samples += BATCH
+        offset = 0
+        for p in params:
+            n = p.numel()
+            flat[offset:offset + n].copy_(p.grad.reshape(-1) if p.grad is not None else torch.zeros(n))
+            offset += n
+        flat[-1] = float(time.monotonic() - started >= args.max_seconds)
+        dist.all_reduce(flat)
+        flat.div_(args.peers)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+        adam.step()
+        if scheduler is not None:
+            scheduler.step()
+        steps += 1
+        if flat[-1] > 0:  # some rank's time is up: all stop after this same step
+            break
+    elapsed = time.monotonic() - started
+    cpu_after = thread_cpu()
+    cpu = {name: round(cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0), 2) for name in cpu_after}
+    print(json.dumps({"index": args.index, "mode": "ddp", "elapsed": elapsed, "compute_s": compute,
+                      "step_s": elapsed - compute, "idle_s": 0.0, "cpu": cpu, "rpcs": {}, "state_loads": 0,
+                      "staleness": [0], "samples": samples, "samples_per_s": samples / elapsed, "epochs": steps,
+                      "final_loss": _evaluate(model, held_out), "failed_rounds": 0}), flush=True)
+    dist.destroy_process_group()
+
+
 # -- coordinator side -----------------------------------------------------------------------------
 
 
@@ -206,11 +271,12 @@ def run_workers(mode: str, peers: int, extra: list[str], timeout: float) -> list
     first = subprocess.Popen([*base, "--index", "0"], stdout=subprocess.PIPE, text=True, env=env)
     procs = [first]
     try:
-        addr = first.stdout.readline().strip() if mode != "plain" else ""
-        if mode != "plain" and not addr.startswith("/"):
+        dials = mode not in ("plain", "ddp")  # ddp ranks meet at the port in `extra`
+        addr = first.stdout.readline().strip() if dials else ""
+        if dials and not addr.startswith("/"):
             raise RuntimeError(f"worker 0 did not start ({first.wait()})")
         for i in range(1, peers):
-            procs.append(subprocess.Popen([*base, "--index", str(i), "--initial-peers", addr],
+            procs.append(subprocess.Popen([*base, "--index", str(i), *(["--initial-peers", addr] if dials else [])],
                                           stdout=subprocess.PIPE, text=True, env=env))
         results = []
         for proc in procs:
@@ -284,7 +350,8 @@ def main() -> None:
     parser.add_argument("--swarm-target-batch", type=int, default=256)
     # worker options
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=["step", "diloco", "plain", "swarm"], help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=["step", "diloco", "plain", "swarm", "ddp"], help=argparse.SUPPRESS)
+    parser.add_argument("--ddp-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
