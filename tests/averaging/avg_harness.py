@@ -62,9 +62,9 @@ class Worker:
         except queue.Empty:
             raise TimeoutError(f"worker {self.index} said nothing for {timeout} s:\n{self.log()}") from None
 
-    def log(self) -> str:
+    def log(self, limit: int = 4000) -> str:
         self.stderr.seek(0)
-        return self.stderr.read()[-4000:]
+        return self.stderr.read()[-limit:]
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:

@@ -62,6 +62,11 @@ def emit(**fields: object) -> None:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
+    if cfg.get("debug_log"):  # the averaging's debug log on stderr, for a test to show when it fails
+        import logging
+
+        logging.basicConfig(stream=sys.stderr, format="%(relativeCreated)d %(name)s: %(message)s")
+        logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
     index, seed, numel = cfg["index"], cfg["seed"], cfg["numel"]
     peer = Peer(client_mode=cfg.get("client_mode", False))
     emit(event="ready", addr=peer.addrs[0] if peer.addrs else "", peer_id=peer.peer_id)
