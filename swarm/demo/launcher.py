@@ -40,6 +40,8 @@ class DemoConfig:
         batch_size: windows per local batch.
         target_batch_size: windows per collective step (large-batch mode).
         diloco_steps: run the trainers in DiLoCo mode with this many local steps per round.
+        max_staleness: large-batch rounds: "auto" (the trainers' choice by their link: on
+            loopback every round is waited for), "0" or "1" (averaged while the next batches compute).
         sample_length: bytes of text generated before and after training.
         out_dir: where the loss curve and the processes' logs go.
         model: model sizes (the expert server is started to match).
@@ -52,6 +54,7 @@ class DemoConfig:
     batch_size: int = 16
     target_batch_size: int = 128
     diloco_steps: int | None = None
+    max_staleness: str = "auto"
     sample_length: int = 160
     out_dir: Path = Path("demo-out")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -154,8 +157,9 @@ class Launcher:
                     "--duration", str(c.duration), "--batch-size", str(c.batch_size), "--target-batch-size",
                     str(c.target_batch_size), "--hidden-dim", str(c.model.hidden_dim)]
             # every peer of this swarm is on loopback: large-batch fits that link (a round costs less
-            # than the compute it overlaps), unless DiLoCo is asked for
+            # than the compute between two), unless DiLoCo is asked for
             argv += ["--diloco-steps", str(c.diloco_steps)] if c.diloco_steps is not None else ["--mode", "large-batch"]
+            argv += ["--max-staleness", c.max_staleness]
             argv += ["--aggregation", c.aggregation]
             if i < c.byzantine:
                 argv += ["--attack", c.attack]
@@ -310,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="windows per collective step")
     parser.add_argument("--diloco-steps", type=int, default=None,
                         help="DiLoCo mode: local steps per averaging round")
+    parser.add_argument("--max-staleness", choices=("auto", "0", "1"), default=d.max_staleness,
+                        help="large-batch rounds: 0 waits for each, 1 averages it while the next batches compute "
+                             "(default auto: 0 on loopback)")
     parser.add_argument("--hidden-dim", type=int, default=d.model.hidden_dim)
     parser.add_argument("--sample-length", type=int, default=d.sample_length, help="bytes of generated text")
     parser.add_argument("--out-dir", type=Path, default=d.out_dir, help="loss curve and logs (default demo-out)")
@@ -326,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = DemoConfig(trainers=args.trainers, duration=args.duration, batch_size=args.batch_size,
                             target_batch_size=args.target_batch_size, diloco_steps=args.diloco_steps,
-                            sample_length=args.sample_length, out_dir=args.out_dir, model=ModelConfig(hidden_dim=args.hidden_dim),
+                            max_staleness=args.max_staleness, sample_length=args.sample_length, out_dir=args.out_dir, model=ModelConfig(hidden_dim=args.hidden_dim),
                             aggregation=args.aggregation, byzantine=args.byzantine, attack=args.attack)
     except ValueError as e:
         print(f"swarm demo: error: {e}", file=sys.stderr)

@@ -9,13 +9,19 @@ would; across the internet (a slower measured round trip, a public address annou
 others to join, or client mode behind NAT) the dense gradients of every collective step would
 outlast the compute they overlap, so it picks DiLoCo, which sends one 8-bit pseudo-gradient per
 `DEFAULT_DILOCO_STEPS` steps, its rounds overlapped with the next inner steps.
+
+Whether a large-batch peer waits for each round or averages it while computing the next batches
+(`CollaborationConfig.max_staleness`) is its own choice, by its own link (peers of one run may
+differ in it: every peer still applies each round's mean at the same epoch): on a local link a
+round costs less than applying the gradients a step late, so it waits; across the internet it
+overlaps.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from swarm.core.errors import ConfigError
@@ -25,6 +31,7 @@ WAN_RTT = 0.010  # seconds: a round trip longer than this is not a local network
 # pseudo-gradient (under 1 MB) across the internet
 DEFAULT_DILOCO_STEPS = 10
 MODES = ("auto", "large-batch", "diloco")
+STALENESS = ("auto", "0", "1")
 
 
 @dataclass(frozen=True)
@@ -35,15 +42,22 @@ class ModeChoice:
         mode: "large-batch" or "diloco".
         local_steps: DiLoCo's inner steps per round (None in large-batch mode).
         why: one sentence for the user.
+        max_staleness: large-batch mode's `CollaborationConfig.max_staleness` (0: every round
+            waited for; 1: averaged while the next batches compute).
     """
 
     mode: str
     local_steps: int | None
     why: str
+    max_staleness: int = 1
 
     def describe(self) -> str:
-        what = (f"DiLoCo, {self.local_steps} local steps per round, outer steps overlapped with the next inner ones"
-                if self.mode == "diloco" else "large-batch, each round averaged while the next batches compute")
+        if self.mode == "diloco":
+            what = f"DiLoCo, {self.local_steps} local steps per round, outer steps overlapped with the next inner ones"
+        elif self.max_staleness:
+            what = "large-batch, each round averaged while the next batches compute"
+        else:
+            what = "large-batch, each round waited for"
         return f"mode: {what} ({self.why})"
 
     def to_record(self) -> dict[str, Any]:
@@ -80,7 +94,7 @@ def is_public(addr: str) -> bool:
 
 
 def pick_mode(requested: str, diloco_steps: int | None, run_record: Any, rtt: float | None,
-              announce: Sequence[str], client_mode: bool) -> ModeChoice:
+              announce: Sequence[str], client_mode: bool, max_staleness: str = "auto") -> ModeChoice:
     """The mode this trainer uses.
 
     Args:
@@ -90,26 +104,38 @@ def pick_mode(requested: str, diloco_steps: int | None, run_record: Any, rtt: fl
         rtt: the smoothed round trip this peer measured to the swarm (None: nothing measured yet).
         announce: the addresses this peer announces.
         client_mode: this peer only dials out.
+        max_staleness: "auto" (by this peer's link: 0 on a local one, 1 across the internet), "0"
+            or "1" (`CollaborationConfig.max_staleness` in large-batch mode).
 
     Raises:
-        ConfigError: an unknown mode.
+        ConfigError: an unknown mode or staleness.
     """
     if requested not in MODES:
         raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {requested!r}")
+    if max_staleness not in STALENESS:
+        raise ConfigError(f"--max-staleness must be one of {', '.join(STALENESS)}, got {max_staleness!r}")
     steps = diloco_steps or DEFAULT_DILOCO_STEPS
+    wide_area = None
+    if rtt is not None and rtt > WAN_RTT:
+        wide_area = f"round trip {rtt * 1e3:.0f} ms to the swarm: a wide-area link"
+    elif public := [a for a in announce if is_public(a)]:
+        wide_area = f"this peer announces {public[0]}: peers will join across the internet"
+    elif client_mode:
+        wide_area = "client mode: this peer is behind NAT, across the internet from the swarm"
+    # a large-batch peer overlaps its rounds across the internet, and waits for them on a local link
+    staleness = int(max_staleness) if max_staleness != "auto" else (1 if wide_area else 0)
     if requested == "large-batch":
-        return ModeChoice("large-batch", None, "asked for")
+        why = "asked for" if max_staleness != "auto" else f"asked for; {wide_area or 'a local link'}"
+        return ModeChoice("large-batch", None, why, staleness)
     if requested == "diloco" or diloco_steps is not None:
         return ModeChoice("diloco", steps, "asked for")
     adopted = from_record(run_record)
     if adopted is not None:
-        return adopted
-    if rtt is not None and rtt > WAN_RTT:
-        return ModeChoice("diloco", steps, f"round trip {rtt * 1e3:.0f} ms to the swarm: a wide-area link")
-    public = [a for a in announce if is_public(a)]
-    if public:
-        return ModeChoice("diloco", steps, f"this peer announces {public[0]}: peers will join across the internet")
-    if client_mode:
-        return ModeChoice("diloco", steps, "client mode: this peer is behind NAT, across the internet from the swarm")
+        if adopted.mode != "large-batch":
+            return adopted
+        why = adopted.why if max_staleness != "auto" else f"{adopted.why}; {wide_area or 'a local link'}"
+        return replace(adopted, max_staleness=staleness, why=why)
+    if wide_area:
+        return ModeChoice("diloco", steps, wide_area)
     link = "no other peer yet" if rtt is None else f"round trip {rtt * 1e3:.1f} ms to the swarm"
-    return ModeChoice("large-batch", None, f"{link}: a local link")
+    return ModeChoice("large-batch", None, f"{link}: a local link", staleness)

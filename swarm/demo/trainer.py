@@ -30,7 +30,7 @@ from swarm.core.signals import handle_stop_signals
 from swarm.demo.byzantine import ATTACKS, attack_gradients
 from swarm.demo.data import ByteDataset, load_corpus
 from swarm.demo.events import Evaluation, Event, EventWriter, Notice, Progress, TextSample
-from swarm.demo.mode import MODES, ModeChoice, mode_key, pick_mode
+from swarm.demo.mode import MODES, STALENESS, ModeChoice, mode_key, pick_mode
 from swarm.demo.model import ByteLM, LocalExperts, ModelConfig
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ class TrainerConfig:
         diloco_steps: use DiLoCo with this many local steps per round instead of large batches.
         mode: "auto" (the run's mode, or the one that fits this peer's link: `swarm.demo.mode`),
             "large-batch" or "diloco".
+        max_staleness: large-batch mode's rounds: "auto" (waited for on a local link, overlapped
+            with the next batches across the internet: `swarm.demo.mode`), "0" or "1".
         seed: seeds the data order (and nothing else: initial weights come from the swarm).
         threads: torch threads (default: torch's choice).
         sample: generate a text sample before and after training.
@@ -86,6 +88,7 @@ class TrainerConfig:
     warmup_epochs: int = 4
     diloco_steps: int | None = None
     mode: str = "auto"
+    max_staleness: str = "auto"
     seed: int = 0
     threads: int | None = None
     sample: bool = False
@@ -125,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--diloco-steps", type=int, default=None, help="DiLoCo mode: local steps per round")
     parser.add_argument("--mode", choices=MODES, default=d.mode,
                         help="training mode; auto: the run's, or the one that fits this peer's link")
+    parser.add_argument("--max-staleness", choices=STALENESS, default=d.max_staleness,
+                        help="large-batch rounds: 0 waits for each, 1 averages it while the next batches compute; "
+                             "auto: 0 on a local link, 1 across the internet")
     parser.add_argument("--hidden-dim", type=int, default=d.model.hidden_dim, help="must match the experts'")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--threads", type=int, default=None)
@@ -144,7 +150,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         name=args.name, initial_peers=tuple(args.initial_peers), listen=args.listen, announce=tuple(args.announce),
         client_mode=args.client_mode, run_id=args.run_id, duration=args.duration, batch_size=args.batch_size,
         target_batch_size=args.target_batch_size, lr=args.lr, diloco_steps=args.diloco_steps, mode=args.mode,
-        seed=args.seed,
+        max_staleness=args.max_staleness, seed=args.seed,
         threads=args.threads, sample=args.sample, sample_length=args.sample_length, eval_every=args.eval_every, json_events=args.json,
         local_experts=args.local_experts, model=ModelConfig(hidden_dim=args.hidden_dim),
         aggregation=args.aggregation, attack=args.attack,
@@ -201,7 +207,7 @@ class Trainer:
         # the least round trip seen: queueing on a busy machine only ever adds to it
         least = self.peer.pool.estimates.overall.min_rtt
         choice = pick_mode(cfg.mode, cfg.diloco_steps, record, least if math.isfinite(least) else None,
-                           cfg.announce, cfg.client_mode)
+                           cfg.announce, cfg.client_mode, cfg.max_staleness)
         if record is not None and record != choice.to_record():
             self.emit(Notice(cfg.name, f"warning: the run's peers train in mode {record}, this one in "
                                        f"{choice.to_record()}: they will not average together"))
@@ -218,7 +224,8 @@ class Trainer:
 
         cfg = self.config
         collaboration = CollaborationConfig(target_batch_size=cfg.target_batch_size, averaging_timeout=20.0,
-                                            report_period=0.5, max_refresh_period=2.0, aggregation=cfg.aggregation)
+                                            report_period=0.5, max_refresh_period=2.0, aggregation=cfg.aggregation,
+                                            max_staleness=self.mode.max_staleness)
         warmup = max(cfg.warmup_epochs, 1)
 
         def adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

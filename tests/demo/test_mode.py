@@ -27,6 +27,26 @@ def test_the_link_picks_the_mode_when_the_run_has_none():
     assert "mode: large-batch" in local.describe() and "mode: DiLoCo" in wan.describe()
 
 
+def test_a_large_batch_peer_waits_for_its_rounds_on_a_local_link_and_overlaps_them_across_the_internet():
+    local = pick_mode("auto", None, None, rtt=0.0004, announce=(), client_mode=False)
+    assert local.max_staleness == 0 and "each round waited for" in local.describe()
+    assert pick_mode("auto", None, None, rtt=None, announce=(), client_mode=False).max_staleness == 0
+    # the run is large-batch, but this peer joins it over a wide-area link: it overlaps its rounds
+    run = ModeChoice("large-batch", None, "").to_record()
+    far = pick_mode("auto", None, run, rtt=0.052, announce=(), client_mode=False)
+    assert (far.mode, far.max_staleness) == ("large-batch", 1) and "averaged while" in far.describe()
+    assert pick_mode("auto", None, run, rtt=None, announce=(), client_mode=True).max_staleness == 1
+    assert pick_mode("large-batch", None, None, rtt=0.0001, announce=(), client_mode=False).max_staleness == 0
+    assert pick_mode("large-batch", None, None, rtt=0.0001, announce=(), client_mode=False,
+                     max_staleness="1").max_staleness == 1
+    assert pick_mode("auto", None, run, rtt=0.052, announce=(), client_mode=False,
+                     max_staleness="0").max_staleness == 0
+    # the staleness is each peer's own: it never enters the run's record
+    assert "max_staleness" not in far.to_record()
+    with pytest.raises(ConfigError, match="--max-staleness"):
+        pick_mode("auto", None, None, rtt=None, announce=(), client_mode=False, max_staleness="2")
+
+
 def test_the_runs_mode_wins_over_the_link_and_a_bad_record_is_ignored():
     run = {"mode": "diloco", "local_steps": 30}
     adopted = pick_mode("auto", None, run, rtt=0.0001, announce=(), client_mode=False)
