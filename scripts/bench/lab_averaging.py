@@ -283,6 +283,9 @@ def main() -> None:
     parser.add_argument("--slow-start-after-idle", type=int, choices=(0, 1), default=None,
                         help="set net.ipv4.tcp_slow_start_after_idle on every lab host (default: the host's, 1 on "
                              "Linux: a connection idle for a retransmission timeout starts its window again)")
+    parser.add_argument("--min-tso-segs", type=int, default=None,
+                        help="set net.ipv4.tcp_min_tso_segs on every lab host (default: the kernel's 2): the fewest "
+                             "segments TCP puts in one GSO packet, which the relay handles as one")
     parser.add_argument("--relay-normal", action="store_true",
                         help="run the lab's delay relay as a normal process, not in the real-time class (the lab's "
                              "default before 2026-12-03), to compare")
@@ -316,6 +319,11 @@ def main() -> None:
                     lab.exec(f"h{i}", ["sysctl", "-qw", f"net.ipv4.tcp_slow_start_after_idle={args.slow_start_after_idle}"])
                 idle = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"]).stdout.strip()
                 print(f"  {n} peers: tcp_slow_start_after_idle {idle}", flush=True)
+            if args.min_tso_segs is not None:
+                for i in range(n):
+                    lab.exec(f"h{i}", ["sysctl", "-qw", f"net.ipv4.tcp_min_tso_segs={args.min_tso_segs}"])
+                segs = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_min_tso_segs"]).stdout.strip()
+                print(f"  {n} peers: tcp_min_tso_segs {segs}", flush=True)
             used = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
             print(f"  {n} peers: TCP congestion control {used}", flush=True)
             variants = args.variants or ["swarm", *(["swarm-nopool"] if args.compare_pool else []),
@@ -326,13 +334,15 @@ def main() -> None:
             for compression, wire, raw, variant in runs:
                 if wire not in args.wire or (args.only and args.only != ("raw" if raw else "swarm")):
                     continue
-                t0 = lab.relay_stats()["cpu_seconds"]
+                before = lab.relay_stats()
+                t0, seen0 = before["cpu_seconds"], _packets(before)
                 w0 = time.monotonic()
                 reports = run_group(lab, n, args, compression, raw, variant)
                 times = round_seconds(reports)
                 cpu = [r.get("cpu", (math.nan,) * 3) for r in reports]
                 relay = lab.relay_stats()
                 relay_cpu = (relay["cpu_seconds"] - t0) / (time.monotonic() - w0)
+                packets = (_packets(relay) - seen0) / (time.monotonic() - w0)
                 sent = 2 * (n - 1) / n * args.mbytes * 1e6 / (2 if compression else 1)
                 bound = sent * 8 / (args.mbit * 1e6)
                 median = statistics.median(times) if times else float("nan")
@@ -344,7 +354,7 @@ def main() -> None:
                                                            variant, variant.replace("swarm-lockstep", "swarm, lockstep "))
                 print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "
-                      f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core, "
+                      f"of the bound; relay CPU {100 * relay_cpu:.0f}% of a core, {packets / 1e3:.1f}k packets/s, "
                       f"{'real-time' if relay['realtime'] else 'normal'}, lag so far mean {relay['late_ms_mean']:.2f} "
                       f"max {relay['late_ms_max']:.1f} ms; per peer per round (medians): CPU user "
                       f"{statistics.median(c[0] for c in cpu):.2f} s, system {statistics.median(c[1] for c in cpu):.2f} s, "
@@ -353,6 +363,11 @@ def main() -> None:
                 if args.diag and not raw:
                     print(timeline([os.path.join(args.diag, f"{n}-{compression}-{variant}-h{i}.log") for i in range(n)]),
                           flush=True)
+
+
+def _packets(stats: dict) -> int:
+    """Packets the relay has taken in so far, all queues."""
+    return sum(q["seen"] for queues in stats["queues"].values() for q in queues.values())
 
 
 if __name__ == "__main__":
