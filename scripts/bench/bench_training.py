@@ -145,11 +145,7 @@ def worker(args: argparse.Namespace) -> None:
     diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType[args.compression],
                           fragments=args.fragments, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                           nesterov=args.outer_momentum > 0) if args.mode == "diloco" else None
-    scheduler = None
-    if args.warmup_steps:
-        # linear warm-up over the first collective steps (large-batch) or inner steps (DiLoCo)
-        warmup = args.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(adam, lambda step: min(1.0, (step + 1) / warmup))
+    scheduler = _warmup(adam, args.warmup_steps)
     opt = swarm.Optimizer(peer, run_id=f"bench-{args.mode}", params=model.parameters(), optimizer=adam,
                           batch_size_per_step=BATCH, config=collaboration, diloco=diloco, scheduler=scheduler)
     if not opt.wait_for_peers(args.peers, timeout=120):
@@ -200,6 +196,16 @@ def worker(args: argparse.Namespace) -> None:
     peer.shutdown()
 
 
+def _warmup(optimizer: Any, steps: int) -> Any:
+    """A linear learning-rate warm-up over the first `steps` optimizer steps (collective steps in
+    large-batch mode, inner steps in DiLoCo), or None."""
+    import torch
+
+    if not steps:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / steps))
+
+
 def ddp_worker(args: argparse.Namespace, model: Any, train: Any, held_out: Any, gen: Any, adam: Any) -> None:
     """One rank of synchronous data-parallel training with torch.distributed (gloo, over loopback):
     the same batch of 16 per process, local gradients clipped as a swarm trainer clips them, then
@@ -213,11 +219,8 @@ def ddp_worker(args: argparse.Namespace, model: Any, train: Any, held_out: Any, 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.ddp_port}", rank=args.index,
                             world_size=args.peers)
     params = [p for p in model.parameters() if p.requires_grad]
-    scheduler = None
-    if args.warmup_steps:
-        warmup = args.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(adam, lambda step: min(1.0, (step + 1) / warmup))
-    flat = torch.zeros(sum(p.numel() for p in params) + 1)
+    scheduler = _warmup(adam, args.warmup_steps)
+    sizes = [p.numel() for p in params]
     dist.barrier()
     started, cpu_before = time.monotonic(), thread_cpu()
     samples = steps = 0
@@ -230,21 +233,15 @@ def ddp_worker(args: argparse.Namespace, model: Any, train: Any, held_out: Any, 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         compute += time.monotonic() - t0
         samples += BATCH
-        offset = 0
-        for p in params:
-            n = p.numel()
-            flat[offset:offset + n].copy_(p.grad.reshape(-1) if p.grad is not None else torch.zeros(n))
-            offset += n
-        flat[-1] = float(time.monotonic() - started >= args.max_seconds)
-        dist.all_reduce(flat)
-        flat.div_(args.peers)
-        offset = 0
-        for p in params:
-            n = p.numel()
+        for p in params:  # an expert no sample routed to has no gradient: it adds zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
+        done = torch.tensor([float(time.monotonic() - started >= args.max_seconds)])
+        flat = torch.cat([*(p.grad.reshape(-1) for p in params), done])
+        dist.all_reduce(flat)
+        flat.div_(args.peers)
+        for p, mean in zip(params, flat[:-1].split(sizes)):
+            p.grad.copy_(mean.view_as(p))
         adam.step()
         if scheduler is not None:
             scheduler.step()

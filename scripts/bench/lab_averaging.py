@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -309,21 +310,11 @@ def main() -> None:
           f"{4 * args.delay_ms:g} ms round trip between hosts; {args.rounds} rounds after one warm-up", flush=True)
     for n in args.peers:
         with Lab([HostSpec(f"h{i}", link) for i in range(n)], seed=1, realtime_relay=not args.relay_normal) as lab:
-            if args.congestion:
-                for i in range(n):
-                    done = lab.exec(f"h{i}", ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={args.congestion}"])
-                    if done.returncode != 0:
-                        raise SystemExit(f"cannot set {args.congestion} on h{i}: {done.stderr.strip()}")
-            if args.slow_start_after_idle is not None:
-                for i in range(n):
-                    lab.exec(f"h{i}", ["sysctl", "-qw", f"net.ipv4.tcp_slow_start_after_idle={args.slow_start_after_idle}"])
-                idle = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"]).stdout.strip()
-                print(f"  {n} peers: tcp_slow_start_after_idle {idle}", flush=True)
-            if args.min_tso_segs is not None:
-                for i in range(n):
-                    lab.exec(f"h{i}", ["sysctl", "-qw", f"net.ipv4.tcp_min_tso_segs={args.min_tso_segs}"])
-                segs = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_min_tso_segs"]).stdout.strip()
-                print(f"  {n} peers: tcp_min_tso_segs {segs}", flush=True)
+            for key, value in (("tcp_congestion_control", args.congestion),
+                               ("tcp_slow_start_after_idle", args.slow_start_after_idle),
+                               ("tcp_min_tso_segs", args.min_tso_segs)):
+                if value not in (None, ""):
+                    set_on_hosts(lab, n, f"net.ipv4.{key}", value)
             used = lab.exec("h0", ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
             print(f"  {n} peers: TCP congestion control {used}", flush=True)
             variants = args.variants or ["swarm", *(["swarm-nopool"] if args.compare_pool else []),
@@ -363,6 +354,15 @@ def main() -> None:
                 if args.diag and not raw:
                     print(timeline([os.path.join(args.diag, f"{n}-{compression}-{variant}-h{i}.log") for i in range(n)]),
                           flush=True)
+
+
+def set_on_hosts(lab: Any, n: int, key: str, value: object) -> None:
+    """Sets a sysctl on every lab host (its network namespace's own copy) and says so."""
+    for i in range(n):
+        done = lab.exec(f"h{i}", ["sysctl", "-qw", f"{key}={value}"])
+        if done.returncode != 0:
+            raise SystemExit(f"cannot set {key}={value} on h{i}: {done.stderr.strip()}")
+    print(f"  {n} peers: {key.rsplit('.', 1)[-1]} {value}", flush=True)
 
 
 def _packets(stats: dict) -> int:

@@ -124,17 +124,16 @@ def pick_mode(requested: str, diloco_steps: int | None, run_record: Any, rtt: fl
         wide_area = "client mode: this peer is behind NAT, across the internet from the swarm"
     # a large-batch peer overlaps its rounds across the internet, and waits for them on a local link
     staleness = int(max_staleness) if max_staleness != "auto" else (1 if wide_area else 0)
+    by_link = f"; {wide_area or 'a local link'}" if max_staleness == "auto" else ""  # why that staleness
     if requested == "large-batch":
-        why = "asked for" if max_staleness != "auto" else f"asked for; {wide_area or 'a local link'}"
-        return ModeChoice("large-batch", None, why, staleness)
+        return ModeChoice("large-batch", None, "asked for" + by_link, staleness)
     if requested == "diloco" or diloco_steps is not None:
         return ModeChoice("diloco", steps, "asked for")
     adopted = from_record(run_record)
     if adopted is not None:
         if adopted.mode != "large-batch":
             return adopted
-        why = adopted.why if max_staleness != "auto" else f"{adopted.why}; {wide_area or 'a local link'}"
-        return replace(adopted, max_staleness=staleness, why=why)
+        return replace(adopted, max_staleness=staleness, why=adopted.why + by_link)
     if wide_area:
         return ModeChoice("diloco", steps, wide_area)
     link = "no other peer yet" if rtt is None else f"round trip {rtt * 1e3:.1f} ms to the swarm"
