@@ -264,6 +264,7 @@ class Optimizer:
         if alone is not None:
             return StepOutcome(self.epoch, round=alone)
         if self.config.max_staleness == 0:
+            self._report(urgent=True)  # it stops computing: say so before the others extrapolate it
             landed = self._land(wait=True)
             if not landed.ok and self.tracker.progress.epoch > self.epoch:
                 return self._after_failure(landed)
@@ -520,6 +521,13 @@ class Optimizer:
     # -- helpers ------------------------------------------------------------------------------
 
     def _report(self, urgent: bool = False) -> None:
+        flight = self._in_flight
+        if flight is not None and self.config.max_staleness == 0:
+            # waiting for its round, this peer computes nothing until the round lands: it reports
+            # the round's samples at no throughput, so the others do not extrapolate samples it
+            # never computes (summarize) and start their next round short of the target
+            self.tracker.update(self.epoch, flight.samples, 0.0, self._digest, urgent=urgent)
+            return
         self.tracker.update(self.epoch, self.mode.samples, self._meter.rate, self._digest, urgent=urgent)
 
     def _snapshot(self) -> TrainingState:

@@ -76,6 +76,40 @@ def test_peers_take_identical_steps_equal_to_one_process(make_peer, num_peers):
         torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-4)
 
 
+def test_a_peer_waiting_for_its_round_reports_that_it_computes_nothing(make_peer):
+    # while a peer waits for its round it takes no batches: its report holds the round's samples
+    # at no throughput, so the others add exactly those samples and do not extrapolate more by
+    # its past throughput (they would start their next round short of the target)
+    data = make_data()
+    models = [make_model() for _ in range(2)]
+    opts = [Optimizer(make_peer(), run_id="idle", params=m.parameters(), optimizer=adam, config=SYNC)
+            for m in models]
+    assert all(o.wait_for_peers(2, timeout=10) for o in opts)
+    x, y = data
+    outcomes: list = []
+
+    def first_peer() -> None:
+        for i in range(TARGET // BATCH):  # its own samples reach the target: the last step waits in its round
+            loss_on(models[0], x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]).backward()
+            outcomes.append(opts[0].step(BATCH))
+            opts[0].zero_grad()
+
+    thread = threading.Thread(target=first_peer)
+    thread.start()
+    try:
+        assert opts[1].tracker.wait_for(lambda p: p.samples == TARGET and p.samples_per_second == 0.0, timeout=10)
+    finally:
+        # the second peer joins the round, which lets the first one's step return
+        loss_on(models[1], x[:BATCH], y[:BATCH]).backward()
+        joined = opts[1].step(BATCH)
+        thread.join(30)
+    assert not thread.is_alive()
+    assert joined.round is not None and joined.round.ok and outcomes[-1].round is not None
+    assert outcomes[-1].round.ok and opts[0].epoch == opts[1].epoch == 1
+    # back to computing, it reports its throughput again
+    assert opts[0].tracker.local.samples_per_second > 0
+
+
 def train_overlapped(opt: Optimizer, model: torch.nn.Module, data, seed: int, epochs: int, record: dict) -> None:
     """Trains with rounds in flight, recording which parameters (epoch) each batch was computed on
     and which round's window it went into."""
