@@ -71,6 +71,16 @@ class DemoConfig:
             raise ConfigError("--duration must be positive")
 
 
+def run_mode(c: DemoConfig) -> str:
+    """The demo's mode as its first line states it: what its trainers will say they do (a
+    large-batch trainer on loopback waits for its rounds unless told otherwise, `swarm.demo.mode`)."""
+    if c.diloco_steps:
+        return f"mode: DiLoCo, {c.diloco_steps} local steps per round (asked for)"
+    rounds = {"auto": "each round waited for (every peer is on loopback)", "0": "each round waited for (asked for)",
+              "1": "each averaged while the next batches compute (asked for)"}[c.max_staleness]
+    return f"mode: large-batch, collective steps of {c.target_batch_size} windows, {rounds}"
+
+
 def _die_with_parent() -> None:
     """In the child: get SIGTERM if the launcher dies without cleaning up (Linux prctl)."""
     try:
@@ -181,10 +191,7 @@ class Launcher:
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGTERM, self.on_signal)
         c = self.config
-        mode = f"mode: DiLoCo, {c.diloco_steps} local steps per round (asked for)" if c.diloco_steps else \
-            f"mode: large-batch, collective steps of {c.target_batch_size} windows, each averaged while the " \
-            f"next batches compute (every peer is on loopback)"
-        self.board.notice(f"swarm demo: {c.trainers} trainers, {c.duration:.0f} s, {mode}; "
+        self.board.notice(f"swarm demo: {c.trainers} trainers, {c.duration:.0f} s, {run_mode(c)}; "
                           f"logs in {self.log_dir}/ (Ctrl+C stops the swarm)")
         try:
             self.start_trainers(self.start_server())

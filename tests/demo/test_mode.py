@@ -8,6 +8,7 @@ import pytest
 
 from swarm.core.errors import ConfigError
 from swarm.demo.events import Notice
+from swarm.demo.launcher import DemoConfig, run_mode
 from swarm.demo.mode import DEFAULT_DILOCO_STEPS, ModeChoice, from_record, is_public, pick_mode
 from swarm.demo.trainer import Trainer, TrainerConfig
 
@@ -80,3 +81,13 @@ def test_a_trainer_that_joins_follows_the_mode_the_run_started_with():
         first.close()
     assert any(isinstance(e, Notice) and e.message.startswith("mode: DiLoCo") and "asked for" in e.message
                for e in first_events)
+
+
+@pytest.mark.parametrize("staleness", ["auto", "0", "1"])
+def test_the_demo_states_the_rounds_its_loopback_trainers_will_say_they_run(staleness):
+    # the launcher's first line and each trainer's own line (its choice on loopback) agree
+    trainer = pick_mode("auto", None, None, rtt=0.0004, announce=(), client_mode=False, max_staleness=staleness)
+    header = run_mode(DemoConfig(max_staleness=staleness))
+    for phrase in ("each round waited for", "averaged while the next batches compute"):
+        assert (phrase in header) == (phrase in trainer.describe()), (header, trainer.describe())
+    assert "DiLoCo, 5 local steps" in run_mode(DemoConfig(diloco_steps=5, max_staleness=staleness))
