@@ -50,6 +50,9 @@ def worker(args: argparse.Namespace) -> None:
 
     if args.lowat >= 0:
         bulk.NOTSENT_LOWAT = args.lowat
+    if args.no_hold:
+        from swarm.averaging import reducer
+        reducer.LEADER_HOLD_CAP = 0.0
     peer = Peer(listen=f"/ip4/{args.address}/tcp/0", channel_config=ChannelConfig(bulk_pool=not args.no_pool),
                 insecure=args.insecure)
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
@@ -153,6 +156,7 @@ def sample_sockets(lab, n: int, path: str, stop: threading.Event) -> None:
 VARIANTS = {
     "swarm": [],
     "swarm-nolowat": ["--lowat", "0"],                                   # lockstep without the small queue
+    "swarm-nohold": ["--no-hold"],                                       # the leader's mean sent at once (before)
     "swarm-nopool": ["--no-pool"],                                       # --compare-pool
     "swarm-lowat": ["--lockstep", "0"],                                  # --compare-lockstep
     "swarm-free": ["--lockstep", "0", "--lowat", "0"],                   # --compare-lockstep: the code before
@@ -274,6 +278,7 @@ def main() -> None:
     parser.add_argument("--insecure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--lockstep", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--lowat", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--no-hold", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variants", nargs="+", default=None,
                         help="swarm's variants to run instead of the default set: " + ", ".join(VARIANTS)
                              + ", or swarm-lockstepN (lockstep N chunks)")
@@ -341,7 +346,8 @@ def main() -> None:
                                                        "swarm-lowat": "swarm, no lockstep",
                                                        "swarm-free": "swarm, neither (before)",
                                                        "swarm-nolowat": "swarm, no small send queue",
-                                                       "swarm-insecure": "swarm, plaintext"}.get(
+                                                       "swarm-insecure": "swarm, plaintext",
+                                                       "swarm-nohold": "swarm, the leader's mean at once (before)"}.get(
                                                            variant, variant.replace("swarm-lockstep", "swarm, lockstep "))
                 print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "

@@ -126,6 +126,9 @@ class ButterflyAllReduce:
                         for i, m in enumerate(group.members) if i != self.my_index}
         if self.reducer is not None:
             self.reducer.silence_limits = self.silence
+        self.results_arriving = asyncio.Event()  # another reducer's mean has started to arrive here
+        if self.reducer is not None and self.my_index == 0 and self.me.is_sender and len(self.parts) > 1:
+            self.reducer.hold = self.results_arriving  # the leader decides first: its mean waits for the others'
         logger.debug("round %s: silence limits %s (sender_timeout %.2f s)", group.round_id.hex()[:8],
                      {group.members[i].peer_id[-6:]: round(v, 2) for i, v in self.silence.items()},
                      config.sender_timeout)
@@ -427,6 +430,7 @@ class ButterflyAllReduce:
             if header is None:
                 header = averaging_pb2.ResultHeader.FromString(message)
                 p.claim = header
+                self.results_arriving.set()
                 if header.decision and not p.decision:
                     p.decision = header.decision  # known decided: a stall from here on is a lost reducer
                     self._changed.set()

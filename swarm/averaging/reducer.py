@@ -46,6 +46,15 @@ from swarm.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
 
+# Seconds at most that the leader's reducer holds its mean after deciding, until another reducer's
+# mean starts to arrive here (`PartReducer.hold`). The leader knows the decision first; every other
+# reducer learns it a one-way trip later or more. A leader that sent its mean at once filled its
+# uplink with its own slow-starting flows just as the other reducers' flows to it began; in the
+# network lab those flows lost the most packets of any and the leader got its last part 0.35-1.3 s
+# after every other member in every 8-peer round timed (BENCHMARKS.md, scenario 3, "The lagging
+# member is the round's leader"). A round whose other reducers never answer waits this long at most.
+LEADER_HOLD_CAP = 0.25
+
 
 @dataclass
 class _Sender:
@@ -322,6 +331,8 @@ class PartReducer(PartCollector):
         self.decision: Decision | None = None
         self.abort_reason = ""
         self.finished = asyncio.Event()        # mean ready, or aborted
+        # the leader's: set once another reducer's mean starts to arrive here (its mean waits for it)
+        self.hold: asyncio.Event | None = None
         self.slots_released = asyncio.Event()  # the slots may now hold this member's results
         self._payloads: list[bytes | None] = []
         self._task: asyncio.Task[None] | None = None
@@ -393,6 +404,12 @@ class PartReducer(PartCollector):
             await self._average(decision)
             logger.debug("part %d: averaged after %.3f s", self.part, loop.time() - self.t0)
             await self.faults.hit(FaultPoint.BEFORE_ALL_GATHER)
+            if self.hold is not None and LEADER_HOLD_CAP > 0:
+                try:
+                    await asyncio.wait_for(self.hold.wait(), LEADER_HOLD_CAP)
+                except TimeoutError:
+                    pass
+                logger.debug("part %d: the leader's mean goes out after %.3f s", self.part, loop.time() - self.t0)
             self.decision = decision
             self.finished.set()
         except asyncio.CancelledError:

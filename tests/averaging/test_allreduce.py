@@ -149,3 +149,22 @@ async def _kept_everywhere(peer: Peer, channels: int) -> bool:
             return True
         await asyncio.sleep(0.01)
     return False
+
+
+@pytest.mark.timeout(30)
+def test_the_leaders_mean_waits_for_another_reducers_mean_to_start_arriving(peers, monkeypatch, caplog):
+    # the leader decides first; its reducer holds its mean until another reducer's mean starts to
+    # arrive (BENCHMARKS.md scenario 3: a leader that sent at once got its own parts last). The cap
+    # is set far beyond the test's bound, so the round ends only if the others' means release it.
+    from swarm.averaging import reducer
+
+    monkeypatch.setattr(reducer, "LEADER_HOLD_CAP", 600.0)
+    caplog.set_level("DEBUG", logger="swarm.averaging.reducer")
+    group = peers(3)
+    inputs = [torch.full((50_000,), float(i)) for i in range(3)]
+    tensors = [[x.clone()] for x in inputs]
+    results = run_steps(make_averagers(group, tensors), [1.0, 1.0, 1.0])
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert all(torch.equal(t[0], torch.full((50_000,), 1.0)) for t in tensors)
+    held = [r for r in caplog.records if "the leader's mean goes out" in r.getMessage()]
+    assert len(held) == 1, [r.getMessage() for r in held]  # one leader, one round
