@@ -26,6 +26,7 @@ from typing import IO
 from swarm.core.errors import ConfigError
 from swarm.demo.display import Board
 from swarm.demo.events import Evaluation, Notice, Progress, TextSample, from_json, megabytes, printable
+from swarm.demo.mode import ModeChoice, pick_mode
 from swarm.demo.model import ModelConfig
 from swarm.demo.plot import BLACK, PALETTE, PlotUnavailable, Series, plot
 
@@ -76,9 +77,11 @@ def run_mode(c: DemoConfig) -> str:
     large-batch trainer on loopback waits for its rounds unless told otherwise, `swarm.demo.mode`)."""
     if c.diloco_steps:
         return f"mode: DiLoCo, {c.diloco_steps} local steps per round (asked for)"
-    rounds = {"auto": "each round waited for (every peer is on loopback)", "0": "each round waited for (asked for)",
-              "1": "each averaged while the next batches compute (asked for)"}[c.max_staleness]
-    return f"mode: large-batch, collective steps of {c.target_batch_size} windows, {rounds}"
+    # the staleness each trainer will pick on loopback, by the trainers' own rule
+    staleness = pick_mode("auto", None, None, rtt=None, announce=(), client_mode=False,
+                          max_staleness=c.max_staleness).max_staleness
+    why = "every peer is on loopback" if c.max_staleness == "auto" else "asked for"
+    return f"{ModeChoice('large-batch', None, why, staleness).describe()}; collective steps of {c.target_batch_size} windows"
 
 
 def _die_with_parent() -> None:
