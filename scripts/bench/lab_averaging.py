@@ -172,7 +172,7 @@ def variant_arguments(variant: str) -> list[str]:
 
 
 def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool = False,
-              variant: str = "swarm") -> list[dict]:
+              variant: str = "swarm", name: str = "") -> list[dict]:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
     procs = []
@@ -182,7 +182,7 @@ def run_group(lab, n: int, args: argparse.Namespace, compression: int, raw: bool
                 lab.address(host), "--mbytes", str(args.mbytes), "--rounds", str(args.rounds),
                 "--compression", str(compression), *(["--raw"] if raw else []), *(["--diag", args.diag] if args.diag else []),
                 *([] if raw else variant_arguments(variant))]
-        kind = "raw" if raw else variant
+        kind = name or ("raw" if raw else variant)  # the --diag files' name
         log = os.path.join(args.diag, f"{n}-{compression}-{kind}-h{i}.log") if args.diag else ""
         with open(log or os.devnull, "wb") as stderr:  # the child keeps its own descriptor
             procs.append(lab.spawn(host, argv, stdin=subprocess.PIPE, env=env, stderr=stderr if log else None))
@@ -327,13 +327,17 @@ def main() -> None:
                                          *(["swarm-insecure"] if args.compare_insecure else [])]
             runs = [(c, wire, raw, v) for c, wire in ((0, "fp32"), (1, "fp16"))
                     for raw, v in ((True, "raw"), *((False, v) for v in variants))]
+            seen: dict[tuple[int, str], int] = {}
             for compression, wire, raw, variant in runs:
                 if wire not in args.wire or (args.only and args.only != ("raw" if raw else "swarm")):
                     continue
+                kind = "raw" if raw else variant
+                seen[compression, kind] = seen.get((compression, kind), 0) + 1
+                name = kind if seen[compression, kind] == 1 else f"{kind}.{seen[compression, kind]}"  # --diag files
                 before = lab.relay_stats()
                 t0, seen0 = before["cpu_seconds"], _packets(before)
                 w0 = time.monotonic()
-                reports = run_group(lab, n, args, compression, raw, variant)
+                reports = run_group(lab, n, args, compression, raw, variant, name)
                 times = round_seconds(reports)
                 cpu = [r.get("cpu", (math.nan,) * 3) for r in reports]
                 relay = lab.relay_stats()
@@ -358,7 +362,7 @@ def main() -> None:
                       f"{statistics.median(c[2] for c in cpu) / 1e3:.0f}k minor page faults",
                       flush=True)
                 if args.diag and not raw:
-                    print(timeline([os.path.join(args.diag, f"{n}-{compression}-{variant}-h{i}.log") for i in range(n)]),
+                    print(timeline([os.path.join(args.diag, f"{n}-{compression}-{name}-h{i}.log") for i in range(n)]),
                           flush=True)
 
 
