@@ -53,9 +53,6 @@ def worker(args: argparse.Namespace) -> None:
     if args.no_hold:
         from swarm.averaging import reducer
         reducer.LEADER_HOLD_CAP = 0.0
-    if args.no_tail:
-        from swarm.averaging import allreduce
-        allreduce.TAIL_AFTER = 0.0
     peer = Peer(listen=f"/ip4/{args.address}/tcp/0", channel_config=ChannelConfig(bulk_pool=not args.no_pool),
                 insecure=args.insecure)
     print(json.dumps({"addr": peer.addrs[0]}), flush=True)
@@ -160,7 +157,6 @@ VARIANTS = {
     "swarm": [],
     "swarm-nolowat": ["--lowat", "0"],                                   # lockstep without the small queue
     "swarm-nohold": ["--no-hold"],                                       # the leader's mean sent at once (before)
-    "swarm-notail": ["--no-tail"],                                       # a lagging part's tail not fetched (before)
     "swarm-nopool": ["--no-pool"],                                       # --compare-pool
     "swarm-lowat": ["--lockstep", "0"],                                  # --compare-lockstep
     "swarm-free": ["--lockstep", "0", "--lowat", "0"],                   # --compare-lockstep: the code before
@@ -226,8 +222,6 @@ _PHASES = [  # (label, regex on the message, first or last occurrence in the rou
     ("1st result in", r"part \d+: first result chunk in", "first"),
     ("result out end", r"part \d+: result to sender \d+ queued", "last"),
     ("1st part in", r"part \d+: last result chunk in", "first"),
-    ("tail asked", r"part \d+: lagging with", "first"),
-    ("tail met", r"part \d+: its (stream met its fetched tail|fetched tail met its stream)", "first"),
     ("all in", r"all parts in after", "first"),
     ("applied", r"applied after", "first"),
 ]
@@ -285,7 +279,6 @@ def main() -> None:
     parser.add_argument("--lockstep", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--lowat", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--no-hold", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--no-tail", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variants", nargs="+", default=None,
                         help="swarm's variants to run instead of the default set: " + ", ".join(VARIANTS)
                              + ", or swarm-lockstepN (lockstep N chunks)")
@@ -358,8 +351,7 @@ def main() -> None:
                                                        "swarm-free": "swarm, neither (before)",
                                                        "swarm-nolowat": "swarm, no small send queue",
                                                        "swarm-insecure": "swarm, plaintext",
-                                                       "swarm-nohold": "swarm, the leader's mean at once (before)",
-                                                       "swarm-notail": "swarm, no tail fetch (before)"}.get(
+                                                       "swarm-nohold": "swarm, the leader's mean at once (before)"}.get(
                                                            variant, variant.replace("swarm-lockstep", "swarm, lockstep "))
                 print(f"  {n} peers {wire} {who}: round {median:6.2f} s (rounds {', '.join(f'{t:.2f}' for t in times)}); "
                       f"link bound {bound:5.2f} s ({sent / 1e6:.0f} MB sent per peer) -> {100 * bound / median:3.0f}% "

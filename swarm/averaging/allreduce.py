@@ -5,10 +5,7 @@ averaged part back (so client-mode members, which only dial out, take part). The
 part is reduced locally. Results land in a buffer, never in the tensors, until every part is
 held under the same decision; only then are they written in place. A part whose reducer died
 while sending it back is fetched from another server-mode member that holds it; when no one
-does, the round fails for every member alike (see `agreement` and `reducer`). A part whose stream
-still flows but lags far behind every other part (one flow that lost packets on a congested
-link) has its tail fetched from another member that holds it, backwards from the end, while the
-stream goes on from the front; the two meet and the part is held (`fetch_tail`).
+does, the round fails for every member alike (see `agreement` and `reducer`).
 
 The protocol of a Reduce stream, sender -> reducer: `ReduceHeader`, the part's chunks, then a
 `SenderAck` once the sender holds the averaged part; the sender closes its side when it is done
@@ -27,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -43,7 +39,7 @@ from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.averaging.parts import Part, PartState, RoundFailed, plan_parts, scratch_numel
 from swarm.averaging.reducer import PartReducer, encode_failure_message, is_raw_float32
 from swarm.averaging.service import FETCH, REDUCE
-from swarm.compression import Codec, CompressionError, CompressionType, get_codec
+from swarm.compression import Codec, CompressionError, get_codec
 from swarm.compression.base import HEADER_SIZE
 from swarm.core.errors import InvalidRequest, NotFound
 from swarm.core.faults import FaultInjected, FaultPlan
@@ -58,21 +54,13 @@ logger = logging.getLogger(__name__)
 
 PART_FETCHES = REGISTRY.counter(
     "swarm_averaging_part_fetches_total", "Parts this member asked other members for, by why: its stream "
-    "to the reducer broke (failed), sent nothing for its silence limit after the round was decided (stalled), "
-    "or lagged far behind this member's other parts (lagging: only its tail is fetched)",
+    "to the reducer broke (failed), or sent nothing for its silence limit after the round was decided (stalled)",
     ("why",))
 
 
 END_WAIT = 5.0  # seconds a held part's stream may take to end by itself once the round is closed
 SILENCE_MULTIPLE = 4.0  # a streaming peer silent this many times its expected chunk time is given up on
 SILENCE_FLOOR = 1.0     # seconds (as the round-wide stall limit's floor, `averager._run_round`)
-# Seconds by which the last part still to arrive is expected to end later than now, at its
-# stream's pace so far, or is overdue, before this member asks another holder for its tail
-# (`ButterflyAllReduce._consider_tail`), and at least `TAIL_RTTS` of the holder's shortest round
-# trips: asking costs a connection to the holder (OpenBulk, TCP and TLS handshakes, then a slow
-# start: ~10 round trips for a 1 MiB chunk), and a stream less late is as quick. 0 turns it off.
-TAIL_AFTER = 0.3
-TAIL_RTTS = 12
 
 
 def silence_limit(estimates: LinkEstimates, peer_id: str, chunk_bytes: int, cap: float) -> float:
@@ -257,7 +245,6 @@ class ButterflyAllReduce:
                         self._tasks.append(p.fetch)
                     else:
                         wake = min(wake, since + limit)
-            wake = min(wake, self._consider_tail(now))
             remaining = self.deadline - loop.time()
             if remaining <= 0:
                 missing = [p.index for p in self.parts if p.state is not PartState.COMPLETE]
@@ -272,60 +259,6 @@ class ButterflyAllReduce:
             raise RoundFailed(self.group.round_id, "parts were reduced under different decisions")
         return Decision.from_bytes(decisions.pop())
 
-    def _consider_tail(self, now: float) -> float:
-        """When every remote part but one is held here, and that one's stream should end, at its
-        pace so far, more than `TAIL_AFTER` seconds from now or should have ended more than that
-        ago, asks another holder for the part's tail (`fetch_tail`). Returns when to look again
-        (inf: no need).
-
-        Not in robust or verified rounds: there a part's values are checked against what its
-        reducer claimed, and values a lying holder supplied would be blamed on an honest reducer."""
-        remote = [p for p in self.parts if p.index != self.my_part]
-        pending = [p for p in remote if p.state is not PartState.COMPLETE]
-        if (len(pending) != 1 or len(remote) < 2 or TAIL_AFTER <= 0 or self.config.robust
-                or self.config.verified):
-            return float("inf")
-        p = pending[0]
-        if (p.state is not PartState.PENDING or p.tail is not None or p.fetch is not None or p.header_at is None
-                or not p.decision or p.values is None):
-            return float("inf")
-        done = -(-p.received_numel // self.chunk_numel)
-        left = -(-p.size // self.chunk_numel) - done
-        holder = self._tail_holder(p)
-        if left < 1 or holder is None:
-            return float("inf")
-        link = self.peer.pool.estimates.get(self.group.members[holder].peer_id)
-        rtt = link.min_rtt if link is not None and math.isfinite(link.min_rtt) else 0.0
-        after = max(TAIL_AFTER, TAIL_RTTS * rtt)
-        if done == 0 or p.chunk_at is None:  # no chunk yet: its pace is at least the time so far
-            if left * (now - p.header_at) < after:
-                return p.header_at + after / left
-        else:
-            # when its last chunk should land at its pace so far (a part that keeps pace with the
-            # others ends about now); ask when that is far off, or long past (the flow backed off)
-            end = p.chunk_at + left * (p.chunk_at - p.header_at) / done
-            if -after < end - now < after:
-                return end + after
-        PART_FETCHES.labels(why="lagging").inc()
-        self._timeline("part %d: lagging with %d of its chunks to go, its tail asked of member %d", p.index, left, holder)
-        p.tail = spawn(fetch_tail(self, p, holder, p.received_numel), name=f"avg-tail-{self.round_tag}-p{p.index}")
-        self._tasks.append(p.tail)
-        return float("inf")
-
-    def _tail_holder(self, p: Part) -> int | None:
-        """Who to ask for a lagging part's tail: of the server-mode members that will hold it, the one
-        whose own part reached this member first (its link to us is the quickest we saw)."""
-        candidates = holders(self, p)[1:]
-        if not candidates:
-            return None
-
-        def arrived(i: int) -> float:
-            own = self.group.part_of(i)
-            at = self.parts[own].completed_at if own is not None else None
-            return at if at is not None else float("inf")
-
-        return min(candidates, key=arrived)
-
     def resolve(self, p: Part, state: PartState, reason: str = "", decision: bytes = b"") -> None:
         if p.state in (PartState.COMPLETE, PartState.ABORTED, PartState.LOST):
             return
@@ -336,8 +269,6 @@ class ButterflyAllReduce:
         p.state, p.reason = state, reason or p.reason
         if decision:
             p.decision = decision
-        if state is PartState.COMPLETE:
-            p.completed_at = asyncio.get_running_loop().time()
         if state is not PartState.FAILED:
             p.resolved.set()
             if p.sink is not None:
@@ -499,7 +430,6 @@ class ButterflyAllReduce:
             if header is None:
                 header = averaging_pb2.ResultHeader.FromString(message)
                 p.claim = header
-                p.header_at = p.last_progress
                 self.results_arriving.set()
                 if header.decision and not p.decision:
                     p.decision = header.decision  # known decided: a stall from here on is a lost reducer
@@ -517,9 +447,7 @@ class ButterflyAllReduce:
                     self.resolve(p, PartState.COMPLETE, decision=header.decision)
                 continue
             if p.state is not PartState.PENDING:
-                # held by a fetch meanwhile: read the rest, so the stream ends by itself and its
-                # connection carries the next round (a stream left unread would hold it)
-                continue
+                return  # fetched from another member meanwhile
             if i >= len(bounds):
                 raise InvalidRequest("reducer sent more chunks than its part holds")
             a, b = bounds[i]
@@ -532,18 +460,12 @@ class ButterflyAllReduce:
             i += 1
             self.received_chunks += 1
             await self.faults.hit(FaultPoint.AFTER_RESULTS_RECEIVED, self.received_chunks)
-            if p.state is not PartState.PENDING:
-                continue  # its tail arrived meanwhile
-            p.received_numel, p.chunk_at = b, p.last_progress
             if i == 1:
                 self._timeline("part %d: first result chunk in", p.index)
             if i == len(bounds):
                 self._timeline("part %d: last result chunk in", p.index)
                 self.resolve(p, PartState.COMPLETE, decision=header.decision)
                 self._observe_link(p)
-            elif p.tail_low is not None and b >= p.tail_low:
-                self._timeline("part %d: its stream met its fetched tail", p.index)
-                self.resolve(p, PartState.COMPLETE, decision=header.decision)
 
     def _timeline(self, what: str, *args: Any) -> None:
         """A point of the round's timeline in the debug log (`lab_averaging.py --diag`)."""
@@ -558,10 +480,9 @@ class ButterflyAllReduce:
             seconds = asyncio.get_running_loop().time() - self.t0
             self.peer.pool.estimates.observe_transfer(self.group.members[p.reducer].peer_id, 2 * p.size * 4, seconds)
 
-    def serve_fetch(self, request: averaging_pb2.FetchRequest) -> AsyncIterator[bytes]:
-        """Streams the part `request` names as this member holds it, to a member that lost it or
-        whose stream of it lags (see `serve_part` below)."""
-        return serve_part(self, request.part, request.start, request.backward, request.compression)
+    def serve_fetch(self, part: int) -> AsyncIterator[bytes]:
+        """Streams part `part` as this member holds it, to a member that lost it (see `serve_part` below)."""
+        return serve_part(self, part)
 
     def close(self, linger: bool = True) -> list[asyncio.Task[Any]]:
         """Cancels whatever still runs for this round (at release or shutdown). With `linger`, the
@@ -671,72 +592,11 @@ async def _fetch_from(ar: ButterflyAllReduce, p: Part, holder: int) -> tuple[tor
         raise NotFound(f"member {member.peer_id[-8:]} sent part {p.index} incomplete")
     return values, header
 
-async def fetch_tail(ar: ButterflyAllReduce, p: Part, holder: int, start: int) -> None:
-    """Fetches elements [start, end) of part `p` from `holder`, last chunk first, into `p.values`,
-    while `p`'s own stream goes on from the front (`_receive`); whichever side reaches the other's
-    position completes the part. The chunks come in the round's codec where re-encoding the held
-    values is exact (FLOAT16: they were decoded from it), else raw float32. A holder that answers
-    under another decision, or fails, ends the fetch; the stream goes on."""
-    codec = ar.codec if ar.codec.kind == CompressionType.FLOAT16 else _FETCH_CODEC
-    member = ar.group.members[holder]
-    request = averaging_pb2.FetchRequest(prefix=ar.group.prefix, round_id=ar.group.round_id, part=p.index,
-                                         start=start, backward=True, compression=int(codec.kind))
-    bounds = tail_bounds(p.size, start, codec.chunk_numel(ar.config.chunk_bytes))
-    loop = asyncio.get_running_loop()
-    header: averaging_pb2.ResultHeader | None = None
-    i = 0
-    try:
-        channel = ar.peer.pool.get(member.addr)
-        async for message in channel.stream(FETCH, [request.SerializeToString()],
-                                            timeout=max(0.01, ar.deadline - loop.time()), bulk=ar.config.bulk):
-            if p.state is not PartState.PENDING:
-                return  # its stream got there first
-            if header is None:
-                header = averaging_pb2.ResultHeader.FromString(message)
-                if header.decision != p.decision:
-                    raise NotFound(f"member {member.peer_id[-8:]} holds part {p.index} under another decision")
-                if (header.start, header.backward, header.compression) != (start, True, request.compression):
-                    raise InvalidRequest(f"member {member.peer_id[-8:]} serves another range or codec than asked")
-                if ar.reducer is not None:
-                    await ar.reducer.slots_released.wait()  # results reuse the slots' memory
-                continue
-            if i >= len(bounds):
-                raise InvalidRequest(f"member {member.peer_id[-8:]} sent more of part {p.index} than asked")
-            a, b = bounds[i]
-            assert p.values is not None
-            # the same values the stream writes (one decision), so the two may overlap
-            codec.decode(message, p.values[a:b])
-            i += 1
-            p.tail_low = a
-            if p.received_numel >= a:
-                ar._timeline("part %d: its fetched tail met its stream", p.index)
-                ar.resolve(p, PartState.COMPLETE, decision=p.decision)
-                return
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the holder could not help: the part's stream goes on
-        logger.debug("fetching the tail of part %d from %s failed: %s", p.index, member.peer_id[-8:], e)
-
-
-def tail_bounds(size: int, start: int, chunk_numel: int) -> list[tuple[int, int]]:
-    """The chunks of elements [start, size) of a part, last first, as a tail fetch sends them."""
-    return [(start + a, start + b) for a, b in reversed(chunk_bounds(size - start, chunk_numel))]
-
-
-async def serve_part(
-    ar: ButterflyAllReduce, part: int, start: int = 0, backward: bool = False, compression: int = 0,
-) -> AsyncIterator[bytes]:
-    """Streams part `part` as this member holds it, waiting until it is resolved: elements [start,
-    end), in raw float32 (`compression` 0) or in the round's own FLOAT16, the last chunk first
-    when `backward`."""
+async def serve_part(ar: ButterflyAllReduce, part: int) -> AsyncIterator[bytes]:
+    """Streams part `part` as this member holds it (raw float32), waiting until it is resolved."""
     if not 0 <= part < len(ar.parts) or (not ar.me.is_sender and part != ar.my_part):
         raise NotFound(f"this member holds no part {part}")
     p = ar.parts[part]
-    if not 0 <= start <= p.size:
-        raise InvalidRequest(f"part {part} has {p.size} elements: cannot start at {start}")
-    if compression not in (0, int(CompressionType.FLOAT16)) or (compression and ar.codec.kind != compression):
-        raise InvalidRequest("a part is fetched in raw float32, or in FLOAT16 from a round averaged in it")
-    codec = get_codec(compression)
     loop = asyncio.get_running_loop()
     remaining = max(0.0, ar.deadline - loop.time())
     try:
@@ -758,15 +618,9 @@ async def serve_part(
             raise NotFound(f"this member does not hold part {part}")
         values, decision = p.values, p.decision
         claim = claim_fields_of(p.claim)
-    yield averaging_pb2.ResultHeader(decision=decision, part=part, compression=compression, start=start,
-                                     backward=backward, **claim).SerializeToString()
-    chunk_numel = codec.chunk_numel(ar.config.chunk_bytes)
-    if backward:
-        bounds = tail_bounds(p.size, start, chunk_numel)
-    else:
-        bounds = [(start + a, start + b) for a, b in chunk_bounds(p.size - start, chunk_numel)]
-    for a, b in bounds:
-        yield codec.encode(values[a:b])
+    yield averaging_pb2.ResultHeader(decision=decision, part=part, compression=0, **claim).SerializeToString()
+    for a, b in chunk_bounds(p.size, _FETCH_CODEC.chunk_numel(ar.config.chunk_bytes)):
+        yield _FETCH_CODEC.encode(values[a:b])
 
 
 

@@ -24,7 +24,7 @@ class FaultPoint(enum.Enum):
     BEFORE_REPORT = "before_report"                    # reducer, all senders done or dropped
     BEFORE_DECISION = "before_decision"                # leader, reports collected
     BEFORE_ALL_GATHER = "before_all_gather"            # reducer, decision known, nothing sent back
-    DURING_ALL_GATHER = "during_all_gather"            # reducer, count = result chunks sent, subject = to whom (PeerID)
+    DURING_ALL_GATHER = "during_all_gather"            # reducer, count = result chunks sent
     AFTER_RESULTS_RECEIVED = "after_results_received"  # member, count = result chunks received
     BEFORE_APPLY = "before_apply"                      # member, every part held
     DURING_STATE_TRANSFER = "during_state_transfer"    # state server, count = chunks sent

@@ -50,12 +50,6 @@ class Part:
     exchange: asyncio.Task[None] | None = None
     sink: Any = None  # swarm.net.bulk.Sink receiving the averaged part straight into `values`
     claim: Any = None  # the ResultHeader it came with (robust mode and verification read its fields)
-    header_at: float | None = None   # loop time its stream's ResultHeader arrived
-    received_numel: int = 0          # elements [0, received_numel) arrived on its stream
-    chunk_at: float | None = None    # loop time its stream's last chunk arrived
-    completed_at: float | None = None  # loop time it was held here
-    tail: asyncio.Task[None] | None = None  # fetching its tail from another holder (`allreduce.fetch_tail`)
-    tail_low: int | None = None      # elements [tail_low, size) arrived by that fetch
     resolved: asyncio.Event = field(default_factory=asyncio.Event)  # complete, lost or aborted
     settled: asyncio.Event = field(default_factory=asyncio.Event)   # no longer pending
 

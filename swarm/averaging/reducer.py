@@ -550,7 +550,7 @@ class PartReducer(PartCollector):
                 raise FaultInjected(f"stream from member {header.sender} dropped")
             yield self._payload(i)
             self.sent_chunks += 1
-            await self.faults.hit(FaultPoint.DURING_ALL_GATHER, self.sent_chunks, subject=caller)
+            await self.faults.hit(FaultPoint.DURING_ALL_GATHER, self.sent_chunks)
         logger.debug("part %d: result to sender %d queued after %.3f s", self.part, header.sender, loop.time() - self.t0)
         # keep the call open until the sender holds every part and closes its side
         await asyncio.wait({reader}, timeout=max(0.0, deadline + self.config.linger - loop.time()))

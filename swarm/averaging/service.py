@@ -57,8 +57,8 @@ class RoundMember(Protocol):
         """The reducer of this member's part; None for a member that reduces none (client mode)."""
         ...
 
-    def serve_fetch(self, request: averaging_pb2.FetchRequest) -> AsyncIterator[bytes]:
-        """Streams the part `request` names as this member holds it, to a member that lost it."""
+    def serve_fetch(self, part: int) -> AsyncIterator[bytes]:
+        """Streams part `part` as this member holds it, to a member that lost it."""
         ...
 
 
@@ -184,7 +184,7 @@ class AveragingService:
         group = entry.allreduce.group
         if ctx.peer_id not in group.peer_ids:
             raise InvalidRequest("only members of a round may fetch its parts")
-        async for message in entry.allreduce.serve_fetch(request):
+        async for message in entry.allreduce.serve_fetch(request.part):
             yield message
 
     async def rpc_join(self, request: averaging_pb2.JoinRequest, ctx: CallContext) -> Any:

@@ -66,8 +66,6 @@ class Fault:
         rounds: fires only in these rounds (0-based count of the plan's `round_index`); None: any.
         times: how many times it may fire in total.
         seconds: duration of a DELAY.
-        subject: fires only where the point is hit for this subject (a point that names one, e.g.
-            the member a reducer's stream of its mean goes to); None: wherever it is hit.
     """
 
     point: Hashable
@@ -76,7 +74,6 @@ class Fault:
     rounds: frozenset[int] | None = None
     times: int = 1
     seconds: float = 0.0
-    subject: Hashable | None = None
     fired: int = field(default=0, init=False)
 
 
@@ -173,11 +170,11 @@ class FaultPlan:
 
     def add(
         self, point: Hashable, action: Action, *, after: int = 0, rounds: set[int] | None = None,
-        times: int = 1, seconds: float = 0.0, subject: Hashable | None = None,
+        times: int = 1, seconds: float = 0.0,
     ) -> FaultPlan:
         """Adds a fault at `point`; returns the plan so calls chain."""
         self.faults.append(Fault(point, action, after, frozenset(rounds) if rounds is not None else None,
-                                 times, seconds, subject))
+                                 times, seconds))
         return self
 
     def take(self, point: Hashable, action: Action) -> Fault | None:
@@ -189,13 +186,10 @@ class FaultPlan:
                 return fault
         return None
 
-    async def hit(self, point: Hashable, count: int = 0, subject: Hashable | None = None) -> None:
-        """Called by production code at `point` (for `subject`, where the point names one); fires
-        the first matching fault, if any."""
+    async def hit(self, point: Hashable, count: int = 0) -> None:
+        """Called by production code at `point`; fires the first matching fault, if any."""
         for fault in self.faults:
             if fault.point != point or fault.fired >= fault.times or count < fault.after or fault.action is Action.LIE:
-                continue
-            if fault.subject is not None and fault.subject != subject:
                 continue
             if fault.rounds is not None and self.round_index not in fault.rounds:
                 continue

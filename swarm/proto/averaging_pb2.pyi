@@ -130,7 +130,7 @@ class Decision(_message.Message):
     def __init__(self, round_id: _Optional[bytes] = ..., abort: bool = ..., reason: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[int]] = ..., excluded_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("abort", "reason", "decision", "part", "compression", "clip_scales", "clip_tau", "clip_step", "digest", "sketches", "start", "backward")
+    __slots__ = ("abort", "reason", "decision", "part", "compression", "clip_scales", "clip_tau", "clip_step", "digest", "sketches")
     ABORT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
@@ -141,8 +141,6 @@ class ResultHeader(_message.Message):
     CLIP_STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SKETCHES_FIELD_NUMBER: _ClassVar[int]
-    START_FIELD_NUMBER: _ClassVar[int]
-    BACKWARD_FIELD_NUMBER: _ClassVar[int]
     abort: bool
     reason: str
     decision: bytes
@@ -153,9 +151,7 @@ class ResultHeader(_message.Message):
     clip_step: float
     digest: bytes
     sketches: _containers.RepeatedScalarFieldContainer[float]
-    start: int
-    backward: bool
-    def __init__(self, abort: bool = ..., reason: _Optional[str] = ..., decision: _Optional[bytes] = ..., part: _Optional[int] = ..., compression: _Optional[int] = ..., clip_scales: _Optional[_Iterable[float]] = ..., clip_tau: _Optional[float] = ..., clip_step: _Optional[float] = ..., digest: _Optional[bytes] = ..., sketches: _Optional[_Iterable[float]] = ..., start: _Optional[int] = ..., backward: bool = ...) -> None: ...
+    def __init__(self, abort: bool = ..., reason: _Optional[str] = ..., decision: _Optional[bytes] = ..., part: _Optional[int] = ..., compression: _Optional[int] = ..., clip_scales: _Optional[_Iterable[float]] = ..., clip_tau: _Optional[float] = ..., clip_step: _Optional[float] = ..., digest: _Optional[bytes] = ..., sketches: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyReport(_message.Message):
     __slots__ = ("prefix", "round_id", "member", "digests", "accused", "reasons")
@@ -186,20 +182,14 @@ class VerifyVerdict(_message.Message):
     def __init__(self, ok: bool = ..., accused: _Optional[int] = ..., reported_by: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("prefix", "round_id", "part", "start", "backward", "compression")
+    __slots__ = ("prefix", "round_id", "part")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
-    START_FIELD_NUMBER: _ClassVar[int]
-    BACKWARD_FIELD_NUMBER: _ClassVar[int]
-    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     round_id: bytes
     part: int
-    start: int
-    backward: bool
-    compression: int
-    def __init__(self, prefix: _Optional[str] = ..., round_id: _Optional[bytes] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., backward: bool = ..., compression: _Optional[int] = ...) -> None: ...
+    def __init__(self, prefix: _Optional[str] = ..., round_id: _Optional[bytes] = ..., part: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("prefix", "version", "offset")
