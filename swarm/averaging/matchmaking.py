@@ -181,6 +181,7 @@ class Matchmaking:
         self._last_key: str | None = None  # the key of the last group this peer's steps formed
         self._last_leader: Candidate | None = None  # that group's leader, when it was another peer
         self._led_last = False  # this peer led that group
+        self._last_size = 0  # how many members it had
         self._following = False  # this step waits on another peer's Join now
         self._link = peer.pool.estimates
         self._link.exclude(JOIN, REPORT)  # long polls, not round trips
@@ -224,10 +225,15 @@ class Matchmaking:
         # the leader of this peer's last group, for the next round's group (`follow_last_leader`)
         straight = self._last_leader if (cfg.follow_last_leader and self._key and self._last_key is not None
                                          and self._last_key != self._key) else None
-        declared = straight is None
-        if declared:
-            await self.election.begin(me, deadline_wall)
+        declared = False
         try:
+            if straight is None and self._leads_again(expected_size):
+                group = await self._lead_again(me, deadline)
+                if group is not None:
+                    return group
+            if straight is None:
+                declared = True
+                await self.election.begin(me, deadline_wall)
             while loop.time() < deadline:
                 if straight is not None:
                     group = await self._follow_leader(me, straight, deadline, straight=True)
@@ -498,7 +504,7 @@ class Matchmaking:
         if group is None:
             self._last_round, self._last_leader, self._led_last = None, None, False  # the next try asks the DHT
         else:
-            self._last_round, self._last_key = group.round_id, self._key
+            self._last_round, self._last_key, self._last_size = group.round_id, self._key, len(group.members)
             leader = group.leader
             self._led_last = leader.peer_id == me.peer_id
             self._last_leader = None if self._led_last else Candidate(leader.peer_id, leader.addr)
@@ -577,6 +583,43 @@ class Matchmaking:
                 out[""] = until
         return out
 
+    def _leads_again(self, expected_size: int | None) -> bool:
+        """Whether this step may lead its last group's members again without the DHT
+        (`follow_last_leader`): this peer led that group, keys name rounds, and the peers expected
+        (training progress says how many) are no more than that group held, so every one of them
+        can come straight here (a newcomer, which only the DHT can lead here, makes it declare)."""
+        return (self.config.follow_last_leader and bool(self._key) and self._led_last
+                and self._last_key is not None and self._last_key != self._key and self.peer.server is not None
+                and expected_size is not None and expected_size <= min(self._last_size, self.config.target_group_size))
+
+    async def _lead_again(self, me: MemberInfo, deadline: float) -> GroupInfo | None:
+        """Leads the group of this round with the joins held for it (`_holds`: the last group's
+        members come straight here), starting once every expected peer is in, before declaring
+        anything: no store, read or withdrawal in the DHT. Waits at most the bound it would wait
+        for a declared peer; returns None if they did not all come by then (the step then
+        declares and leads or follows as usual, the joins still held)."""
+        loop = asyncio.get_running_loop()
+        led_at = loop.time()
+        bound = self.spread.bound(self._link.rtt())
+        until = min(deadline, led_at + bound)
+        self._leading = True
+        try:
+            while True:
+                now = loop.time()
+                if 1 + len(self._keep_apart(self._live(now))[0]) >= self._start_size:
+                    return self._start(me, now, deadline, led_at, "every expected peer came straight", bound, {})
+                if now >= until:
+                    logger.debug("round %s: not every expected peer came straight within %.3f s; declaring",
+                                 self._key, bound)
+                    return None
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), until - now)
+                except TimeoutError:
+                    pass
+        finally:
+            self._leading = False
+
     async def _lead(self, me: MemberInfo, start: float, deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
         cfg = self.config
@@ -649,14 +692,20 @@ class Matchmaking:
                 await asyncio.wait_for(self._arrived.wait(), max(0.001, wake - now))
             except TimeoutError:
                 pass
-        now = loop.time()
+        return self._start(me, loop.time(), deadline, led_at, why, bound, outstanding, expected_at)
+
+    def _start(self, me: MemberInfo, now: float, deadline: float, led_at: float, why: str, bound: float,
+               outstanding: dict[str, float], expected_at: dict[str, float] | None = None) -> GroupInfo:
+        """Forms the group of the joins in now (up to the target size) and answers every joiner;
+        the lateness of members that were expected (`expected_at`) teaches the wait bound."""
+        cfg = self.config
         kept, apart = self._keep_apart(self._live(now))
         live = sorted(kept, key=lambda j: j.member.peer_id)
         chosen, rest = live[: cfg.target_group_size - 1], live[cfg.target_group_size - 1:]
         cap = min([deadline - now] + [j.timeout_at - now for j in chosen]) - 0.05
         timeout = self._round_timeout(cap, 1 + len(chosen)) if cfg.adaptive else cap
         for j in chosen:
-            if j.member.peer_id in expected_at:
+            if expected_at is not None and j.member.peer_id in expected_at:
                 self.spread.observe(j.arrived - expected_at[j.member.peer_id])
         group = GroupInfo(
             round_id=os.urandom(16), prefix=self.prefix, members=cap_relayed_parts((me, *(j.member for j in chosen))),

@@ -20,6 +20,7 @@ from avg_harness import FakeDHT, run_steps
 
 from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig
 from swarm.averaging.service import JOIN
+from swarm.averaging.timing import ArrivalSpread
 from swarm.peer import Peer
 from swarm.proto import averaging_pb2
 
@@ -110,12 +111,82 @@ def test_followers_of_the_last_group_go_straight_to_its_leader_without_the_dht(m
     assert len({r.round_id for r in out}) == 1 and out[0].group[0] == leader and len(out[0].group) == 3
     key = f"{PREFIX}.group.1"
     for p, v in zip(peers, views):
-        if p.peer_id == leader:  # the leader declares, so newcomers find it, and reads
-            assert v.stores.get(key, 0) >= 1 and v.reads.get(key, 0) >= 1
-        else:  # its followers neither declare nor read
+        # its followers neither declare nor read (the leader does only if one of them was not in
+        # within its bound: test_a_leader_holding_its_last_group_again_starts_without_the_dht)
+        if p.peer_id != leader:
             assert v.stores.get(key, 0) == 0 and v.reads.get(key, 0) == 0, (v.stores, v.reads)
     for avg in avgs:  # both rounds averaged: the mean of 0, 1, 2 both times
         assert torch.equal(avg.tensors[0], torch.full((64,), 1.0))
+
+
+def hold(peer: Peer, avg: Averager, key: str, count: int) -> None:
+    """Returns once `avg`'s matchmaking holds `count` joins for group `key` (10 s at most)."""
+    matchmaking = avg.matchmaking
+
+    async def held() -> None:
+        while sum(j.key == key and not j.answer.done() for j in matchmaking._joiners.values()) < count:
+            matchmaking._arrived.clear()
+            await matchmaking._arrived.wait()
+
+    peer.run(asyncio.wait_for(held(), 10), timeout=15)
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_holding_its_last_group_again_starts_without_the_dht(make):
+    peers, views, avgs = make(3)
+    leader = first_round(avgs)
+    lead = next(i for i, p in enumerate(peers) if p.peer_id == leader)
+    steps = [step_in_background(a, 20, "1", 3) for i, a in enumerate(avgs) if i != lead]
+    hold(peers[lead], avgs[lead], "1", 2)  # both members came straight before the leader's step
+    got = avgs[lead].step(timeout=10, group_key="1", expected_size=3)
+    for thread, _ in steps:
+        thread.join(30)
+    outs = [result["out"] for _, result in steps]
+    assert all(not isinstance(r, Exception) for r in outs), outs
+    assert {got.round_id} == {r.round_id for r in outs} and len(got.group) == 3 and got.group[0] == leader
+    # nobody declared, read or withdrew anything under the round's key
+    assert all(v.stores.get(f"{PREFIX}.group.1", 0) == 0 and v.reads.get(f"{PREFIX}.group.1", 0) == 0
+               for v in views), [(v.stores, v.reads) for v in views]
+    assert avgs[lead].matchmaking.last_start["why"] == "every expected peer came straight"
+    for avg in avgs:
+        assert torch.equal(avg.tensors[0], torch.full((64,), 1.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_whose_member_is_late_declares_after_its_bound_and_still_takes_it(make):
+    peers, views, avgs = make(3)
+    leader = first_round(avgs)
+    lead = next(i for i, p in enumerate(peers) if p.peer_id == leader)
+    early, late = (i for i in range(3) if i != lead)
+    # the leader waits 1 s for a straight member before it declares, and as long for a declared one
+    avgs[lead].matchmaking.spread = ArrivalSpread(initial=1.0, floor=1.0, cap=1.0)
+    first = step_in_background(avgs[early], 20, "1", 3)
+    head = step_in_background(avgs[lead], 20, "1", 3)
+    # the late member steps only once the leader, not holding it, declared in the DHT
+    assert views[lead].event(f"{PREFIX}.group.1").wait(10)
+    got = avgs[late].step(timeout=10, group_key="1", expected_size=3)
+    for thread, _ in (first, head):
+        thread.join(30)
+    outs = [first[1]["out"], head[1]["out"]]
+    assert all(not isinstance(r, Exception) for r in outs), outs
+    assert {got.round_id} == {r.round_id for r in outs} and len(got.group) == 3 and got.group[0] == leader
+    assert views[late].stores.get(f"{PREFIX}.group.1", 0) == 0  # it still came straight
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_expecting_a_peer_its_last_group_lacked_declares_at_once(make):
+    # a newcomer finds a leader only through the DHT: the leader declares without waiting (were
+    # it to wait for straight members first, its 30 s bound would outlast the steps' 10 s)
+    peers, views, avgs = make(3)
+    leader = first_round(avgs[:2])
+    for avg in avgs:
+        avg.matchmaking.spread = ArrivalSpread(initial=30.0, floor=30.0, cap=30.0)
+    out = run_steps(avgs, timeout=10, group_key="1", expected_size=3)
+    assert all(not isinstance(r, Exception) for r in out), out
+    assert len({r.round_id for r in out}) == 1 and len(out[0].group) == 3
+    lead = next(i for i, p in enumerate(peers) if p.peer_id == leader)
+    assert views[lead].stores.get(f"{PREFIX}.group.1", 0) >= 1
+    assert avgs[lead].matchmaking.last_start.get("why") != "every expected peer came straight"
 
 
 @pytest.mark.timeout(60)
