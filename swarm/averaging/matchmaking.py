@@ -227,7 +227,9 @@ class Matchmaking:
                                          and self._last_key != self._key) else None
         declared = False
         try:
+            waited_from: float | None = None  # since when this step waited for straight members
             if straight is None and self._leads_again(expected_size):
+                waited_from = loop.time()
                 group = await self._lead_again(me, deadline)
                 if group is not None:
                     return group
@@ -257,7 +259,7 @@ class Matchmaking:
                 if candidate.peer_id == me.peer_id:
                     self._leading = True
                     try:
-                        group = await self._lead(me, start, deadline)
+                        group = await self._lead(me, start, deadline, waited_from)
                     finally:
                         self._leading = False
                     if group is not None:
@@ -597,7 +599,10 @@ class Matchmaking:
         members come straight here), starting once every expected peer is in, before declaring
         anything: no store, read or withdrawal in the DHT. Waits at most the bound it would wait
         for a declared peer; returns None if they did not all come by then (the step then
-        declares and leads or follows as usual, the joins still held)."""
+        declares and leads or follows as usual, the joins still held, and the wait for peers
+        not declared counts from here: a member that died costs one bound, not two). How late
+        each member came past this peer's own step teaches the bound, as a declared peer's
+        lateness past its readiness does."""
         loop = asyncio.get_running_loop()
         led_at = loop.time()
         bound = self.spread.bound(self._link.rtt())
@@ -606,8 +611,10 @@ class Matchmaking:
         try:
             while True:
                 now = loop.time()
-                if 1 + len(self._keep_apart(self._live(now))[0]) >= self._start_size:
-                    return self._start(me, now, deadline, led_at, "every expected peer came straight", bound, {})
+                kept = self._keep_apart(self._live(now))[0]
+                if 1 + len(kept) >= self._start_size:
+                    return self._start(me, now, deadline, led_at, "every expected peer came straight", bound, {},
+                                       {j.member.peer_id: led_at for j in kept})
                 if now >= until:
                     logger.debug("round %s: not every expected peer came straight within %.3f s; declaring",
                                  self._key, bound)
@@ -620,7 +627,8 @@ class Matchmaking:
         finally:
             self._leading = False
 
-    async def _lead(self, me: MemberInfo, start: float, deadline: float) -> GroupInfo | None:
+    async def _lead(self, me: MemberInfo, start: float, deadline: float,
+                    waited_from: float | None = None) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
         cfg = self.config
         latest_start = start + cfg.matchmaking_share * (deadline - start)
@@ -629,7 +637,8 @@ class Matchmaking:
         last_size = 0
         next_poll = led_at + cfg.poll_interval
         refreshed_at = led_at  # `election.leader` just looked at the declarations
-        expected_at: dict[str, float] = {}
+        # peers expected without a declaration are waited for from when `_lead_again` began to
+        expected_at: dict[str, float] = {"": waited_from} if waited_from is not None else {}
         bound = self.spread.bound(self._link.rtt()) + self.election.patience()
         outstanding: dict[str, float] = {}
         why = ""

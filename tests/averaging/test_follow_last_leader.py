@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -171,6 +172,25 @@ def test_a_leader_whose_member_is_late_declares_after_its_bound_and_still_takes_
     assert all(not isinstance(r, Exception) for r in outs), outs
     assert {got.round_id} == {r.round_id for r in outs} and len(got.group) == 3 and got.group[0] == leader
     assert views[late].stores.get(f"{PREFIX}.group.1", 0) == 0  # it still came straight
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_never_comes_costs_its_leader_one_wait_bound_not_two(make):
+    # the wait for straight members and the wait for undeclared ones after declaring are one wait
+    peers, views, avgs = make(3)
+    leader = first_round(avgs)
+    lead = next(i for i, p in enumerate(peers) if p.peer_id == leader)
+    present = next(i for i in range(3) if i != lead)  # the third member trains on, never stepping
+    avgs[lead].matchmaking.spread = ArrivalSpread(initial=3.0, floor=3.0, cap=3.0)
+    follower = step_in_background(avgs[present], 20, "1", 3)
+    began = time.monotonic()
+    got = avgs[lead].step(timeout=20, group_key="1", expected_size=3)
+    took = time.monotonic() - began
+    follower[0].join(30)
+    assert not isinstance(follower[1]["out"], Exception), follower[1]
+    assert got.round_id == follower[1]["out"].round_id and len(got.group) == 2
+    assert views[lead].stores.get(f"{PREFIX}.group.1", 0) >= 1  # it declared once the bound passed
+    assert took < 5.0, f"the leader waited {took:.1f} s for the missing member: its 3 s bound twice over"
 
 
 @pytest.mark.timeout(60)
