@@ -104,6 +104,8 @@ def swarm_worker(args: argparse.Namespace) -> None:
         import pstats
 
         peer.run(toggle(False))
+        if os.environ["BENCH_PROFILE"].endswith(".prof"):  # kept whole, for pstats or snakeviz
+            profiler.dump_stats(os.environ["BENCH_PROFILE"])
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     print(json.dumps({"times": times[1:], "cpu": cpu[1:], "baseline_mb": baseline, "peak_mb": _peak_mb(),
                       "tensor_mb": numel * 4 / 2**20, "failures": failures}), flush=True)

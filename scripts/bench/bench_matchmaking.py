@@ -12,6 +12,9 @@ first chunk, through its fault plan). Two settings run in the same invocation:
   announces its next round with its expected readiness, as `swarm.Optimizer` does;
 - fixed: `MatchmakingConfig(adaptive=False)`, the fixed-constant behaviour before it (0.3 s
   join window; the round's timeout is what the step has left), no announcements;
+- follow (only with `--modes follow`): adaptive, with `MatchmakingConfig.follow_last_leader` and
+  every step told to expect all N peers, as `swarm.Optimizer` runs it: a steady group's members
+  go straight to their last leader, which starts without the DHT once it holds them all;
 - noprobe (only with `--modes noprobe`): adaptive, but no member probes a peer whose stream
   broke (`refuses_connections` answers False where allreduce and averager call it), so a dead sender is waited for until its
   silence limit or the report time, and a dead reducer's report until the decide deadline, as
@@ -32,6 +35,8 @@ Figures per (N, setting):
   before the round's main group formed) was not in that group (its step failed, or it ended in
   a smaller group), the kill round excepted; "missed late": the same for peers that came after;
 - median interval: median time between consecutive round completions (last peer done);
+- last ready to done: per round, from the last member's call to `step` to the last member done
+  (what matchmaking and the all-reduce add once everyone is ready), median;
 - kill gap: time without a completed round around the kill (last completion before it to the
   first complete round after it), and that gap over the median interval;
 - figures the adaptive leaders logged (round timeout, wait bound).
@@ -116,7 +121,8 @@ def run_rounds(peer: Any, mode: str, at: float, until: float, cfg: dict[str, Any
     if cfg.get("kill_round") is not None:
         plan.add(FaultPoint.AFTER_CHUNKS_SENT, Action.KILL, after=1, rounds={cfg["kill_round"]})
     adaptive = mode != "fixed"
-    config = AveragerConfig(matchmaking=MatchmakingConfig(adaptive=adaptive))
+    follow = mode == "follow"
+    config = AveragerConfig(matchmaking=MatchmakingConfig(adaptive=adaptive, follow_last_leader=follow))
     tensor = torch.zeros(cfg["numel"])
     avg = Averager(peer, [tensor], prefix=f"bench-{mode}", target_group_size=cfg["n"], min_group_size=2,
                    config=config, faults=plan)
@@ -139,7 +145,7 @@ def run_rounds(peer: Any, mode: str, at: float, until: float, cfg: dict[str, Any
         tensor.fill_(float(cfg["index"]))
         ready = time.time()
         try:
-            result = avg.step(timeout=cfg["step_timeout"], group_key=f"r{r}")
+            result = avg.step(timeout=cfg["step_timeout"], group_key=f"r{r}", expected_size=cfg["n"] if follow else None)
             out = {"ok": True, "group": len(result.group), "round_id": result.round_id[:8]}
             if avg.matchmaking.timing.durations:  # when the group formed: the all-reduce's start
                 out["formed"] = time.time() - avg.matchmaking.timing.durations[-1]
@@ -266,6 +272,7 @@ def summarize(n: int, mode: str, events_of: list[list[dict[str, Any]]], victim: 
                     leaders.append(e["leader"])
     left_out = late = 0
     completed: list[tuple[int, float]] = []  # (round, when its last member finished)
+    closing: list[float] = []  # from the last member's readiness to the last member done, per round
     for r in sorted(by_round):
         events = by_round[r]
         if r == args.kill_round:
@@ -283,6 +290,7 @@ def summarize(n: int, mode: str, events_of: list[list[dict[str, Any]]], victim: 
         late += sum(1 for i, e in live.items() if i not in main and e["ready"] >= formed)
         if main:
             completed.append((r, main_end))
+            closing.append(main_end - max(live[i]["ready"] for i in main))
     ends = [t for _, t in completed]
     intervals = [b - a for a, b in itertools.pairwise(ends)]
     median = statistics.median(intervals) if intervals else float("nan")
@@ -294,6 +302,7 @@ def summarize(n: int, mode: str, events_of: list[list[dict[str, Any]]], victim: 
     return {
         "peers": n, "mode": mode, "rounds_done": len(completed), "left_out": left_out, "missed_late": late,
         "median_interval_s": round(median, 3), "kill_gap_s": round(gap, 3),
+        "last_ready_to_done_s_median": round(statistics.median(closing), 4) if closing else None,
         "kill_gap_over_median": round(gap / median, 2) if math.isfinite(median) and median > 0 else None,
         "kill_extra_over_median": round((gap - median) / median, 2) if math.isfinite(median) and median > 0 else None,
         "round_timeout_s_median": round(statistics.median(timeouts), 3) if timeouts else None,
@@ -307,7 +316,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--modes", nargs="+", default=["adaptive", "fixed"], choices=["adaptive", "fixed", "noprobe"])
+    parser.add_argument("--modes", nargs="+", default=["adaptive", "fixed"], choices=["adaptive", "fixed", "noprobe", "follow"])
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--kill-round", type=int, default=25)
     parser.add_argument("--spread", type=float, default=2.0, help="start times spread up to this many seconds")

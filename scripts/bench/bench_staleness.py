@@ -11,7 +11,10 @@ that trainer's previous share.
 Not timed: the figure is the loss.
 
     .venv/bin/python scripts/bench/bench_staleness.py [--steps 117] [--settings 128:0.0085 172:0.0085]
-        [--speculate 4]
+        [--speculate 4 | --at-once-only]
+
+`--at-once-only` replays waiting rounds alone: how far a given number of collective steps gets at
+each learning rate (what the swarm's step count is worth, whatever its averaging).
 """
 
 from __future__ import annotations
@@ -84,9 +87,18 @@ def main() -> None:
                         help="also replay one step late with N trainers' trial steps (bench_staleness.replay)")
     parser.add_argument("--settings", nargs="+", default=["128:0.0085", "172:0.0085"],
                         help="BATCH:LR pairs, each replayed with the gradient applied at once and one step late")
+    parser.add_argument("--at-once-only", action="store_true",
+                        help="replay each setting with the gradient applied at once only (waiting rounds)")
     args = parser.parse_args()
+    if args.at_once_only and args.speculate:
+        parser.error("--speculate replays late gradients: it does not go with --at-once-only")
     for setting in args.settings:
         batch, lr = setting.split(":")
+        if args.at_once_only:
+            now = replay(int(batch), float(lr), args.steps, 0, args.warmup)
+            print(f"batch {batch}, lr {lr}, warm-up {args.warmup}, {args.steps} steps: held-out loss {now:.3f} "
+                  f"with each gradient applied at once", flush=True)
+            continue
         now, late = (replay(int(batch), float(lr), args.steps, delay, args.warmup) for delay in (0, 1))
         line = (f"batch {batch}, lr {lr}, {args.steps} steps: held-out loss {now:.3f} with each gradient applied "
                 f"at once, {late:.3f} one step late ({late / now:.3f}x)")
