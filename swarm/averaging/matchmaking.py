@@ -600,9 +600,9 @@ class Matchmaking:
         anything: no store, read or withdrawal in the DHT. Waits at most the bound it would wait
         for a declared peer; returns None if they did not all come by then (the step then
         declares and leads or follows as usual, the joins still held, and the wait for peers
-        not declared counts from here: a member that died costs one bound, not two). How late
-        each member came past this peer's own step teaches the bound, as a declared peer's
-        lateness past its readiness does."""
+        not declared counts from here: a member that died costs one bound, not two). A member
+        already in when this step began teaches the bound a lateness of 0, so lags learned long
+        ago (a swarm's start) do not keep it high once the DHT is skipped."""
         loop = asyncio.get_running_loop()
         led_at = loop.time()
         bound = self.spread.bound(self._link.rtt())
@@ -613,8 +613,11 @@ class Matchmaking:
                 now = loop.time()
                 kept = self._keep_apart(self._live(now))[0]
                 if 1 + len(kept) >= self._start_size:
+                    # a member already in at this step's start was on time; of one that came later
+                    # nothing says when it meant to come (its announcement is in the DHT, unread)
+                    on_time = {j.member.peer_id: j.arrived for j in kept if j.arrived <= led_at}
                     return self._start(me, now, deadline, led_at, "every expected peer came straight", bound, {},
-                                       {j.member.peer_id: led_at for j in kept})
+                                       on_time)
                 if now >= until:
                     logger.debug("round %s: not every expected peer came straight within %.3f s; declaring",
                                  self._key, bound)

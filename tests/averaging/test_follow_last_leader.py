@@ -137,6 +137,10 @@ def test_a_leader_holding_its_last_group_again_starts_without_the_dht(make):
     peers, views, avgs = make(3)
     leader = first_round(avgs)
     lead = next(i for i, p in enumerate(peers) if p.peer_id == leader)
+    # lags learned long ago (3 s late): its members, on time now, teach it their lateness of 0
+    spread = avgs[lead].matchmaking.spread = ArrivalSpread(initial=1.0, floor=0.05, cap=5.0, window=2)
+    spread.observe(3.0)
+    spread.observe(3.0)
     steps = [step_in_background(a, 20, "1", 3) for i, a in enumerate(avgs) if i != lead]
     hold(peers[lead], avgs[lead], "1", 2)  # both members came straight before the leader's step
     got = avgs[lead].step(timeout=10, group_key="1", expected_size=3)
@@ -149,6 +153,7 @@ def test_a_leader_holding_its_last_group_again_starts_without_the_dht(make):
     assert all(v.stores.get(f"{PREFIX}.group.1", 0) == 0 and v.reads.get(f"{PREFIX}.group.1", 0) == 0
                for v in views), [(v.stores, v.reads) for v in views]
     assert avgs[lead].matchmaking.last_start["why"] == "every expected peer came straight"
+    assert list(spread.lags) == [0.0, 0.0] and spread.bound() < 1.0
     for avg in avgs:
         assert torch.equal(avg.tensors[0], torch.full((64,), 1.0))
 
