@@ -597,16 +597,19 @@ class Matchmaking:
     async def _lead_again(self, me: MemberInfo, deadline: float) -> GroupInfo | None:
         """Leads the group of this round with the joins held for it (`_holds`: the last group's
         members come straight here), starting once every expected peer is in, before declaring
-        anything: no store, read or withdrawal in the DHT. Waits at most the bound it would wait
-        for a declared peer; returns None if they did not all come by then (the step then
-        declares and leads or follows as usual, the joins still held, and the wait for peers
-        not declared counts from here: a member that died costs one bound, not two). A member
+        anything: no store, read or withdrawal in the DHT. Waits a couple of round trips at most
+        (its learned bound, if shorter); returns None if they did not all come by then (the step
+        then declares and leads or follows as usual, the joins still held, and the wait for
+        peers not declared counts from here: a member that died costs one bound). A member
         already in when this step began teaches the bound a lateness of 0, so lags learned long
         ago (a swarm's start) do not keep it high once the DHT is skipped."""
         loop = asyncio.get_running_loop()
         led_at = loop.time()
-        bound = self.spread.bound(self._link.rtt())
-        until = min(deadline, led_at + bound)
+        rtt = self._link.rtt()
+        bound = self.spread.bound(rtt)
+        # members that stepped when this peer did are in within a couple of round trips; a later
+        # one is waited for declared, as before, where its announcement says when it comes
+        until = min(deadline, led_at + min(bound, self.config.min_wait + 2 * (rtt or 0.0)))
         self._leading = True
         try:
             while True:
@@ -620,7 +623,7 @@ class Matchmaking:
                                        on_time)
                 if now >= until:
                     logger.debug("round %s: not every expected peer came straight within %.3f s; declaring",
-                                 self._key, bound)
+                                 self._key, until - led_at)
                     return None
                 self._arrived.clear()
                 try:
