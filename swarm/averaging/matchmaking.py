@@ -600,9 +600,9 @@ class Matchmaking:
         anything: no store, read or withdrawal in the DHT. Waits a couple of round trips at most
         (its learned bound, if shorter); returns None if they did not all come by then (the step
         then declares and leads or follows as usual, the joins still held, and the wait for
-        peers not declared counts from here: a member that died costs one bound). A member
-        already in when this step began teaches the bound a lateness of 0, so lags learned long
-        ago (a swarm's start) do not keep it high once the DHT is skipped."""
+        peers not declared counts from here: a member that died costs one bound). It teaches the
+        bound nothing: a member's lateness is past its announced readiness, which is in the DHT,
+        unread here (the steps that declare go on teaching it)."""
         loop = asyncio.get_running_loop()
         led_at = loop.time()
         rtt = self._link.rtt()
@@ -614,13 +614,8 @@ class Matchmaking:
         try:
             while True:
                 now = loop.time()
-                kept = self._keep_apart(self._live(now))[0]
-                if 1 + len(kept) >= self._start_size:
-                    # a member already in at this step's start was on time; of one that came later
-                    # nothing says when it meant to come (its announcement is in the DHT, unread)
-                    on_time = {j.member.peer_id: j.arrived for j in kept if j.arrived <= led_at}
-                    return self._start(me, now, deadline, led_at, "every expected peer came straight", bound, {},
-                                       on_time)
+                if 1 + len(self._keep_apart(self._live(now))[0]) >= self._start_size:
+                    return self._start(me, now, deadline, led_at, "every expected peer came straight", bound, {})
                 if now >= until:
                     logger.debug("round %s: not every expected peer came straight within %.3f s; declaring",
                                  self._key, until - led_at)
