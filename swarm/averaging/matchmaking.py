@@ -638,7 +638,7 @@ class Matchmaking:
         last_size = 0
         next_poll = led_at + cfg.poll_interval
         refreshed_at = led_at  # `election.leader` just looked at the declarations
-        # peers expected without a declaration are waited for from when `_lead_again` began to
+        # peers expected without a declaration are waited for from when `_lead_again` began waiting
         expected_at: dict[str, float] = {"": waited_from} if waited_from is not None else {}
         bound = self.spread.bound(self._link.rtt()) + self.election.patience()
         outstanding: dict[str, float] = {}

@@ -113,7 +113,7 @@ def test_followers_of_the_last_group_go_straight_to_its_leader_without_the_dht(m
     key = f"{PREFIX}.group.1"
     for p, v in zip(peers, views):
         # its followers neither declare nor read (the leader does only if one of them was not in
-        # within its bound: test_a_leader_holding_its_last_group_again_starts_without_the_dht)
+        # a couple of round trips after its step: test_a_leader_holding_its_last_group_again_...)
         if p.peer_id != leader:
             assert v.stores.get(key, 0) == 0 and v.reads.get(key, 0) == 0, (v.stores, v.reads)
     for avg in avgs:  # both rounds averaged: the mean of 0, 1, 2 both times
@@ -154,7 +154,7 @@ def test_a_leader_holding_its_last_group_again_starts_without_the_dht(make):
 
 
 @pytest.mark.timeout(60)
-def test_a_leader_whose_member_is_late_declares_after_its_bound_and_still_takes_it(make):
+def test_a_leader_whose_member_is_late_declares_and_still_takes_it(make):
     peers, views, avgs = make(3)
     leader = first_round(avgs)
     lead = next(i for i, p in enumerate(peers) if p.peer_id == leader)
@@ -193,7 +193,7 @@ def test_a_member_that_never_comes_costs_its_leader_one_wait_bound(make):
     follower[0].join(30)
     assert not isinstance(follower[1]["out"], Exception), follower[1]
     assert got.round_id == follower[1]["out"].round_id and len(got.group) == 2
-    assert views[lead].stores.get(f"{PREFIX}.group.1", 0) >= 1  # it declared once the bound passed
+    assert views[lead].stores.get(f"{PREFIX}.group.1", 0) >= 1  # it declared once its wait for straight members passed
     assert took < 4.0, f"the leader waited {took:.1f} s for the missing member, its bound 3 s (5 s: two waits)"
 
 
