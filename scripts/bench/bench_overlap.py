@@ -23,13 +23,17 @@ waiting for its group, and where each trainer process's CPU went, by thread (the
 the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
-        [--variants TARGET:LR[:WARMUP[:STALENESS[:TRIAL]]] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]] ...]
-        [--plain-references BATCH:LR ...] [--ddp-references LR[:WARMUP] ...]
+        [--variants TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR]]]] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]] ...]
+        [--plain-references BATCH:LR ...] [--ddp-references LR[:WARMUP] ...] [--hidden-dim 128]
+
+`--hidden-dim` sets the model's width in every phase: 128 is the demo's model (0.73M parameters),
+480 gives 9.5M, about the size of the model the issue's comparison names (~9.8M).
 
 `--variants` adds overlapped phases with another target batch, learning rate or warm-up, side by
 side with the default ones in the same invocation (what the held-out loss gap comes from; TRIAL 0
 turns off `CollaborationConfig.trial_step`, so overlapped trainers compute at the parameters they
-hold);
+hold; NEAR sets, for rounds waited for, the share of a batch's time within which a trainer waits for
+a near target, `swarm.optim.optimizer.NEAR_TARGET`, 0 to never wait);
 `diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]]` adds a DiLoCo phase: H inner steps of the plain
 process's batch per round, 8-bit (4-bit; 32: uncompressed) pseudo-gradients, outer SGD with that
 learning rate and Nesterov momentum (0.7, 0.9; momentum 0: plain SGD), inner Adam at the plain
@@ -88,14 +92,17 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
           + ", ".join(f"{method} {rate:.1f}" for method, rate in top), flush=True)
 
 
-def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float, bool]:
-    """`TARGET:LR[:WARMUP[:STALENESS[:TRIAL]]]`: target batch, Adam's learning rate, collective steps of
-    linear warm-up, max_staleness (1: rounds overlapped, the default; 0: each step waits for its round),
-    trial_step (1, the default; 0: off);
+def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float, bool, float | None]:
+    """`TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR]]]]`: target batch, Adam's learning rate, collective steps
+    of linear warm-up, max_staleness (1: rounds overlapped, the default; 0: each step waits for its round),
+    trial_step (1, the default; 0: off), and with rounds waited for, the share of its next batch's time
+    within which a trainer waits for a near target (`swarm.optim.optimizer.NEAR_TARGET`; 0: never; the
+    library's value unless given);
     or `diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]]`: DiLoCo with H inner steps per round, 8-bit
     (4-bit, 32: none) pseudo-gradients, outer SGD learning rate (0.7) and Nesterov momentum (0.9; 0:
     plain SGD), inner learning rate (0: the plain process's). Returns (target, lr, warm-up or H,
-    max_staleness, bits, outer lr, outer momentum, trial step); DiLoCo's target is 0 and its lr the inner one."""
+    max_staleness, bits, outer lr, outer momentum, trial step, near target); DiLoCo's target is 0 and its lr
+    the inner one."""
     parts = text.split(":")
     try:
         if parts[0] == "diloco" and 2 <= len(parts) <= 6 and (len(parts) == 2 or parts[2] in ("4", "8", "32")):
@@ -104,14 +111,17 @@ def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float, b
             momentum = float(parts[4]) if len(parts) >= 5 else 0.9
             inner_lr = float(parts[5]) if len(parts) == 6 else 0.0
             if outer_lr > 0 and 0 <= momentum < 1 and inner_lr >= 0:
-                return 0, inner_lr, int(parts[1]), 1, bits, outer_lr, momentum, False
-        elif 2 <= len(parts) <= 5 and all(flag in ("0", "1") for flag in parts[3:]):
-            return (int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) >= 3 else 0,
-                    int(parts[3]) if len(parts) >= 4 else 1, 32, 0.0, 0.0, len(parts) < 5 or parts[4] == "1")
+                return 0, inner_lr, int(parts[1]), 1, bits, outer_lr, momentum, False, None
+        elif 2 <= len(parts) <= 6 and all(flag in ("0", "1") for flag in parts[3:5]):
+            near = float(parts[5]) if len(parts) == 6 else None
+            if near is None or near >= 0:
+                return (int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) >= 3 else 0,
+                        int(parts[3]) if len(parts) >= 4 else 1, 32, 0.0, 0.0, len(parts) < 5 or parts[4] == "1",
+                        near)
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(
-        f"a variant is TARGET:LR[:WARMUP[:STALENESS[:TRIAL]]] or diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]], got {text!r}")
+        f"a variant is TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR]]]] or diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]], got {text!r}")
 
 
 def parse_plain(text: str) -> tuple[int, float]:
@@ -146,7 +156,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (the plain process's too)")
     parser.add_argument("--skip-sync", action="store_true", help="leave out the max_staleness=0 phase")
     parser.add_argument("--variants", nargs="*", type=parse_variant, default=[],
-                        help="more phases, each TARGET:LR[:WARMUP[:STALENESS]] (target batch, learning rate, "
+                        help="more phases, each TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR]]]] (target batch, learning rate, "
                              "collective steps of linear warm-up), run after the default ones in the same "
                              "invocation, e.g. 512:0.017:3 (the learning rate scaled by sqrt(512/16))")
     parser.add_argument("--plain-threads", type=int, nargs="*", default=None,
@@ -161,10 +171,19 @@ def main() -> None:
                              "trainers could reach with no coordination cost beyond gloo's all-reduce")
     parser.add_argument("--skip-default", action="store_true",
                         help="run only the --variants phases (the plain baseline still runs first)")
+    parser.add_argument("--hidden-dim", type=int, default=128,
+                        help="the model's width in every phase: 128 is the demo's (0.73M parameters), 480 gives "
+                             "9.5M, about the size of the issue's comparison model (~9.8M)")
     args = parser.parse_args()
     seconds = str(args.seconds)
+
+    def run(mode: str, peers: int, extra: list[str], timeout: float) -> list[dict[str, Any]]:
+        return bench_training.run_workers(mode, peers, [*extra, "--hidden-dim", str(args.hidden_dim)], timeout)
+
+    if args.hidden_dim != 128:
+        print(f"model: hidden_dim {args.hidden_dim}", flush=True)
     print(f"load average before: {os.getloadavg()}", flush=True)
-    plains = [(threads, bench_training.run_workers(
+    plains = [(threads, run(
         "plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr", str(args.lr)], args.seconds + 120)[0])
               for threads in (args.plain_threads or [os.cpu_count() or 1])]
     for threads, result in plains:
@@ -173,39 +192,42 @@ def main() -> None:
               f"lr {args.lr})", flush=True)
     threads, plain = max(plains, key=lambda tr: tr[1]["samples_per_s"])
     for batch, lr in args.plain_references:
-        result = bench_training.run_workers("plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr",
+        result = run("plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr",
                                                          str(lr), "--batch", str(batch)], args.seconds + 120)[0]
         print(f"plain reference, {threads} thread(s), batch {batch}, lr {lr}: {result['samples_per_s']:.1f} samples/s, "
               f"{result['steps']} steps, held-out loss {result['loss']:.3f} = {result['loss'] / plain['loss']:.3f}x "
               f"the baseline's ({plain['steps']} steps)", flush=True)
     for lr, warmup in args.ddp_references:
-        results = bench_training.run_workers("ddp", args.peers, [
+        results = run("ddp", args.peers, [
             "--max-seconds", seconds, "--threads", "1", "--lr", str(lr), "--warmup-steps", str(warmup),
             "--ddp-port", str(free_port())], args.seconds + 120)
         describe(f"{args.peers} torch.distributed (gloo) ranks, synchronous, batch {bench_training.BATCH} each, "
                  f"lr {lr}, warm-up {warmup}", results, plain)
     # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients), outer lr, outer momentum,
-    # trial step
-    phases: list[tuple[str, int, float, int, int, int, float, float, bool]] = []
+    # trial step, near target
+    phases: list[tuple[str, int, float, int, int, int, float, float, bool, float | None]] = []
     if not args.skip_default:
         phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
-                    args.lr, 0, staleness, 32, 0.0, 0.0, True) for staleness in ([1] if args.skip_sync else [0, 1])]
+                    args.lr, 0, staleness, 32, 0.0, 0.0, True, None)
+                   for staleness in ([1] if args.skip_sync else [0, 1])]
     phases += [(f"max_staleness={variant[3]}, target {variant[0]}, lr {variant[1]}, warm-up {variant[2]}"
-                + ("" if variant[7] or not variant[3] else ", no trial step") if variant[0]
+                + ("" if variant[7] or not variant[3] else ", no trial step")
+                + ("" if variant[8] is None else f", near target {variant[8]}") if variant[0]
                 else f"DiLoCo H={variant[2]} ({variant[4]}-bit, overlapped), inner lr {variant[1] or args.lr}, "
                      f"outer lr {variant[5]}, momentum {variant[6]}", *variant) for variant in args.variants]
-    for name, target, lr, warmup, staleness, bits, outer_lr, momentum, trial in phases:
+    for name, target, lr, warmup, staleness, bits, outer_lr, momentum, trial, near in phases:
         if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
             codec = "NONE" if bits == 32 else f"UNIFORM_{bits}BIT"
             extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(lr or args.lr), "--local-steps", str(warmup),
                      "--target-loss", "0", "--max-staleness", "1", "--compression", codec,
                      "--outer-lr", str(outer_lr), "--outer-momentum", str(momentum)]
-            results = bench_training.run_workers("diloco", args.peers, extra, args.seconds + 180)
+            results = run("diloco", args.peers, extra, args.seconds + 180)
             describe(f"{args.peers} trainers, {name}", results, plain)
             continue
         extra = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(target), "--lr", str(lr),
-                 "--warmup-steps", str(warmup), "--max-staleness", str(staleness), *([] if trial else ["--no-trial-step"])]
-        results = bench_training.run_workers("swarm", args.peers, extra, args.seconds + 180)
+                 "--warmup-steps", str(warmup), "--max-staleness", str(staleness), *([] if trial else ["--no-trial-step"]),
+                 *([] if near is None else ["--near-target", str(near)])]
+        results = run("swarm", args.peers, extra, args.seconds + 180)
         describe(f"{args.peers} trainers, {name}", results, plain)
     print(f"baseline: the plain process with {threads} thread(s); load average after: {os.getloadavg()}",
           flush=True)

@@ -43,14 +43,14 @@ HELD_OUT = 64
 # -- worker side ----------------------------------------------------------------------------------
 
 
-def _setup(threads: int) -> tuple[Any, Any, Any]:
+def _setup(threads: int, hidden_dim: int = 128) -> tuple[Any, Any, Any]:
     import torch
 
     from swarm.demo.data import ByteDataset, load_corpus
     from swarm.demo.model import ByteLM, LocalExperts, ModelConfig
 
     torch.set_num_threads(threads)
-    config = ModelConfig()
+    config = ModelConfig(hidden_dim=hidden_dim)
     torch.manual_seed(0)
     model = ByteLM(config, LocalExperts(config))
     train, held_out = ByteDataset.split(load_corpus(), config.context)
@@ -102,7 +102,7 @@ def rpc_calls(peer: Any) -> dict[str, int]:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    model, train, held_out = _setup(args.threads)
+    model, train, held_out = _setup(args.threads, args.hidden_dim)
     gen = torch.Generator().manual_seed(1000 + args.index)
     adam = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
     if args.mode == "plain":
@@ -136,6 +136,10 @@ def worker(args: argparse.Namespace) -> None:
     from swarm.compression import CompressionType
     from swarm.optim import CollaborationConfig, DiLoCoConfig
 
+    if args.near_target is not None:  # A/B of waiting for a near target (`swarm.optim.optimizer.NEAR_TARGET`)
+        import swarm.optim.optimizer
+
+        swarm.optim.optimizer.NEAR_TARGET = args.near_target
     peer = swarm.Peer(listen=f"/ip4/{args.address}/tcp/0", initial_peers=args.initial_peers)
     print(peer.addrs[0], flush=True)
     collaboration = CollaborationConfig(
@@ -365,6 +369,9 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7, help=argparse.SUPPRESS)  # DiLoCo's outer SGD
     parser.add_argument("--outer-momentum", type=float, default=0.9, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)  # the plain process's batch
+    # the model's width: 128 is the demo's (0.73M parameters), 480 about the issue 19 comparison's 9.8M
+    parser.add_argument("--hidden-dim", type=int, default=128, help=argparse.SUPPRESS)
+    parser.add_argument("--near-target", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         if args.mode != "diloco" and args.target_batch_size is None:
