@@ -53,7 +53,9 @@ class CollaborationConfig:
             step applies when the average arrives, so the gradients a step applies were computed
             at most one collective step earlier (DiLoCo: the outer step lands up to one round late,
             on top of the local steps taken meanwhile). The trainer waits for a round only when
-            the next one is due before it ended. 0: every round is waited for (synchronous).
+            the next one is due before it ended. 0: every round is waited for (synchronous), and
+            a trainer whose swarm is due at the target within half of its own next batch's time
+            waits for it rather than computing that batch (`swarm.optim.optimizer.NEAR_TARGET`).
         trial_step: in large-batch mode with a round in flight, compute the next batches at the
             parameters moved by a trial of the step the round will take: the optimizer's step on
             this peer's own part of the round's gradients, its state left as it was. When the

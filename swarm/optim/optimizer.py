@@ -61,6 +61,12 @@ logger = logging.getLogger(__name__)
 # the wait for a peer that died after announcing, by at most half the averaging timeout.
 PACE_SLACK = 1.0
 
+# With every round waited for (max_staleness 0), a trainer whose swarm is due at the target within
+# this share of its own next batch's time waits for it rather than computing that batch: the
+# batch would make the round wait for it (the others, at the target, stop computing), while the
+# wait costs at most this share of a batch (BENCHMARKS.md, "Communication overlapped with compute").
+NEAR_TARGET = 0.5
+
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 AveragerFactory = Callable[[Sequence[torch.Tensor], str], AveragerLike]
@@ -170,6 +176,7 @@ class Optimizer:
         self._digest = state_digest(self.mode.shared_tensors)
         self._resync_not_before = 0.0
         self._announced_epoch = -1  # the last epoch whose round this peer announced it will join
+        self._holding = False  # waiting for a near target (`_wait_for_target`)
         self._closed = False
         addr = peer.addrs[0] if peer.addrs and not peer.client_mode else ""
         self.tracker = ProgressTracker(peer, run_id, config, addr=addr)
@@ -247,6 +254,8 @@ class Optimizer:
             if not landed.ok and self.tracker.progress.epoch > self.epoch:
                 return self._after_failure(landed)
         progress = self._next_round_progress()
+        if not self.mode.wants_round(progress) and self._target_near(progress, batch_size):
+            progress = self._wait_for_target(batch_size)
         if not self.mode.wants_round(progress):
             self._announce_round(progress)
             return StepOutcome(self.epoch, round=landed)
@@ -312,7 +321,7 @@ class Optimizer:
             self.mode.load_state(state)
             previous, self.epoch = self.epoch, state.epoch
             self._digest = state_digest(self.mode.shared_tensors)
-        self._meter.pause()
+        self._meter.resume(time.monotonic())
         logger.info("[%s] loaded the swarm's state: epoch %d (was %d)", self.run_id, state.epoch, previous)
         self._report(urgent=True)
         return True
@@ -363,7 +372,7 @@ class Optimizer:
             self._in_flight = None
             if wait:
                 self.idle_seconds += time.monotonic() - waited
-                self._meter.pause()
+                self._meter.resume(time.monotonic())
         seconds = time.monotonic() - flight.started
         if error is not None:
             with self._lock:
@@ -399,6 +408,30 @@ class Optimizer:
             pass
         with self._lock:
             self.mode.abort_round(flight.epoch)
+
+    def _target_near(self, progress: SwarmProgress, batch_size: int) -> bool:
+        """True when every round is waited for and the swarm's reports say the target comes within
+        `NEAR_TARGET` of this trainer's next batch: the batch would make the round wait for it."""
+        if self.config.max_staleness != 0 or self._in_flight is not None or progress.target_batch_size is None:
+            return False
+        rate = self._meter.rate
+        return rate > 0 and progress.eta <= NEAR_TARGET * batch_size / rate
+
+    def _wait_for_target(self, batch_size: int) -> SwarmProgress:
+        """Waits, at most `NEAR_TARGET` of a batch's time, for the reports to reach the target
+        (saying meanwhile that this peer computes nothing, so no one counts samples it does not
+        make); returns the progress then. Counted in `idle_seconds`."""
+        waited = time.monotonic()
+        self._holding = True
+        self._report(urgent=True)
+        try:
+            self.tracker.wait_for(lambda p: p.ready or p.epoch > self.epoch,
+                                  NEAR_TARGET * batch_size / self._meter.rate)
+        finally:
+            self._holding = False
+            self.idle_seconds += time.monotonic() - waited
+            self._meter.resume(time.monotonic())
+        return self.tracker.progress
 
     def _next_round_progress(self) -> SwarmProgress:
         """The swarm's progress towards the next round this peer would start."""
@@ -521,6 +554,10 @@ class Optimizer:
     # -- helpers ------------------------------------------------------------------------------
 
     def _report(self, urgent: bool = False) -> None:
+        if self._holding:
+            # waiting for a near target (`_wait_for_target`): its samples, computing no more
+            self.tracker.update(self.epoch, self.mode.samples, 0.0, self._digest, urgent=urgent)
+            return
         flight = self._in_flight
         if flight is not None and self.config.max_staleness == 0:
             # waiting for its round, this peer computes nothing until the round lands: it reports

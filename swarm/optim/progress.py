@@ -178,6 +178,10 @@ class ThroughputMeter:
         self.rate = instant if self.rate == 0.0 else self.rate + alpha * (instant - self.rate)
         return self.rate
 
-    def pause(self) -> None:
-        """Forgets the time of the last update (time spent averaging or downloading is not training)."""
-        self._last = None
+    def resume(self, now: float) -> None:
+        """Training resumes at `now`: the time since the last update (averaging, waiting,
+        downloading) is not counted, and the next update's samples count from `now`. (Forgetting
+        the last update instead would count no samples at all of a trainer that waits after
+        every batch, and its rate would stay at its first estimate.)"""
+        if self._last is not None:
+            self._last = now

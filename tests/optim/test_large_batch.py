@@ -110,6 +110,48 @@ def test_a_peer_waiting_for_its_round_reports_that_it_computes_nothing(make_peer
     assert opts[0].tracker.local.samples_per_second > 0
 
 
+def test_a_waiting_trainer_near_the_target_waits_for_it_instead_of_computing_another_batch(make_peer):
+    # rounds waited for, target 38, batches of 16: after one batch each the swarm holds 32; the
+    # second peer's batches take 16 s (its throughput, 1 sample/s), so the 6 samples missing are
+    # due within half of its next batch: it waits (reporting that it computes nothing) instead of
+    # computing a batch the round would then wait for, and joins the round the first peer starts
+    # once its own second batch brings the target
+    config = replace(SYNC, target_batch_size=38)
+    data = make_data()
+    models = [make_model() for _ in range(2)]
+    opts = [Optimizer(make_peer(), run_id="near", params=m.parameters(), optimizer=adam, config=config)
+            for m in models]
+    assert all(o.wait_for_peers(2, timeout=10) for o in opts)
+    x, y = data
+    loss_on(models[0], x[:BATCH], y[:BATCH]).backward()
+    assert opts[0].step(BATCH).round is None  # 16 of 38; its throughput is not known yet (0)
+    opts[0].zero_grad()
+    assert opts[1].tracker.wait_for(lambda p: p.samples == BATCH, timeout=10)  # the second peer knows it
+    opts[1]._meter.rate = 1.0  # a trainer whose batch of 16 takes 16 s
+    outcomes: list = []
+
+    def second_peer() -> None:
+        loss_on(models[1], x[BATCH:2 * BATCH], y[BATCH:2 * BATCH]).backward()
+        outcomes.append(opts[1].step(BATCH))
+
+    thread = threading.Thread(target=second_peer)
+    thread.start()
+    try:
+        # its report while it waits: its 16 samples at no throughput (the first peer's is 0 too)
+        assert opts[0].tracker.wait_for(lambda p: p.samples == 32 and p.samples_per_second == 0.0, timeout=10)
+    finally:
+        loss_on(models[0], x[2 * BATCH:3 * BATCH], y[2 * BATCH:3 * BATCH]).backward()
+        first = opts[0].step(BATCH)  # 48 >= 38: it starts the round, which the waiting peer joins
+        thread.join(30)
+    assert not thread.is_alive() and outcomes
+    second = outcomes[0]
+    assert first.round is not None and first.round.ok and first.round.samples == 32
+    assert second.round is not None and second.round.ok and second.round.samples == BATCH, second
+    assert opts[0].epoch == opts[1].epoch == 1
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    assert opts[1].idle_seconds > 0
+
+
 def train_overlapped(opt: Optimizer, model: torch.nn.Module, data, seed: int, epochs: int, record: dict) -> None:
     """Trains with rounds in flight, recording which parameters (epoch) each batch was computed on
     and which round's window it went into."""

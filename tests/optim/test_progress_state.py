@@ -91,13 +91,25 @@ def test_accumulated_mean_equals_the_gradient_of_all_samples():
     assert acc.reset() == 10 and acc.samples == 0
 
 
-def test_throughput_meter_smooths_rates_and_forgets_pauses():
+def test_throughput_meter_smooths_rates_and_leaves_out_pauses():
     meter = ThroughputMeter(time_constant=1.0)
     meter.update(10, 0.0)
     assert meter.update(10, 1.0) == pytest.approx(10.0)
-    meter.pause()
-    meter.update(10, 100.0)  # the pause is not counted as training time
-    assert meter.update(10, 101.0) == pytest.approx(10.0)
+    meter.resume(99.0)  # 1.0 .. 99.0 was not training (a round waited for)
+    assert meter.update(10, 100.0) == pytest.approx(10.0)  # 10 samples in the 1 s since
+
+
+def test_throughput_meter_follows_a_trainer_that_waits_after_every_batch():
+    meter = ThroughputMeter(time_constant=0.5)
+    meter.update(10, 0.0)
+    assert meter.update(10, 1.0) == pytest.approx(10.0)
+    now = 1.0
+    for _ in range(20):  # each batch now takes 0.5 s of compute, then 2 s of waiting
+        now += 0.5
+        meter.update(10, now)
+        now += 2.0
+        meter.resume(now)
+    assert meter.rate == pytest.approx(20.0, rel=0.01)
 
 
 def test_configs_refuse_nonsense():
