@@ -76,16 +76,21 @@ def test_peers_take_identical_steps_equal_to_one_process(make_peer, num_peers):
         torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-4)
 
 
+def two_peers(make_peer, run_id: str, config: CollaborationConfig) -> tuple[list, list[Optimizer]]:
+    """Two models and their optimizers, each knowing of the other."""
+    models = [make_model() for _ in range(2)]
+    opts = [Optimizer(make_peer(), run_id=run_id, params=m.parameters(), optimizer=adam, config=config)
+            for m in models]
+    assert all(o.wait_for_peers(2, timeout=10) for o in opts)
+    return models, opts
+
+
 def test_a_peer_waiting_for_its_round_reports_that_it_computes_nothing(make_peer):
     # while a peer waits for its round it takes no batches: its report holds the round's samples
     # at no throughput, so the others add exactly those samples and do not extrapolate more by
     # its past throughput (they would start their next round short of the target)
-    data = make_data()
-    models = [make_model() for _ in range(2)]
-    opts = [Optimizer(make_peer(), run_id="idle", params=m.parameters(), optimizer=adam, config=SYNC)
-            for m in models]
-    assert all(o.wait_for_peers(2, timeout=10) for o in opts)
-    x, y = data
+    models, opts = two_peers(make_peer, "idle", SYNC)
+    x, y = make_data()
     outcomes: list = []
 
     def first_peer() -> None:
@@ -116,13 +121,8 @@ def test_a_waiting_trainer_near_the_target_waits_for_it_instead_of_computing_ano
     # due within half of its next batch: it waits (reporting that it computes nothing) instead of
     # computing a batch the round would then wait for, and joins the round the first peer starts
     # once its own second batch brings the target
-    config = replace(SYNC, target_batch_size=38)
-    data = make_data()
-    models = [make_model() for _ in range(2)]
-    opts = [Optimizer(make_peer(), run_id="near", params=m.parameters(), optimizer=adam, config=config)
-            for m in models]
-    assert all(o.wait_for_peers(2, timeout=10) for o in opts)
-    x, y = data
+    models, opts = two_peers(make_peer, "near", replace(SYNC, target_batch_size=38))
+    x, y = make_data()
     loss_on(models[0], x[:BATCH], y[:BATCH]).backward()
     assert opts[0].step(BATCH).round is None  # 16 of 38; its throughput is not known yet (0)
     opts[0].zero_grad()
