@@ -254,8 +254,8 @@ class Optimizer:
             if not landed.ok and self.tracker.progress.epoch > self.epoch:
                 return self._after_failure(landed)
         progress = self._next_round_progress()
-        if not self.mode.wants_round(progress) and self._target_near(progress, batch_size):
-            progress = self._wait_for_target(batch_size)
+        if not self.mode.wants_round(progress) and (bound := self._near_target_wait(progress, batch_size)):
+            progress = self._wait_for_target(bound)
         if not self.mode.wants_round(progress):
             self._announce_round(progress)
             return StepOutcome(self.epoch, round=landed)
@@ -409,24 +409,26 @@ class Optimizer:
         with self._lock:
             self.mode.abort_round(flight.epoch)
 
-    def _target_near(self, progress: SwarmProgress, batch_size: int) -> bool:
-        """True when every round is waited for and the swarm's reports say the target comes within
-        `NEAR_TARGET` of this trainer's next batch: the batch would make the round wait for it."""
-        if self.config.max_staleness != 0 or self._in_flight is not None or progress.target_batch_size is None:
-            return False
+    def _near_target_wait(self, progress: SwarmProgress, batch_size: int) -> float:
+        """Seconds to wait for the target instead of computing the next batch: `NEAR_TARGET` of the
+        batch's time when every round is waited for and the swarm's reports say the target comes
+        within it (the batch would make the round wait for this peer); 0 otherwise."""
         rate = self._meter.rate
-        return rate > 0 and progress.eta <= NEAR_TARGET * batch_size / rate
+        if (self.config.max_staleness != 0 or self._in_flight is not None or progress.target_batch_size is None
+                or rate <= 0):
+            return 0.0
+        bound = NEAR_TARGET * batch_size / rate
+        return bound if progress.eta <= bound else 0.0
 
-    def _wait_for_target(self, batch_size: int) -> SwarmProgress:
-        """Waits, at most `NEAR_TARGET` of a batch's time, for the reports to reach the target
-        (saying meanwhile that this peer computes nothing, so no one counts samples it does not
-        make); returns the progress then. Counted in `idle_seconds`."""
+    def _wait_for_target(self, bound: float) -> SwarmProgress:
+        """Waits, at most `bound` seconds, for the reports to reach the target (saying meanwhile
+        that this peer computes nothing, so no one counts samples it does not make); returns the
+        progress then. Counted in `idle_seconds`."""
         waited = time.monotonic()
         self._holding = True
         self._report(urgent=True)
         try:
-            self.tracker.wait_for(lambda p: p.ready or p.epoch > self.epoch,
-                                  NEAR_TARGET * batch_size / self._meter.rate)
+            self.tracker.wait_for(lambda p: p.ready or p.epoch > self.epoch, bound)
         finally:
             self._holding = False
             self.idle_seconds += time.monotonic() - waited
@@ -554,18 +556,13 @@ class Optimizer:
     # -- helpers ------------------------------------------------------------------------------
 
     def _report(self, urgent: bool = False) -> None:
-        if self._holding:
-            # waiting for a near target (`_wait_for_target`): its samples, computing no more
-            self.tracker.update(self.epoch, self.mode.samples, 0.0, self._digest, urgent=urgent)
-            return
-        flight = self._in_flight
-        if flight is not None and self.config.max_staleness == 0:
-            # waiting for its round, this peer computes nothing until the round lands: it reports
-            # the round's samples at no throughput, so the others do not extrapolate samples it
-            # never computes (summarize) and start their next round short of the target
-            self.tracker.update(self.epoch, flight.samples, 0.0, self._digest, urgent=urgent)
-            return
-        self.tracker.update(self.epoch, self.mode.samples, self._meter.rate, self._digest, urgent=urgent)
+        waited_for = self._in_flight if self.config.max_staleness == 0 else None  # the round it waits for
+        samples = waited_for.samples if waited_for is not None else self.mode.samples
+        # a peer waiting for its round, or for a near target (`_wait_for_target`), computes nothing
+        # until the wait ends: it reports its samples at no throughput, so the others do not
+        # extrapolate samples it never computes (summarize) and start a round short of the target
+        rate = 0.0 if waited_for is not None or self._holding else self._meter.rate
+        self.tracker.update(self.epoch, samples, rate, self._digest, urgent=urgent)
 
     def _snapshot(self) -> TrainingState:
         with self._lock:
