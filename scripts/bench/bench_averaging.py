@@ -390,9 +390,12 @@ def main() -> None:
         print(f"swarm peak RSS        {n} peers: {peak:.0f} MB per peer = {peak / tensor:.2f}x the tensors "
               f"({(peak - base) / tensor:.2f}x above the {base:.0f} MB of a peer holding nothing)", flush=True)
         if not args.skip_fp16:
-            fp16 = round_seconds(run_group("swarm", n, args, compression=1))
-            print(f"swarm all-reduce      {n} peers, {args.mbytes} MB, float16 on the wire: {fp16:.3f} s/round",
-                  flush=True)
+            for codec, name in ((1, "float16"), (2, "scaled float16")):
+                half_reports = run_group("swarm", n, args, compression=codec)
+                half = round_seconds(half_reports)
+                half_cpu = statistics.median(c for r in half_reports for c in r["cpu"])
+                print(f"swarm all-reduce      {n} peers, {args.mbytes} MB, {name} on the wire: {half:.3f} s/round;"
+                      f" {half_cpu:.3f} s of CPU per peer per round", flush=True)
 
 
 if __name__ == "__main__":

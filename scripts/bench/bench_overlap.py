@@ -23,7 +23,7 @@ waiting for its group, and where each trainer process's CPU went, by thread (the
 the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
-        [--variants TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR]]]] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]] ...]
+        [--variants TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR[:WIRE]]]]] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]] ...]
         [--plain-references BATCH:LR ...] [--ddp-references LR[:WARMUP] ...] [--hidden-dim 128]
 
 `--hidden-dim` sets the model's width in every phase: 128 is the demo's model (0.73M parameters),
@@ -33,7 +33,8 @@ the peer's loop, executor threads, native gRPC/OpenMP threads).
 side with the default ones in the same invocation (what the held-out loss gap comes from; TRIAL 0
 turns off `CollaborationConfig.trial_step`, so overlapped trainers compute at the parameters they
 hold; NEAR sets, for rounds waited for, the share of a batch's time within which a trainer waits for
-a near target, `swarm.optim.optimizer.NEAR_TARGET`, 0 to never wait);
+a near target, `swarm.optim.optimizer.NEAR_TARGET`, 0 to never wait; WIRE names the gradients'
+codec on the wire, a `swarm.compression.CompressionType`, e.g. FLOAT16, the library's default unless given);
 `diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]]` adds a DiLoCo phase: H inner steps of the plain
 process's batch per round, 8-bit (4-bit; 32: uncompressed) pseudo-gradients, outer SGD with that
 learning rate and Nesterov momentum (0.7, 0.9; momentum 0: plain SGD), inner Adam at the plain
@@ -92,17 +93,20 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
           + ", ".join(f"{method} {rate:.1f}" for method, rate in top), flush=True)
 
 
-def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float, bool, float | None]:
-    """`TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR]]]]`: target batch, Adam's learning rate, collective steps
+def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float, bool, float | None, str | None]:
+    """`TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR[:WIRE]]]]]`: target batch, Adam's learning rate, collective steps
     of linear warm-up, max_staleness (1: rounds overlapped, the default; 0: each step waits for its round),
     trial_step (1, the default; 0: off), and with rounds waited for, the share of its next batch's time
     within which a trainer waits for a near target (`swarm.optim.optimizer.NEAR_TARGET`; 0: never; the
-    library's value unless given);
+    library's value unless given; empty: that value), and the gradients' codec on the wire
+    (`CompressionType`'s name; the library's default unless given);
     or `diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]]`: DiLoCo with H inner steps per round, 8-bit
     (4-bit, 32: none) pseudo-gradients, outer SGD learning rate (0.7) and Nesterov momentum (0.9; 0:
     plain SGD), inner learning rate (0: the plain process's). Returns (target, lr, warm-up or H,
-    max_staleness, bits, outer lr, outer momentum, trial step, near target); DiLoCo's target is 0 and its lr
-    the inner one."""
+    max_staleness, bits, outer lr, outer momentum, trial step, near target, wire codec); DiLoCo's target is 0
+    and its lr the inner one."""
+    from swarm.compression import CompressionType
+
     parts = text.split(":")
     try:
         if parts[0] == "diloco" and 2 <= len(parts) <= 6 and (len(parts) == 2 or parts[2] in ("4", "8", "32")):
@@ -111,17 +115,18 @@ def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float, b
             momentum = float(parts[4]) if len(parts) >= 5 else 0.9
             inner_lr = float(parts[5]) if len(parts) == 6 else 0.0
             if outer_lr > 0 and 0 <= momentum < 1 and inner_lr >= 0:
-                return 0, inner_lr, int(parts[1]), 1, bits, outer_lr, momentum, False, None
-        elif 2 <= len(parts) <= 6 and all(flag in ("0", "1") for flag in parts[3:5]):
-            near = float(parts[5]) if len(parts) == 6 else None
-            if near is None or near >= 0:
+                return 0, inner_lr, int(parts[1]), 1, bits, outer_lr, momentum, False, None, None
+        elif 2 <= len(parts) <= 7 and all(flag in ("0", "1") for flag in parts[3:5]):
+            near = float(parts[5]) if len(parts) >= 6 and parts[5] else None
+            wire = parts[6] if len(parts) == 7 else None
+            if (near is None or near >= 0) and (wire is None or wire in CompressionType.__members__):
                 return (int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) >= 3 else 0,
                         int(parts[3]) if len(parts) >= 4 else 1, 32, 0.0, 0.0, len(parts) < 5 or parts[4] == "1",
-                        near)
+                        near, wire)
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(
-        f"a variant is TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR]]]] or diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]], got {text!r}")
+        f"a variant is TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR[:WIRE]]]]] or diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]], got {text!r}")
 
 
 def parse_plain(text: str) -> tuple[int, float]:
@@ -156,7 +161,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (the plain process's too)")
     parser.add_argument("--skip-sync", action="store_true", help="leave out the max_staleness=0 phase")
     parser.add_argument("--variants", nargs="*", type=parse_variant, default=[],
-                        help="more phases, each TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR]]]] (target batch, learning rate, "
+                        help="more phases, each TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR[:WIRE]]]]] (target batch, learning rate, "
                              "collective steps of linear warm-up), run after the default ones in the same "
                              "invocation, e.g. 512:0.017:3 (the learning rate scaled by sqrt(512/16))")
     parser.add_argument("--plain-threads", type=int, nargs="*", default=None,
@@ -204,18 +209,19 @@ def main() -> None:
         describe(f"{args.peers} torch.distributed (gloo) ranks, synchronous, batch {bench_training.BATCH} each, "
                  f"lr {lr}, warm-up {warmup}", results, plain)
     # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients), outer lr, outer momentum,
-    # trial step, near target
-    phases: list[tuple[str, int, float, int, int, int, float, float, bool, float | None]] = []
+    # trial step, near target, gradients' wire codec
+    phases: list[tuple[str, int, float, int, int, int, float, float, bool, float | None, str | None]] = []
     if not args.skip_default:
         phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
-                    args.lr, 0, staleness, 32, 0.0, 0.0, True, None)
+                    args.lr, 0, staleness, 32, 0.0, 0.0, True, None, None)
                    for staleness in ([1] if args.skip_sync else [0, 1])]
     phases += [(f"max_staleness={variant[3]}, target {variant[0]}, lr {variant[1]}, warm-up {variant[2]}"
                 + ("" if variant[7] or not variant[3] else ", no trial step")
-                + ("" if variant[8] is None else f", near target {variant[8]}") if variant[0]
+                + ("" if variant[8] is None else f", near target {variant[8]}")
+                + ("" if variant[9] is None else f", gradients as {variant[9]}") if variant[0]
                 else f"DiLoCo H={variant[2]} ({variant[4]}-bit, overlapped), inner lr {variant[1] or args.lr}, "
                      f"outer lr {variant[5]}, momentum {variant[6]}", *variant) for variant in args.variants]
-    for name, target, lr, warmup, staleness, bits, outer_lr, momentum, trial, near in phases:
+    for name, target, lr, warmup, staleness, bits, outer_lr, momentum, trial, near, wire in phases:
         if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
             codec = "NONE" if bits == 32 else f"UNIFORM_{bits}BIT"
             extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(lr or args.lr), "--local-steps", str(warmup),
@@ -226,7 +232,8 @@ def main() -> None:
             continue
         extra = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(target), "--lr", str(lr),
                  "--warmup-steps", str(warmup), "--max-staleness", str(staleness), *([] if trial else ["--no-trial-step"]),
-                 *([] if near is None else ["--near-target", str(near)])]
+                 *([] if near is None else ["--near-target", str(near)]),
+                 *([] if wire is None else ["--gradient-compression", wire])]
         results = run("swarm", args.peers, extra, args.seconds + 180)
         describe(f"{args.peers} trainers, {name}", results, plain)
     print(f"baseline: the plain process with {threads} thread(s); load average after: {os.getloadavg()}",

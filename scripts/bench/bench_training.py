@@ -20,6 +20,8 @@ round, at the wire size of the chosen compression).
 
 `SWARM_BENCH_LOG=1` makes every swarm worker log to stderr how each group it led started (after
 how long, and why) and each round's outcome: where a collective step's time goes.
+`BENCH_PROFILE=1` (or `=FILE.prof`, kept whole) profiles the first trainer's event loop thread in
+CPU time over its timed steps and prints the top functions to stderr.
 """
 
 from __future__ import annotations
@@ -145,7 +147,9 @@ def worker(args: argparse.Namespace) -> None:
     collaboration = CollaborationConfig(
         target_batch_size=args.target_batch_size, report_period=0.1 if args.mode == "step" else 0.5,
         min_refresh_period=0.02, max_refresh_period=1.0, averaging_timeout=20.0, matchmaking_window=0.5,
-        max_staleness=args.max_staleness, trial_step=not args.no_trial_step)
+        max_staleness=args.max_staleness, trial_step=not args.no_trial_step,
+        **({} if args.gradient_compression is None else
+           {"gradient_compression": CompressionType[args.gradient_compression]}))
     diloco = DiLoCoConfig(local_steps=args.local_steps, compression=CompressionType[args.compression],
                           fragments=args.fragments, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                           nesterov=args.outer_momentum > 0) if args.mode == "diloco" else None
@@ -154,6 +158,16 @@ def worker(args: argparse.Namespace) -> None:
                           batch_size_per_step=BATCH, config=collaboration, diloco=diloco, scheduler=scheduler)
     if not opt.wait_for_peers(args.peers, timeout=120):
         raise SystemExit("the other peers did not show up")
+    profiler = None
+    if os.environ.get("BENCH_PROFILE") and args.index == 0:  # the first trainer's loop thread, in CPU time
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time)
+
+        async def toggle(on: bool) -> None:
+            profiler.enable() if on else profiler.disable()
+
+        peer.run(toggle(True))
     started = time.monotonic()
     cpu_before = thread_cpu()
     rpcs_before = rpc_calls(peer)
@@ -186,6 +200,13 @@ def worker(args: argparse.Namespace) -> None:
     stepping += time.monotonic() - t0
     elapsed = time.monotonic() - started
     cpu_after = thread_cpu()
+    if profiler is not None:
+        import pstats
+
+        peer.run(toggle(False))
+        if os.environ["BENCH_PROFILE"].endswith(".prof"):  # kept whole, for pstats or snakeviz
+            profiler.dump_stats(os.environ["BENCH_PROFILE"])
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
     cpu = {name: round(cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0), 2) for name in cpu_after}
     rpcs = {name: count - rpcs_before.get(name, 0) for name, count in rpc_calls(peer).items()}
     result = {"index": args.index, "mode": args.mode, "elapsed": elapsed, "compute_s": compute, "step_s": stepping,
@@ -296,7 +317,8 @@ def run_workers(mode: str, peers: int, extra: list[str], timeout: float) -> list
 def bench_bytes(args: argparse.Namespace) -> None:
     common = ["--target-loss", str(args.target_loss), "--max-seconds", str(args.max_seconds), "--threads", "1"]
     step = run_workers("step", args.peers, [*common, "--target-batch-size", str(BATCH * args.peers),
-                                            "--eval-every", "5"], args.max_seconds + 180)
+                                            "--eval-every", "5", "--gradient-compression", "NONE"],
+                       args.max_seconds + 180)  # float32 on the wire: the uncompressed baseline
     diloco = run_workers("diloco", args.peers, [*common, "--local-steps", str(args.local_steps),
                                                 "--eval-every", "1"], args.max_seconds + 180)
     for name, results in (("per-step averaging", step), ("diloco", diloco)):
@@ -372,6 +394,7 @@ def main() -> None:
     # the model's width: 128 is the demo's (0.73M parameters), 480 about the issue 19 comparison's 9.8M
     parser.add_argument("--hidden-dim", type=int, default=128, help=argparse.SUPPRESS)
     parser.add_argument("--near-target", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gradient-compression", default=None, help=argparse.SUPPRESS)  # large-batch's wire codec
     args = parser.parse_args()
     if args.worker:
         if args.mode != "diloco" and args.target_batch_size is None:
