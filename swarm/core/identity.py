@@ -15,6 +15,7 @@ peer with the same PeerID. A key file that others may read or write is refused, 
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,11 +78,19 @@ def peer_id_to_bytes(peer_id: str) -> bytes:
         raise IdentityError(f"not a base58 PeerID: {peer_id!r}") from e
 
 
+@functools.lru_cache(maxsize=4096)
+def _verifying_key(peer_id: str) -> Ed25519PublicKey:
+    """The key behind a PeerID, kept for the PeerIDs seen last: a peer's DHT records are checked
+    against the same few PeerIDs over and over, and decoding one (base58) cost more than checking
+    the signature (a trainer's profile, BENCHMARKS.md, "Communication overlapped with compute").
+    Invalid PeerIDs raise and are not kept."""
+    return Ed25519PublicKey.from_public_bytes(peer_id_to_public_key(peer_id))
+
+
 def verify(peer_id: str, data: bytes, signature: bytes) -> bool:
     """True when `signature` over `data` was made by the key behind `peer_id`."""
     try:
-        key = Ed25519PublicKey.from_public_bytes(peer_id_to_public_key(peer_id))
-        key.verify(signature, data)
+        _verifying_key(peer_id).verify(signature, data)
         return True
     except (InvalidSignature, IdentityError, ValueError):
         return False
