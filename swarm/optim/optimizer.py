@@ -67,6 +67,14 @@ PACE_SLACK = 1.0
 # wait costs at most this share of a batch (BENCHMARKS.md, "Communication overlapped with compute").
 NEAR_TARGET = 0.5
 
+# A state asked of this peer while its round is in flight (rounds overlapped) is served once that
+# round has landed: taken before, it is one epoch behind by the time the round lands, and a peer
+# that downloads it finds the swarm ahead again and downloads once more. After the round's
+# averaging ends the trainer applies it at its next step; the server waits this many of its
+# batches for that (at least `LAND_WAIT_MIN` seconds) before serving the state it holds.
+LAND_WAIT_BATCHES = 2.0
+LAND_WAIT_MIN = 1.0
+
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 AveragerFactory = Callable[[Sequence[torch.Tensor], str], AveragerLike]
@@ -178,10 +186,14 @@ class Optimizer:
         self._announced_epoch = -1  # the last epoch whose round this peer announced it will join
         self._holding = False  # waiting for a near target (`_wait_for_target`)
         self._closed = False
+        # the last epoch whose round landed, failed or was dropped, and its change (`_served_snapshot`)
+        self._settled_epoch = -1
+        self._settled = threading.Condition()
+        self._batch_seconds = 0.0  # the last batch's time at the measured pace
         addr = peer.addrs[0] if peer.addrs and not peer.client_mode else ""
         self.tracker = ProgressTracker(peer, run_id, config, addr=addr)
         self._report()
-        self._state_server = serve_state(peer, run_id, self._snapshot) if peer.server is not None else None
+        self._state_server = serve_state(peer, run_id, self._served_snapshot) if peer.server is not None else None
         self.peer.run(self.tracker.astart())
         peer.attach(self)
         if config.load_state_on_start and self.tracker.peers_at(0):
@@ -246,7 +258,8 @@ class Optimizer:
                 self._window_opened = self.epoch
             self.mode.on_batch(batch_size)
         self.samples_total += batch_size
-        self._meter.update(batch_size, time.monotonic())
+        if self._meter.update(batch_size, time.monotonic()) > 0:
+            self._batch_seconds = batch_size / self._meter.rate
         self._report()
         landed = None
         if self._in_flight is not None and self._in_flight.future.done():
@@ -309,20 +322,25 @@ class Optimizer:
             min_epoch: refuse older states.
             digest: only download from peers whose state has this fingerprint.
         """
+        started = time.monotonic()
         self._drop_in_flight()
         candidates = [c for c in self.tracker.peers_at(min_epoch) if digest is None or c.digest == digest]
+        download_started = time.monotonic()
         try:
             state = self.peer.run(download_state(self.peer, self.run_id, candidates, self.config.state_timeout,
                                                  min_epoch), timeout=self.config.state_timeout + 5)
         except (StateTransferError, TimeoutError) as e:
             logger.warning("[%s] %s", self.run_id, e)
             return False
+        downloaded = time.monotonic()
         with self._lock:
             self.mode.load_state(state)
             previous, self.epoch = self.epoch, state.epoch
             self._digest = state_digest(self.mode.shared_tensors)
         self._meter.resume(time.monotonic())
-        logger.info("[%s] loaded the swarm's state: epoch %d (was %d)", self.run_id, state.epoch, previous)
+        logger.info("[%s] loaded the swarm's state: epoch %d (was %d) in %.2f s (the round in flight dropped in "
+                    "%.2f s, the download %.2f s)", self.run_id, state.epoch, previous, time.monotonic() - started,
+                    download_started - started, downloaded - download_started)
         self._report(urgent=True)
         return True
 
@@ -408,6 +426,14 @@ class Optimizer:
             pass
         with self._lock:
             self.mode.abort_round(flight.epoch)
+        self._settle(flight.epoch)
+
+    def _settle(self, epoch: int) -> None:
+        """Records that the round of `epoch` is over (landed, failed or dropped) for a state request
+        waiting for it."""
+        with self._settled:
+            self._settled_epoch = max(self._settled_epoch, epoch)
+            self._settled.notify_all()
 
     def _near_target_wait(self, progress: SwarmProgress, batch_size: int) -> float:
         """Seconds to wait for the target instead of computing the next batch: `NEAR_TARGET` of the
@@ -538,6 +564,7 @@ class Optimizer:
             if self.failed_rounds >= self.config.max_failed_rounds:
                 self.tracker.request_refresh()  # the swarm may have moved on without us
         self.history.append(outcome)
+        self._settle(outcome.epoch)
         self._report(urgent=True)
         return outcome
 
@@ -568,6 +595,22 @@ class Optimizer:
         with self._lock:
             return self.mode.state(self.epoch).clone()
 
+    def _served_snapshot(self) -> TrainingState:
+        """The state served to a peer that downloads it (in a worker thread of the loop): with a round
+        in flight, the state once that round has landed (`LAND_WAIT_BATCHES`)."""
+        flight = self._in_flight
+        if flight is not None and not self._closed:
+            logger.debug("[%s] state asked for while round %d is in flight: serving it once the round lands",
+                         self.run_id, flight.epoch)
+            try:  # the averaging's end: it fails by its deadline at the latest
+                flight.future.exception(timeout=self.config.averaging_timeout)
+            except (concurrent.futures.CancelledError, TimeoutError):
+                pass
+            land_wait = max(LAND_WAIT_MIN, LAND_WAIT_BATCHES * self._batch_seconds)
+            with self._settled:
+                self._settled.wait_for(lambda: self._settled_epoch >= flight.epoch or self._closed, land_wait)
+        return self._snapshot()
+
     def state_dict(self) -> dict[str, Any]:
         """The epoch, mode state and optimizer state, for a local checkpoint."""
         tensors, metadata = self._snapshot().to_wire()
@@ -587,6 +630,8 @@ class Optimizer:
         if self._closed:
             return
         self._closed = True
+        with self._settled:
+            self._settled.notify_all()  # a state request waiting for a round serves what is held
         if self._in_flight is not None:
             self._in_flight.future.cancel()
         if self._state_server is not None:

@@ -13,10 +13,12 @@ import torch
 from optim_task import DATA_SIZE, adam, loss_on, make_data, make_model, reference_params, replay_delayed
 
 from swarm.averaging import Action, Averager, FaultPlan, FaultPoint
+from swarm.averaging.state import load_state_from_peers
 from swarm.compression import CompressionType
 from swarm.dht import owner_marker
 from swarm.optim import CollaborationConfig, Optimizer
 from swarm.optim.group_averaging import SwarmAverager
+from swarm.optim.training_state import TrainingState
 
 BATCH = 16
 TARGET = 64
@@ -309,6 +311,66 @@ def test_late_joiner_downloads_state_and_continues_from_the_same_epoch(make_peer
         t.join(60)
     assert opt_a.epoch == opt_b.epoch == 5
     assert all(torch.equal(a, b) for a, b in zip(opt_a.shared_tensors, opt_b.shared_tensors))
+
+
+class _Seen(logging.Handler):
+    """Sets `event` when a record holding `text` is logged (from any thread)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+def test_a_state_asked_for_while_a_round_is_in_flight_is_served_once_the_round_lands(make_peer):
+    # rounds overlapped: a state taken while the round is in flight is one epoch behind once the round
+    # lands, and the peer that downloads it finds the swarm ahead again (it would download again, and
+    # again while each download takes longer than a round); the server waits for the round to land
+    models, opts = two_peers(make_peer, "serve", FAST)
+    x, y = make_data()
+
+    def until_launched(i: int) -> None:
+        for k in range(8):  # each launches round 0 after a few batches (target 64, batches of 16)
+            loss_on(models[i], x[k * BATCH:(k + 1) * BATCH], y[k * BATCH:(k + 1) * BATCH]).backward()
+            opts[i].step(BATCH)
+            opts[i].zero_grad()
+            if opts[i]._in_flight is not None:
+                return
+
+    threads = [threading.Thread(target=until_launched, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert opts[0]._in_flight is not None and opts[0].epoch == 0  # its round 0 averages; nothing landed
+
+    seen = _Seen("state asked for while round 0 is in flight")
+    logger = logging.getLogger("swarm.optim.optimizer")
+    level = logger.level
+    logger.addHandler(seen)
+    logger.setLevel(logging.DEBUG)
+    downloaded: list = []
+    newcomer = make_peer()
+    download = threading.Thread(target=lambda: downloaded.append(
+        load_state_from_peers(newcomer, "serve", [opts[0].peer.addrs[0]], timeout=20)))
+    try:
+        download.start()
+        assert seen.event.wait(20)  # the request reached the first peer while its round is in flight
+        # its next step lands round 0 (the averaging ends meanwhile), and only then is the state served
+        loss_on(models[0], x[:BATCH], y[:BATCH]).backward()
+        out = opts[0].step(BATCH)
+        download.join(30)
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
+    assert out.round is not None and out.round.ok and opts[0].epoch == 1
+    state = TrainingState.from_wire(downloaded[0].tensors, downloaded[0].metadata)
+    assert state.epoch == 1
+    opts[0].flush()  # puts the parameters moved by the trial step back: the shared ones
+    assert all(torch.equal(a, b) for a, b in zip(state.params, opts[0].shared_tensors))
 
 
 def test_peer_steps_alone_at_once_when_the_others_leave_during_its_round(make_peer, caplog):
