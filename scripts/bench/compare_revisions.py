@@ -63,7 +63,8 @@ def run(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
         spec.loader.exec_module(bench)
         results = bench.run_workers("swarm", args.peers, [
             "--max-seconds", str(args.seconds), "--threads", "1", "--target-batch-size", str(args.target_batch),
-            "--lr", str(args.lr), "--warmup-steps", str(args.warmup), "--max-staleness", str(args.staleness)],
+            "--lr", str(args.lr), "--warmup-steps", str(args.warmup), "--max-staleness", str(args.staleness),
+            *([] if args.hidden_dim is None else ["--hidden-dim", str(args.hidden_dim)])],
             args.seconds + 180)
     finally:
         os.chdir(here)
@@ -79,6 +80,7 @@ def run(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
         "loop_cpu": statistics.mean(r["cpu"].get("peer loop", 0.0) for r in results),
         "training_cpu": statistics.mean(r["cpu"].get("training", 0.0) for r in results),
         "idle": statistics.mean(r["idle_s"] for r in results), "rpcs": rpcs,
+        "failed": sum(r["failed_rounds"] for r in results), "downloads": sum(r.get("state_loads", 0) for r in results),
     }
 
 
@@ -86,7 +88,8 @@ def describe(rev: str, r: dict[str, Any]) -> str:
     rpcs = ", ".join(f"{m} {v:.1f}" for m, v in sorted(r["rpcs"].items(), key=lambda kv: -kv[1]) if v >= 0.5)
     return (f"{rev}: {r['steps']} collective steps, {r['samples_per_s']:.1f} samples/s, held-out loss {r['loss']:.3f}, "
             f"per trainer: peer loop {r['loop_cpu']:.1f} s CPU, training {r['training_cpu']:.1f} s CPU, "
-            f"waited {r['idle']:.1f} s; RPCs made per trainer per second: {rpcs}")
+            f"waited {r['idle']:.1f} s; failed rounds {r['failed']:g}, state downloads {r['downloads']:g} (all "
+            f"trainers); RPCs made per trainer per second: {rpcs}")
 
 
 def main() -> None:
@@ -99,6 +102,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=6e-3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--staleness", type=int, default=0, choices=(0, 1))
+    parser.add_argument("--hidden-dim", type=int, default=None,
+                        help="the model's width (bench_training.py --hidden-dim; 480: 9.5M parameters)")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {rev: [] for rev in args.revisions}
@@ -111,7 +116,8 @@ def main() -> None:
     print("medians:", flush=True)
     for rev, results in runs.items():
         median = {key: statistics.median(r[key] for r in results)
-                  for key in ("steps", "samples_per_s", "loss", "loop_cpu", "training_cpu", "idle")}
+                  for key in ("steps", "samples_per_s", "loss", "loop_cpu", "training_cpu", "idle", "failed",
+                              "downloads")}
         median["rpcs"] = {m: statistics.median(r["rpcs"].get(m, 0.0) for r in results)
                           for m in set().union(*(r["rpcs"] for r in results))}
         print("  " + describe(rev, median), flush=True)

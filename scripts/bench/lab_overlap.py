@@ -19,6 +19,7 @@ which nothing can overlap, is shown apart), the held-out loss after the same num
 large-batch samples/s in the lab over loopback.
 
     .venv/bin/python scripts/bench/lab_overlap.py [--peers 4] [--steps 200] [--local-steps 50]
+        [--gradient-wires SCALED_FLOAT16 NONE]
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ def main() -> None:
     parser.add_argument("--mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=12.5)
     parser.add_argument("--skip", nargs="*", default=[], choices=["diloco", "large-batch"])
+    parser.add_argument("--gradient-wires", nargs="*", default=[],
+                        help="run the large-batch phases once per gradient wire codec given (CompressionType names, "
+                             "e.g. SCALED_FLOAT16 NONE), in turn; default: once, at the library's default")
     parser.add_argument("--compare-4bit", action="store_true",
                         help="also run overlapped DiLoCo with 4-bit pseudo-gradients (UNIFORM_4BIT) against 8-bit")
     args = parser.parse_args()
@@ -136,15 +140,22 @@ def main() -> None:
                                                                           "--fragments", str(args.fragments)], timeout))
                 print(f"fragments: held-out loss {streamed['loss'] / waited['loss']:.3f}x the waited-for rounds'",
                       flush=True)
+        wires: list[str | None] = list(args.gradient_wires) or [None]
+        in_lab: dict[str | None, dict[str, Any]] = {}
+        commons = {wire: ["--threads", "1", "--max-seconds", str(args.seconds), "--target-batch-size",
+                          str(args.target_batch), *([] if wire is None else ["--gradient-compression", wire])]
+                   for wire in wires}
         if "large-batch" not in args.skip:
-            common = ["--threads", "1", "--max-seconds", str(args.seconds), "--target-batch-size",
-                      str(args.target_batch)]
-            in_lab = summary("large-batch, rounds overlapped, lab", run_in_lab(lab, "swarm", args.peers, common, timeout))
+            for wire in wires:
+                in_lab[wire] = summary(f"large-batch, rounds overlapped, lab{'' if wire is None else ', ' + wire}",
+                                       run_in_lab(lab, "swarm", args.peers, commons[wire], timeout))
     if "large-batch" not in args.skip:
-        loopback = summary("large-batch, rounds overlapped, loopback",
-                           bench_training.run_workers("swarm", args.peers, common, args.seconds + 180))
-        print(f"large-batch: {in_lab['sps']:.1f} samples/s in the lab vs {loopback['sps']:.1f} on loopback "
-              f"({in_lab['sps'] / loopback['sps']:.2f}x)", flush=True)
+        for wire in wires:
+            name = "" if wire is None else f", gradients as {wire}"
+            loopback = summary(f"large-batch, rounds overlapped, loopback{name}",
+                               bench_training.run_workers("swarm", args.peers, commons[wire], args.seconds + 180))
+            print(f"large-batch{name}: {in_lab[wire]['sps']:.1f} samples/s in the lab vs {loopback['sps']:.1f} on "
+                  f"loopback ({in_lab[wire]['sps'] / loopback['sps']:.2f}x)", flush=True)
     print(f"load average after: {os.getloadavg()}", flush=True)
 
 
