@@ -189,7 +189,7 @@ class Optimizer:
         # the last epoch whose round landed, failed or was dropped, and its change (`_served_snapshot`)
         self._settled_epoch = -1
         self._settled = threading.Condition()
-        self._batch_seconds = 0.0  # the last batch's time at the measured pace
+        self._batch_seconds = 0.0  # the last batch's time at the measured pace (0: not measured yet)
         addr = peer.addrs[0] if peer.addrs and not peer.client_mode else ""
         self.tracker = ProgressTracker(peer, run_id, config, addr=addr)
         self._report()
@@ -267,7 +267,7 @@ class Optimizer:
             if not landed.ok and self.tracker.progress.epoch > self.epoch:
                 return self._after_failure(landed)
         progress = self._next_round_progress()
-        if not self.mode.wants_round(progress) and (bound := self._near_target_wait(progress, batch_size)):
+        if not self.mode.wants_round(progress) and (bound := self._near_target_wait(progress)):
             progress = self._wait_for_target(bound)
         if not self.mode.wants_round(progress):
             self._announce_round(progress)
@@ -435,15 +435,13 @@ class Optimizer:
             self._settled_epoch = max(self._settled_epoch, epoch)
             self._settled.notify_all()
 
-    def _near_target_wait(self, progress: SwarmProgress, batch_size: int) -> float:
+    def _near_target_wait(self, progress: SwarmProgress) -> float:
         """Seconds to wait for the target instead of computing the next batch: `NEAR_TARGET` of the
         batch's time when every round is waited for and the swarm's reports say the target comes
         within it (the batch would make the round wait for this peer); 0 otherwise."""
-        rate = self._meter.rate
-        if (self.config.max_staleness != 0 or self._in_flight is not None or progress.target_batch_size is None
-                or rate <= 0):
+        if self.config.max_staleness != 0 or self._in_flight is not None or progress.target_batch_size is None:
             return 0.0
-        bound = NEAR_TARGET * batch_size / rate
+        bound = NEAR_TARGET * self._batch_seconds
         return bound if progress.eta <= bound else 0.0
 
     def _wait_for_target(self, bound: float) -> SwarmProgress:
