@@ -50,7 +50,7 @@ import socket
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).parent
 _spec = importlib.util.spec_from_file_location("bench_training", HERE / "bench_training.py")
@@ -93,7 +93,32 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
           + ", ".join(f"{method} {rate:.1f}" for method, rate in top), flush=True)
 
 
-def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float, bool, float | None, str | None]:
+class Phase(NamedTuple):
+    """One swarm phase: large-batch (target > 0) or DiLoCo (target 0: `warmup` is H, `lr` the inner
+    learning rate, 0 for the plain process's)."""
+
+    target: int
+    lr: float
+    warmup: int = 0
+    staleness: int = 1
+    bits: int = 32  # DiLoCo's pseudo-gradients
+    outer_lr: float = 0.0
+    momentum: float = 0.0
+    trial: bool = True
+    near: float | None = None  # `NEAR_TARGET` for this phase; None: the library's
+    wire: str | None = None  # the gradients' codec on the wire; None: the library's default
+
+    def name(self, default_lr: float) -> str:
+        if self.target == 0:
+            return (f"DiLoCo H={self.warmup} ({self.bits}-bit, overlapped), inner lr {self.lr or default_lr}, "
+                    f"outer lr {self.outer_lr}, momentum {self.momentum}")
+        return (f"max_staleness={self.staleness}, target {self.target}, lr {self.lr}, warm-up {self.warmup}"
+                + ("" if self.trial or not self.staleness else ", no trial step")
+                + ("" if self.near is None else f", near target {self.near}")
+                + ("" if self.wire is None else f", gradients as {self.wire}"))
+
+
+def parse_variant(text: str) -> Phase:
     """`TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR[:WIRE]]]]]`: target batch, Adam's learning rate, collective steps
     of linear warm-up, max_staleness (1: rounds overlapped, the default; 0: each step waits for its round),
     trial_step (1, the default; 0: off), and with rounds waited for, the share of its next batch's time
@@ -102,9 +127,7 @@ def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float, b
     (`CompressionType`'s name; the library's default unless given);
     or `diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]]`: DiLoCo with H inner steps per round, 8-bit
     (4-bit, 32: none) pseudo-gradients, outer SGD learning rate (0.7) and Nesterov momentum (0.9; 0:
-    plain SGD), inner learning rate (0: the plain process's). Returns (target, lr, warm-up or H,
-    max_staleness, bits, outer lr, outer momentum, trial step, near target, wire codec); DiLoCo's target is 0
-    and its lr the inner one."""
+    plain SGD), inner learning rate (0: the plain process's)."""
     from swarm.compression import CompressionType
 
     parts = text.split(":")
@@ -115,14 +138,14 @@ def parse_variant(text: str) -> tuple[int, float, int, int, int, float, float, b
             momentum = float(parts[4]) if len(parts) >= 5 else 0.9
             inner_lr = float(parts[5]) if len(parts) == 6 else 0.0
             if outer_lr > 0 and 0 <= momentum < 1 and inner_lr >= 0:
-                return 0, inner_lr, int(parts[1]), 1, bits, outer_lr, momentum, False, None, None
+                return Phase(0, inner_lr, int(parts[1]), bits=bits, outer_lr=outer_lr, momentum=momentum, trial=False)
         elif 2 <= len(parts) <= 7 and all(flag in ("0", "1") for flag in parts[3:5]):
             near = float(parts[5]) if len(parts) >= 6 and parts[5] else None
             wire = parts[6] if len(parts) == 7 else None
             if (near is None or near >= 0) and (wire is None or wire in CompressionType.__members__):
-                return (int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) >= 3 else 0,
-                        int(parts[3]) if len(parts) >= 4 else 1, 32, 0.0, 0.0, len(parts) < 5 or parts[4] == "1",
-                        near, wire)
+                return Phase(int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) >= 3 else 0,
+                             int(parts[3]) if len(parts) >= 4 else 1, trial=len(parts) < 5 or parts[4] == "1",
+                             near=near, wire=wire)
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(
@@ -208,34 +231,23 @@ def main() -> None:
             "--ddp-port", str(free_port())], args.seconds + 120)
         describe(f"{args.peers} torch.distributed (gloo) ranks, synchronous, batch {bench_training.BATCH} each, "
                  f"lr {lr}, warm-up {warmup}", results, plain)
-    # name, target batch, lr, warm-up, staleness, bits (DiLoCo's pseudo-gradients), outer lr, outer momentum,
-    # trial step, near target, gradients' wire codec
-    phases: list[tuple[str, int, float, int, int, int, float, float, bool, float | None, str | None]] = []
-    if not args.skip_default:
-        phases += [(f"max_staleness={staleness}, target {args.target_batch}, lr {args.lr}", args.target_batch,
-                    args.lr, 0, staleness, 32, 0.0, 0.0, True, None, None)
-                   for staleness in ([1] if args.skip_sync else [0, 1])]
-    phases += [(f"max_staleness={variant[3]}, target {variant[0]}, lr {variant[1]}, warm-up {variant[2]}"
-                + ("" if variant[7] or not variant[3] else ", no trial step")
-                + ("" if variant[8] is None else f", near target {variant[8]}")
-                + ("" if variant[9] is None else f", gradients as {variant[9]}") if variant[0]
-                else f"DiLoCo H={variant[2]} ({variant[4]}-bit, overlapped), inner lr {variant[1] or args.lr}, "
-                     f"outer lr {variant[5]}, momentum {variant[6]}", *variant) for variant in args.variants]
-    for name, target, lr, warmup, staleness, bits, outer_lr, momentum, trial, near, wire in phases:
-        if target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
-            codec = "NONE" if bits == 32 else f"UNIFORM_{bits}BIT"
-            extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(lr or args.lr), "--local-steps", str(warmup),
-                     "--target-loss", "0", "--max-staleness", "1", "--compression", codec,
-                     "--outer-lr", str(outer_lr), "--outer-momentum", str(momentum)]
+    phases = [] if args.skip_default else [Phase(args.target_batch, args.lr, staleness=staleness)
+                                           for staleness in ([1] if args.skip_sync else [0, 1])]
+    for phase in [*phases, *args.variants]:
+        if phase.target == 0:  # DiLoCo: inner Adam steps of the plain process's batch and learning rate
+            codec = "NONE" if phase.bits == 32 else f"UNIFORM_{phase.bits}BIT"
+            extra = ["--max-seconds", seconds, "--threads", "1", "--lr", str(phase.lr or args.lr),
+                     "--local-steps", str(phase.warmup), "--target-loss", "0", "--max-staleness", "1",
+                     "--compression", codec, "--outer-lr", str(phase.outer_lr), "--outer-momentum", str(phase.momentum)]
             results = run("diloco", args.peers, extra, args.seconds + 180)
-            describe(f"{args.peers} trainers, {name}", results, plain)
-            continue
-        extra = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(target), "--lr", str(lr),
-                 "--warmup-steps", str(warmup), "--max-staleness", str(staleness), *([] if trial else ["--no-trial-step"]),
-                 *([] if near is None else ["--near-target", str(near)]),
-                 *([] if wire is None else ["--gradient-compression", wire])]
-        results = run("swarm", args.peers, extra, args.seconds + 180)
-        describe(f"{args.peers} trainers, {name}", results, plain)
+        else:
+            extra = ["--max-seconds", seconds, "--threads", "1", "--target-batch-size", str(phase.target),
+                     "--lr", str(phase.lr), "--warmup-steps", str(phase.warmup), "--max-staleness", str(phase.staleness),
+                     *([] if phase.trial else ["--no-trial-step"]),
+                     *([] if phase.near is None else ["--near-target", str(phase.near)]),
+                     *([] if phase.wire is None else ["--gradient-compression", phase.wire])]
+            results = run("swarm", args.peers, extra, args.seconds + 180)
+        describe(f"{args.peers} trainers, {phase.name(args.lr)}", results, plain)
     print(f"baseline: the plain process with {threads} thread(s); load average after: {os.getloadavg()}",
           flush=True)
 
