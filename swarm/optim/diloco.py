@@ -53,6 +53,9 @@ class DiLoCoMode:
 
     name = "diloco"
     paced_alone = True  # a round is due after this peer's own H inner steps
+    # a late peer downloads the state: its inner steps since the last outer step would not apply
+    # to the outer parameters the missed round moved, and fragments take turns
+    catches_up = False
 
     def __init__(self, params: Sequence[torch.nn.Parameter], inner_optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, config: DiLoCoConfig) -> None:
@@ -163,6 +166,12 @@ class DiLoCoMode:
                     # x_at_round_start = θ_old - Δ_own; x += θ_new - x_at_round_start keeps the steps since
                     self.params[i].add_(self.outer_params[i] - old + self._own[i])
         self._in_flight = None
+
+    def round_result(self) -> list[torch.Tensor]:
+        raise NotImplementedError("DiLoCo mode does not catch up from a round's result")
+
+    def apply_result(self, result: list[torch.Tensor]) -> None:
+        raise NotImplementedError("DiLoCo mode does not catch up from a round's result")
 
     def discard(self) -> int:
         """Forgets the local steps (the swarm moved on); returns their samples."""

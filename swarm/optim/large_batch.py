@@ -46,6 +46,7 @@ class LargeBatchMode:
 
     name = "large-batch"
     paced_alone = False  # a round is due when the swarm's samples reach the target
+    catches_up = True  # a missed round's step is its mean gradient, applied as the members did
 
     def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, trial_step: bool = True) -> None:
@@ -102,6 +103,26 @@ class LargeBatchMode:
         self._undo_trial_step()
         self.accumulator.apply_means_to_grads()
         self._step()
+
+    def round_result(self) -> list[torch.Tensor]:
+        """The mean gradient the last round applied: the averaged buffers, until the next round is
+        prepared."""
+        return self.accumulator.means
+
+    def apply_result(self, result: list[torch.Tensor]) -> None:
+        """Steps the optimizer (and scheduler) with a missed round's mean gradient, as its members
+        did from the same values; the window being accumulated stays as it is."""
+        self._undo_trial_step()
+        with torch.no_grad():
+            for p, mean in zip(self.params, result):
+                if p.grad is None:
+                    p.grad = mean.to(p.device, copy=True)
+                else:
+                    p.grad.copy_(mean)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=False)
 
     def _take_trial_step(self) -> None:
         """The optimizer's step on the in-flight window's own mean; `_held` keeps what the

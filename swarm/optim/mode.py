@@ -78,6 +78,20 @@ class TrainingMode(Protocol):
         """The round failed: its contribution rejoins the local work, to be sent again."""
         ...
 
+    catches_up: bool
+    """True when a peer that missed one round can take that round's step from its result
+    (`round_result` of a member, `apply_result`) instead of downloading the whole state."""
+
+    def round_result(self) -> list[torch.Tensor]:
+        """The tensors the last round's step was taken from (valid from its `apply_round` until the
+        next `prepare_round`; only where `catches_up`)."""
+        ...
+
+    def apply_result(self, result: list[torch.Tensor]) -> None:
+        """Takes the step a missed round took, from a member's `round_result`: the same step, bit for
+        bit, as the members took; the local work is left as it is (only where `catches_up`)."""
+        ...
+
     def discard(self) -> int:
         """Drops the current round's local work; returns its samples."""
         ...

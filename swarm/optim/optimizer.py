@@ -12,6 +12,14 @@ Around either mode: a global epoch counter (collective steps taken) that drives 
 schedules; progress reports in the DHT (`swarm.optim.tracker`), throttled and read on a timer;
 state download for a peer that falls behind or joins late (`swarm.optim.state_transfer`).
 
+Catching up (large-batch mode): a peer in step with the swarm that misses one round (it came a
+moment late, and the group started without it) takes that round's step from its result, the mean
+gradient a member applied (`StepOutcome.caught_up`), instead of downloading the whole state: a
+third of the bytes with Adam, and nothing for the server to snapshot. A member whose
+group formed without a peer the round expected keeps a copy of the mean until its next round lands
+and serves it; the late peer checks its new state against the fingerprint most peers at the new
+epoch report, and downloads the state when it cannot catch up or the check fails.
+
 Faults are state: every round ends in a `RoundOutcome` logged once. A failed averaging round
 raises the same `AveragingError` on every member of its group (docs/architecture.md, "Life of an averaging step"), so every member
 does the same thing: it keeps what it accumulated and retries at its next step; a peer whose
@@ -47,8 +55,14 @@ from swarm.optim.group_averaging import AveragerLike, RoundResult, make_swarm_av
 from swarm.optim.large_batch import LargeBatchMode
 from swarm.optim.mode import TrainingMode
 from swarm.optim.outcome import RoundOutcome, StepOutcome
-from swarm.optim.progress import SwarmProgress, ThroughputMeter, canonical_digest
-from swarm.optim.state_transfer import StateTransferError, download_state, serve_state
+from swarm.optim.progress import SwarmProgress, ThroughputMeter, canonical_digest, majority_digest
+from swarm.optim.state_transfer import (
+    StateTransferError,
+    download_round_result,
+    download_state,
+    serve_round_result,
+    serve_state,
+)
 from swarm.optim.tracker import ProgressTracker
 from swarm.optim.training_state import TrainingState, state_digest
 
@@ -88,6 +102,7 @@ class _InFlight:
     samples: int
     opened_at: int  # the epoch of the parameters its oldest gradients were computed on
     started: float
+    expected: int  # peers the progress records said would join
     averager: AveragerLike
     future: concurrent.futures.Future[RoundResult | None]
 
@@ -190,10 +205,15 @@ class Optimizer:
         self._settled_epoch = -1
         self._settled = threading.Condition()
         self._batch_seconds = 0.0  # the last batch's time at the measured pace (0: not measured yet)
+        # the mean applied by the round leading out of this epoch, kept for a peer its group left
+        # out (`_catch_up`); replaced by the next round that lands
+        self._kept_result: tuple[int, list[torch.Tensor]] | None = None
         addr = peer.addrs[0] if peer.addrs and not peer.client_mode else ""
         self.tracker = ProgressTracker(peer, run_id, config, addr=addr)
         self._report()
         self._state_server = serve_state(peer, run_id, self._served_snapshot) if peer.server is not None else None
+        self._result_server = serve_round_result(peer, run_id, lambda: self._kept_result) if (
+            peer.server is not None and self.mode.catches_up) else None
         self.peer.run(self.tracker.astart())
         peer.attach(self)
         if config.load_state_on_start and self.tracker.peers_at(0):
@@ -244,18 +264,33 @@ class Optimizer:
         batch_size = batch_size or self.batch_size_per_step
         if not batch_size or batch_size < 1:
             raise ValueError("pass batch_size to step() or batch_size_per_step to the constructor")
+        computed_at = self.epoch  # the parameters this batch's gradients were computed on
+        caught_up: int | None = None  # samples dropped by catching up with a missed round
         if self._in_flight is None and time.monotonic() >= self._resync_not_before:
             progress = self.tracker.progress
             if progress.epoch > self.epoch:
-                return self._resync(f"this peer is at epoch {self.epoch}, the swarm at {progress.epoch}",
-                                    min_epoch=progress.epoch)
-            canonical = canonical_digest(self.tracker.reports(), self.epoch)
-            if canonical is not None and canonical != self._digest:
-                return self._resync(f"peers at epoch {self.epoch} hold different states", min_epoch=self.epoch,
-                                    digest=canonical)
+                behind = f"this peer is at epoch {self.epoch}, the swarm at {progress.epoch}"
+                caught_up = self._catch_up(progress.epoch)
+                if caught_up is None:
+                    return self._resync(behind, min_epoch=progress.epoch)
+                if self.epoch - computed_at > self.config.max_staleness:
+                    # every round waited for: a batch computed before the missed round is too old
+                    return StepOutcome(self.epoch, caught_up=True, discarded_samples=caught_up)
+            else:
+                canonical = canonical_digest(self.tracker.reports(), self.epoch)
+                if canonical is not None and canonical != self._digest:
+                    return self._resync(f"peers at epoch {self.epoch} hold different states",
+                                        min_epoch=self.epoch, digest=canonical)
+        outcome = self._take_batch(batch_size, computed_at)
+        if caught_up is None:
+            return outcome
+        return replace(outcome, caught_up=True, discarded_samples=outcome.discarded_samples + caught_up)
+
+    def _take_batch(self, batch_size: int, computed_at: int) -> StepOutcome:
+        """The rest of `step`: takes the batch in, lands the round that arrived, launches the next."""
         with self._lock:
             if self.mode.samples == 0:
-                self._window_opened = self.epoch
+                self._window_opened = computed_at
             self.mode.on_batch(batch_size)
         self.samples_total += batch_size
         if self._meter.update(batch_size, time.monotonic()) > 0:
@@ -297,6 +332,9 @@ class Optimizer:
 
     def _after_failure(self, outcome: RoundOutcome) -> StepOutcome:
         swarm_epoch = self.tracker.progress.epoch
+        discarded = self._catch_up(swarm_epoch)
+        if discarded is not None:
+            return StepOutcome(self.epoch, round=outcome, caught_up=True, discarded_samples=discarded)
         resynced = self._resync(f"the swarm moved on to epoch {swarm_epoch}", min_epoch=swarm_epoch)
         return replace(resynced, round=outcome)
 
@@ -335,6 +373,7 @@ class Optimizer:
         downloaded = time.monotonic()
         with self._lock:
             self.mode.load_state(state)
+            self._kept_result = None
             previous, self.epoch = self.epoch, state.epoch
             self._digest = state_digest(self.mode.shared_tensors)
         self._meter.resume(time.monotonic())
@@ -366,7 +405,8 @@ class Optimizer:
             weight = self.mode.prepare_round(epoch)
         averager = self.averagers[self.mode.fragment_of(epoch)]
         future = self.peer.loop.submit(self._average(averager, epoch, weight, progress.num_peers))
-        self._in_flight = _InFlight(epoch, samples, self._window_opened, started, averager, future)
+        self._in_flight = _InFlight(epoch, samples, self._window_opened, started, progress.num_peers, averager,
+                                    future)
         if self.config.max_staleness > 0:
             with self._lock:
                 self.mode.overlap(epoch)  # the trainer computes on while the round averages
@@ -408,6 +448,9 @@ class Optimizer:
                                                f"{flight.samples} local samples")
         with self._lock:
             self.mode.apply_round(flight.epoch)
+            # a peer the round expected was left out: it may catch up from this mean (`_catch_up`)
+            self._kept_result = (flight.epoch, [t.clone() for t in self.mode.round_result()]) if (
+                result.contributors < flight.expected) else None
         self.bytes_sent += result.bytes_sent
         outcome = RoundOutcome(flight.epoch, True, result.group_size, result.contributors, flight.samples, seconds,
                                staleness=staleness)
@@ -578,6 +621,47 @@ class Optimizer:
             self.tracker.request_refresh()
         return StepOutcome(self.epoch, state_loaded=loaded, discarded_samples=discarded)
 
+    def _catch_up(self, swarm_epoch: int) -> int | None:
+        """Takes the step of the one round this peer missed (the swarm is one epoch ahead) from that
+        round's result, downloaded from a member that keeps it, and checks the state it reaches
+        against the fingerprint most peers at the new epoch report. Local samples too old for the
+        staleness bound at the new epoch are dropped; the rest go into the next round (they are not
+        in the missed round's mean). Returns the samples dropped, or None when it did not catch up
+        (the mode cannot, the swarm is further ahead, no member delivered a result, or the check
+        failed): the caller then downloads the state, which replaces whatever this step changed."""
+        if not self.mode.catches_up or self._in_flight is not None or swarm_epoch != self.epoch + 1:
+            return None
+        missed = self.epoch
+        candidates = [c for c in self.tracker.peers_at(swarm_epoch) if c.epoch == swarm_epoch]
+        if not candidates:
+            return None
+        started = time.monotonic()
+        timeout = min(self.config.state_timeout, self.config.averaging_timeout)
+        try:
+            result, source = self.peer.run(download_round_result(
+                self.peer, self.run_id, candidates, missed, self.mode.round_result(), timeout), timeout=timeout + 5)
+        except (StateTransferError, TimeoutError) as e:
+            logger.info("[%s] epoch %d: not catching up from the missed round's result (%s)", self.run_id, missed, e)
+            return None
+        with self._lock:
+            self.mode.apply_result(result)
+            self.epoch = swarm_epoch
+            self._digest = state_digest(self.mode.shared_tensors)
+            stale = self.mode.samples > 0 and self.epoch - self._window_opened > self.config.max_staleness
+            discarded = self.mode.discard() if stale else 0
+        self._meter.resume(time.monotonic())
+        expected = majority_digest(self.tracker.peers_at(swarm_epoch), swarm_epoch)
+        if expected is not None and expected != self._digest:
+            logger.warning("[%s] the result of round %d from %s gives a state the peers at epoch %d do not hold",
+                           self.run_id, missed, source[-8:], swarm_epoch)
+            return None
+        mbytes = sum(t.numel() * t.element_size() for t in result) / 1e6
+        logger.info("[%s] epoch %d -> %d: caught up with the round this peer missed from its result (%.1f MB from "
+                    "%s in %.2f s), %d local samples kept, %d dropped", self.run_id, missed, self.epoch, mbytes,
+                    source[-8:], time.monotonic() - started, self.mode.samples, discarded)
+        self._report(urgent=True)
+        return discarded
+
     # -- helpers ------------------------------------------------------------------------------
 
     def _report(self, urgent: bool = False) -> None:
@@ -632,9 +716,10 @@ class Optimizer:
             self._settled.notify_all()  # a state request waiting for a round serves what is held
         if self._in_flight is not None:
             self._in_flight.future.cancel()
-        if self._state_server is not None:
-            await self._state_server.ashutdown()
-            self.peer.detach(self._state_server)
+        for server in (self._state_server, self._result_server):
+            if server is not None:
+                await server.ashutdown()
+                self.peer.detach(server)
         await self.tracker.ashutdown()
         for averager in self.averagers:
             try:

@@ -45,6 +45,8 @@ class StepOutcome:
         discarded_samples: local samples dropped because the swarm had moved on.
         launched: the epoch of the round this call started averaging in the background (None
             when it started none); its step applies in a later call.
+        caught_up: this peer had missed one round and took its step from that round's result
+            (the mean its members applied), not from a downloaded state.
     """
 
     epoch: int
@@ -52,8 +54,9 @@ class StepOutcome:
     state_loaded: bool = False
     discarded_samples: int = 0
     launched: int | None = None
+    caught_up: bool = False
 
     @property
     def stepped(self) -> bool:
-        """True when this call took (or loaded) a collective step."""
-        return self.state_loaded or (self.round is not None and self.round.ok)
+        """True when this call took (or loaded, or caught up with) a collective step."""
+        return self.state_loaded or self.caught_up or (self.round is not None and self.round.ok)

@@ -149,13 +149,25 @@ def canonical_digest(reports: Iterable[PeerProgress], epoch: int) -> str | None:
     different states under one epoch number. The fingerprint held by the most peers wins (ties:
     the smaller string), so every peer picks the same one and the others download it.
     """
+    counts = _digest_counts(reports, epoch)
+    if len(counts) < 2:
+        return None
+    return min(counts, key=lambda d: (-counts[d], d))
+
+
+def majority_digest(reports: Iterable[PeerProgress], epoch: int) -> str | None:
+    """The state fingerprint most peers at `epoch` report (ties: the smaller string), or None when
+    no report at `epoch` carries one: what a peer that reached `epoch` by itself should hold."""
+    counts = _digest_counts(reports, epoch)
+    return min(counts, key=lambda d: (-counts[d], d)) if counts else None
+
+
+def _digest_counts(reports: Iterable[PeerProgress], epoch: int) -> dict[str, int]:
     counts: dict[str, int] = {}
     for r in reports:
         if r.epoch == epoch and r.digest:
             counts[r.digest] = counts.get(r.digest, 0) + 1
-    if len(counts) < 2:
-        return None
-    return min(counts, key=lambda d: (-counts[d], d))
+    return counts
 
 
 class ThroughputMeter:
