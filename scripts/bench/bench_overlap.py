@@ -78,7 +78,8 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
     print(f"{name}: {total:.1f} samples/s in all = {total / plain['samples_per_s']:.2f}x the plain process; "
           f"held-out loss {loss:.3f} = {loss / plain['loss']:.3f}x; {results[0]['epochs']} collective steps, "
           f"staleness {sorted({s for r in results for s in r['staleness']})}, failed rounds "
-          f"{sum(r['failed_rounds'] for r in results)}, state downloads {sum(r.get('state_loads', 0) for r in results)}",
+          f"{sum(r['failed_rounds'] for r in results)}, state downloads {sum(r.get('state_loads', 0) for r in results)}, "
+          f"caught up from a round's result {sum(r.get('catch_ups', 0) for r in results)}",
           flush=True)
     print(f"  {per_cpu:.1f} samples per CPU-second = {per_cpu / plain_per_cpu:.2f}x the plain process's "
           f"{plain_per_cpu:.1f}", flush=True)

@@ -174,7 +174,7 @@ def worker(args: argparse.Namespace) -> None:
     samples, reached, loss = 0, None, None
     compute = stepping = 0.0
     stop_at = started + args.max_seconds
-    steps = state_loads = 0
+    steps = state_loads = catch_ups = 0
     while time.monotonic() < stop_at and (not args.max_steps or steps < args.max_steps):
         steps += 1
         t0 = time.monotonic()
@@ -185,6 +185,7 @@ def worker(args: argparse.Namespace) -> None:
         out = opt.step()
         opt.zero_grad()
         state_loads += bool(out.state_loaded)
+        catch_ups += bool(getattr(out, "caught_up", False))  # older revisions (compare_revisions) lack it
         compute, stepping = compute + t1 - t0, stepping + time.monotonic() - t1
         samples += BATCH
         evaluate_now = out.stepped and args.target_loss and opt.epoch % args.eval_every == 0
@@ -210,7 +211,7 @@ def worker(args: argparse.Namespace) -> None:
     cpu = {name: round(cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0), 2) for name in cpu_after}
     rpcs = {name: count - rpcs_before.get(name, 0) for name, count in rpc_calls(peer).items()}
     result = {"index": args.index, "mode": args.mode, "elapsed": elapsed, "compute_s": compute, "step_s": stepping,
-              "idle_s": opt.idle_seconds, "cpu": cpu, "rpcs": rpcs, "state_loads": state_loads, "before_flush": before_flush,
+              "idle_s": opt.idle_seconds, "cpu": cpu, "rpcs": rpcs, "state_loads": state_loads, "catch_ups": catch_ups, "before_flush": before_flush,
               "staleness": sorted({r.staleness for r in opt.history if r.ok}), "seconds": reached if reached is not None else elapsed,
               "reached": reached is not None, "bytes_sent": opt.bytes_sent, "samples": samples,
               "samples_per_s": samples / elapsed, "epochs": opt.epoch, "loss": loss,
