@@ -86,7 +86,9 @@ def summary(name: str, results: list[dict[str, Any]]) -> dict[str, float]:
           f"{min(compute):.1%}-{max(compute):.1%}, waiting {statistics.mean(idle):.1%} in all; held-out loss {loss:.4f} after {results[0]['samples'] // 16} inner "
           f"steps, {rounds} rounds, {statistics.mean(r['bytes_sent'] for r in results) / 1e6:.2f} MB sent per "
           f"trainer; {sps:.1f} samples/s in all; staleness {sorted({s for r in results for s in r['staleness']})}; "
-          f"failed rounds {sum(r['failed_rounds'] for r in results)}; {statistics.mean(r['elapsed'] for r in results):.0f} s",
+          f"failed rounds {sum(r['failed_rounds'] for r in results)}, state downloads "
+          f"{sum(r.get('state_loads', 0) for r in results)}, caught up from a round's result "
+          f"{sum(r.get('catch_ups', 0) for r in results)}; {statistics.mean(r['elapsed'] for r in results):.0f} s",
           flush=True)
     return {"compute": min(busy), "loss": loss, "sps": sps,
             "bytes": statistics.mean(r["bytes_sent"] for r in results)}
@@ -100,6 +102,10 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=0, help="also run overlapped DiLoCo with this many fragments")
     parser.add_argument("--seconds", type=int, default=60, help="wall time of the large-batch phases")
     parser.add_argument("--target-batch", type=int, default=256)
+    parser.add_argument("--hidden-dim", type=int, default=None,
+                        help="the large-batch phases' model width (480: the 9.5M-parameter model of the issue's "
+                             "comparison; default: the demo's)")
+    parser.add_argument("--lr", type=float, default=None, help="the large-batch phases' learning rate")
     parser.add_argument("--mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=12.5)
     parser.add_argument("--skip", nargs="*", default=[], choices=["diloco", "large-batch"])
@@ -143,7 +149,9 @@ def main() -> None:
         wires: list[str | None] = list(args.gradient_wires) or [None]
         in_lab: dict[str | None, dict[str, Any]] = {}
         commons = {wire: ["--threads", "1", "--max-seconds", str(args.seconds), "--target-batch-size",
-                          str(args.target_batch), *([] if wire is None else ["--gradient-compression", wire])]
+                          str(args.target_batch), *([] if wire is None else ["--gradient-compression", wire]),
+                          *([] if args.hidden_dim is None else ["--hidden-dim", str(args.hidden_dim)]),
+                          *([] if args.lr is None else ["--lr", str(args.lr)])]
                    for wire in wires}
         if "large-batch" not in args.skip:
             for wire in wires:
