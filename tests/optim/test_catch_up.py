@@ -7,6 +7,7 @@ expects it, but it takes no batch), and the third then steps.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -17,6 +18,7 @@ from swarm.compression import CompressionType
 from swarm.optim import CollaborationConfig, Optimizer
 from swarm.optim.progress import PeerProgress, majority_digest
 from swarm.optim.state_transfer import _checked_result
+from swarm.peer import Peer
 
 BATCH = 16
 FAST = CollaborationConfig(target_batch_size=64, report_period=0.05, min_refresh_period=0.02,
@@ -37,11 +39,15 @@ def _train_until(opt: Optimizer, model: torch.nn.Module, epoch: int, seed: int) 
             opt.flush()  # rounds overlapped: land it now, before another batch could launch the next
 
 
-def _round_without_the_third(make_peer, run_id: str, config: CollaborationConfig):
-    """Three peers in sync at epoch 0; the first two take round 0 without the third."""
+def _round_without_the_third(make_peer, run_id: str, config: CollaborationConfig,
+                             late: Callable[[Peer], Peer] | None = None):
+    """Three peers in sync at epoch 0 (the third on `late` when given); the first two take round 0
+    without the third."""
     models = [make_model() for _ in range(3)]
-    opts = [Optimizer(make_peer(), run_id=run_id, params=m.parameters(), optimizer=adam, config=config)
-            for m in models]
+    peers = [make_peer(), make_peer()]
+    peers.append(late(peers[0]) if late is not None else make_peer())
+    opts = [Optimizer(p, run_id=run_id, params=m.parameters(), optimizer=adam, config=config)
+            for p, m in zip(peers, models)]
     assert all(o.wait_for_peers(3, timeout=10) for o in opts)
     threads = [threading.Thread(target=_train_until, args=(opts[i], models[i], 1, 10 + i)) for i in range(2)]
     for t in threads:
@@ -71,10 +77,27 @@ def _same_state(a: Optimizer, b: Optimizer) -> bool:
             and all(torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in ("exp_avg", "exp_avg_sq")))
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_a_peer_that_missed_one_round_takes_its_step_from_the_result_not_the_state(make_peer, staleness):
-    models, opts = _round_without_the_third(make_peer, f"catch{staleness}", replace(FAST, max_staleness=staleness))
-    out = _third_steps(opts, models)
+@pytest.mark.parametrize("staleness, client", [(0, False), (1, False), (0, True)])
+def test_a_peer_that_missed_one_round_takes_its_step_from_the_result_not_the_state(make_peer, staleness, client):
+    # a client-mode peer (a notebook behind NAT) serves nothing, but dials out to a member for the result
+    clients: list[Peer] = []
+
+    def late_client(first: Peer) -> Peer:
+        clients.append(Peer(initial_peers=first.addrs, client_mode=True))
+        return clients[-1]
+
+    try:
+        models, opts = _round_without_the_third(make_peer, f"catch{staleness}{client:d}",
+                                                replace(FAST, max_staleness=staleness),
+                                                late_client if client else None)
+        out = _third_steps(opts, models)
+        _check_caught_up(opts, out, staleness)
+    finally:
+        for peer in clients:
+            peer.shutdown()
+
+
+def _check_caught_up(opts, out, staleness: int) -> None:
     assert out.caught_up and not out.state_loaded and out.stepped, out
     assert opts[2].epoch == 1
     # the same step as the members took, bit for bit: parameters and Adam's moments
