@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -79,29 +80,53 @@ async def download_state(
     Raises:
         StateTransferError: no candidate delivered a state of at least `min_epoch` in time.
     """
+
+    async def fetch(addr: str, left: float) -> TrainingState:
+        downloaded = await aload_state_from_peers(peer, run_id, [addr], timeout=left)
+        state = TrainingState.from_wire(downloaded.tensors, downloaded.metadata)
+        if state.epoch < min_epoch:
+            raise ValueError(f"epoch {state.epoch} < {min_epoch}")
+        return state
+
+    providers = _providers(peer, candidates)
+    providers.sort(key=lambda c: -c.epoch)  # the newest first
+    state, _ = await _first_delivered(providers, timeout, fetch, f"the state of run {run_id!r}", "no peer serves it")
+    return state
+
+
+T = TypeVar("T")
+
+
+def _providers(peer: PeerHandle, candidates: Sequence[PeerProgress]) -> list[PeerProgress]:
+    """The candidates that serve (not client mode, not this peer), shuffled to spread the askers."""
+    ordered = [c for c in candidates if c.addr and not c.client_mode and c.peer_id != peer.peer_id]
+    random.shuffle(ordered)
+    return ordered
+
+
+async def _first_delivered(providers: Sequence[PeerProgress], timeout: float,
+                           fetch: Callable[[str, float], Awaitable[T]], what: str, none: str) -> tuple[T, str]:
+    """`fetch(addr, seconds_left)` from each provider in turn until one delivers, all within `timeout`;
+    returns what it delivered and its PeerID. A provider that fails, stalls or delivers something
+    `fetch` refuses (ValueError, TypeError) is logged and the next one asked.
+
+    Raises:
+        StateTransferError: none delivered in time (`what` names the download, `none` says why
+        when there was no provider).
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    ordered = [c for c in candidates if c.addr and not c.client_mode and c.peer_id != peer.peer_id]
-    random.shuffle(ordered)  # spread newcomers over providers
-    ordered.sort(key=lambda c: -c.epoch)
     errors: list[str] = []
-    for candidate in ordered:
+    for provider in providers:
         left = deadline - loop.time()
         if left <= 0:
             break
         try:
-            downloaded = await aload_state_from_peers(peer, run_id, [candidate.addr], timeout=left)
-            state = TrainingState.from_wire(downloaded.tensors, downloaded.metadata)
+            return await fetch(provider.addr, left), provider.peer_id
         except (TimeoutError, AveragingError, ValueError, TypeError) as e:
-            errors.append(f"{candidate.peer_id[-8:]}: {e}")
-            logger.debug("state download from %s failed: %s", candidate.peer_id, e)
-            continue
-        if state.epoch < min_epoch:
-            errors.append(f"{candidate.peer_id[-8:]}: epoch {state.epoch} < {min_epoch}")
-            continue
-        return state
-    reason = "; ".join(errors) if errors else "no peer serves it"
-    raise StateTransferError(f"could not download the state of run {run_id!r}: {reason}")
+            errors.append(f"{provider.peer_id[-8:]}: {e}")
+            logger.debug("download of %s from %s failed: %s", what, provider.peer_id, e)
+    raise StateTransferError(f"could not download {what}: {'; '.join(errors) if errors else none}")
 
 
 def serve_round_result(peer: PeerHandle, run_id: str, held: HeldResultFn) -> StateServer:
@@ -133,27 +158,15 @@ async def download_round_result(
     Raises:
         StateTransferError: no candidate delivered it in time.
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    ordered = [c for c in candidates if c.addr and not c.client_mode and c.peer_id != peer.peer_id]
-    random.shuffle(ordered)  # spread the late peers over the members
     size = sum(t.numel() * t.element_size() for t in like)
-    errors: list[str] = []
-    for candidate in ordered:
-        left = deadline - loop.time()
-        if left <= 0:
-            break
-        try:
-            downloaded = await aload_state_from_peers(peer, round_result_name(run_id), [candidate.addr],
-                                                      timeout=left, max_bytes=size)
-            tensors = _checked_result(downloaded.metadata, downloaded.tensors, epoch, like)
-        except (TimeoutError, AveragingError, ValueError, TypeError) as e:
-            errors.append(f"{candidate.peer_id[-8:]}: {e}")
-            logger.debug("round result download from %s failed: %s", candidate.peer_id, e)
-            continue
-        return tensors, candidate.peer_id
-    reason = "; ".join(errors) if errors else "no member serves it"
-    raise StateTransferError(f"could not download the result of round {epoch} of run {run_id!r}: {reason}")
+
+    async def fetch(addr: str, left: float) -> list[torch.Tensor]:
+        downloaded = await aload_state_from_peers(peer, round_result_name(run_id), [addr], timeout=left,
+                                                  max_bytes=size)
+        return _checked_result(downloaded.metadata, downloaded.tensors, epoch, like)
+
+    return await _first_delivered(_providers(peer, candidates), timeout, fetch,
+                                  f"the result of round {epoch} of run {run_id!r}", "no member serves it")
 
 
 def _checked_result(metadata: object, tensors: Sequence[torch.Tensor], epoch: int,

@@ -39,6 +39,17 @@ def _train_until(opt: Optimizer, model: torch.nn.Module, epoch: int, seed: int) 
             opt.flush()  # rounds overlapped: land it now, before another batch could launch the next
 
 
+def _take_round_zero(opts: list[Optimizer], models: list[torch.nn.Module], seed: int) -> None:
+    """Each of `opts` trains in its own thread until round 0 has landed."""
+    threads = [threading.Thread(target=_train_until, args=(o, m, 1, seed + i))
+               for i, (o, m) in enumerate(zip(opts, models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+
+
 def _round_without_the_third(make_peer, run_id: str, config: CollaborationConfig,
                              late: Callable[[Peer], Peer] | None = None):
     """Three peers in sync at epoch 0 (the third on `late` when given); the first two take round 0
@@ -49,12 +60,7 @@ def _round_without_the_third(make_peer, run_id: str, config: CollaborationConfig
     opts = [Optimizer(p, run_id=run_id, params=m.parameters(), optimizer=adam, config=config)
             for p, m in zip(peers, models)]
     assert all(o.wait_for_peers(3, timeout=10) for o in opts)
-    threads = [threading.Thread(target=_train_until, args=(opts[i], models[i], 1, 10 + i)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
+    _take_round_zero(opts[:2], models[:2], seed=10)
     assert opts[0].epoch == opts[1].epoch == 1 and opts[2].epoch == 0
     first = opts[0].history[0]
     assert first.ok and first.epoch == 0 and first.contributors == 2, first
@@ -135,11 +141,7 @@ def test_a_round_every_expected_peer_joined_keeps_no_result(make_peer):
     opts = [Optimizer(make_peer(), run_id="full", params=m.parameters(), optimizer=adam,
                       config=replace(FAST, max_staleness=0)) for m in models]
     assert all(o.wait_for_peers(2, timeout=10) for o in opts)
-    threads = [threading.Thread(target=_train_until, args=(opts[i], models[i], 1, 20 + i)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _take_round_zero(opts, models, seed=20)
     assert all(o.epoch == 1 and o.history[0].contributors == 2 for o in opts)
     assert all(o._kept_result is None for o in opts)  # no copy of the mean for nobody
 
