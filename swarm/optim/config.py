@@ -48,11 +48,10 @@ class CollaborationConfig:
         state_timeout: seconds a state download (parameters, optimizer state) may take.
         load_state_on_start: download the swarm's current state when this peer starts.
         gradient_compression: wire format of averaged gradients (large-batch mode).
-            SCALED_FLOAT16 (the default): half the bytes of float32, and a peer's CPU per round
-            a third lower (38 MB of gradients over TLS, 4 peers: 76 against 100 ms), every finite
-            range kept; members apply the mean as the codec rounded it, so they stay identical,
-            within its rounding (about 2**-11 relative) of one process's step. NONE: that step
-            exactly (BENCHMARKS.md, "Communication overlapped with compute").
+            SCALED_FLOAT16 (the default): half the bytes of float32, and less of a peer's CPU per
+            round (BENCHMARKS.md, "Gradients as scaled float16 by default"), every finite range
+            kept; members apply the mean as the codec rounded it, so they stay identical, within
+            its rounding (about 2**-11 relative) of one process's step. NONE: that step exactly.
         max_staleness: rounds that may still be averaging while this peer computes. 1 (the
             default): a round's averaging runs while the trainer computes the next batches, and its
             step applies when the average arrives, so the gradients a step applies were computed
