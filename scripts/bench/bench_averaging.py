@@ -303,6 +303,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=0)
     parser.add_argument("--compression", type=int, default=0)
     parser.add_argument("--skip-fp16", action="store_true")
+    parser.add_argument("--codecs", type=int, nargs="+", default=[1, 2],
+                        help="the compressed wires run after float32, as CompressionType values (default: 1 2,"
+                             " FLOAT16 and SCALED_FLOAT16; 3 is UNIFORM_8BIT)")
     parser.add_argument("--skip-grpc", action="store_true", help="skip the run with tensors over gRPC streams only")
     parser.add_argument("--transport", choices=["bulk", "grpc"], default="bulk", help=argparse.SUPPRESS)
     parser.add_argument("--insecure", action="store_true", help=argparse.SUPPRESS)
@@ -390,7 +393,10 @@ def main() -> None:
         print(f"swarm peak RSS        {n} peers: {peak:.0f} MB per peer = {peak / tensor:.2f}x the tensors "
               f"({(peak - base) / tensor:.2f}x above the {base:.0f} MB of a peer holding nothing)", flush=True)
         if not args.skip_fp16:
-            for codec, name in ((1, "float16"), (2, "scaled float16")):
+            from swarm.compression import CompressionType
+
+            for codec in args.codecs:
+                name = CompressionType(codec).name
                 half_reports = run_group("swarm", n, args, compression=codec)
                 half = round_seconds(half_reports)
                 half_cpu = statistics.median(c for r in half_reports for c in r["cpu"])

@@ -85,6 +85,10 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
           f"{plain_per_cpu:.1f}", flush=True)
     print(f"  per trainer: {compute:.0%} of wall time in compute, {step:.1%} in step() "
           f"({idle:.1%} waiting for its group); CPU {cpu_total:.1f} s per process: {shares}", flush=True)
+    if all("gc_full" in r for r in results):  # bench_training's FullCollections
+        print(f"  full garbage collections per trainer: {statistics.mean(r['gc_full'][0] for r in results):.1f}, "
+              f"longest {max(r['gc_full'][1] for r in results):.3f} s, "
+              f"{statistics.mean(r['gc_full'][2] for r in results):.2f} s in all", flush=True)
     rpcs: dict[str, float] = {}
     for r in results:
         for method, count in r.get("rpcs", {}).items():

@@ -91,6 +91,30 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+class FullCollections:
+    """The garbage collector's full (generation 2) collections in this process from now on, each
+    one's wall time: the pauses a trainer's loop takes for them (swarm/core/collector.py)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.pauses: list[float] = []
+        self._started = 0.0
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._started)
+
+    def summary(self) -> list[float]:
+        """[count, longest, total] in seconds."""
+        return [len(self.pauses), max(self.pauses, default=0.0), sum(self.pauses)]
+
+
 def rpc_calls(peer: Any) -> dict[str, int]:
     """RPCs this peer served ("in ...") and made ("out ...") so far, by method (swarm.metrics.rpc)."""
     out: dict[str, int] = {}
@@ -168,6 +192,7 @@ def worker(args: argparse.Namespace) -> None:
             profiler.enable() if on else profiler.disable()
 
         peer.run(toggle(True))
+    collections = FullCollections()
     started = time.monotonic()
     cpu_before = thread_cpu()
     rpcs_before = rpc_calls(peer)
@@ -212,6 +237,7 @@ def worker(args: argparse.Namespace) -> None:
     rpcs = {name: count - rpcs_before.get(name, 0) for name, count in rpc_calls(peer).items()}
     result = {"index": args.index, "mode": args.mode, "elapsed": elapsed, "compute_s": compute, "step_s": stepping,
               "idle_s": opt.idle_seconds, "cpu": cpu, "rpcs": rpcs, "state_loads": state_loads, "catch_ups": catch_ups, "before_flush": before_flush,
+              "gc_full": collections.summary(),
               "staleness": sorted({r.staleness for r in opt.history if r.ok}), "seconds": reached if reached is not None else elapsed,
               "reached": reached is not None, "bytes_sent": opt.bytes_sent, "samples": samples,
               "samples_per_s": samples / elapsed, "epochs": opt.epoch, "loss": loss,

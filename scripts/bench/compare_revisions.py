@@ -82,6 +82,9 @@ def run(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
         "idle": statistics.mean(r["idle_s"] for r in results), "rpcs": rpcs,
         "failed": sum(r["failed_rounds"] for r in results), "downloads": sum(r.get("state_loads", 0) for r in results),
         "catch_ups": sum(r.get("catch_ups", 0) for r in results),  # 0 from revisions before e518d5d
+        # full garbage collections per trainer and the longest (none recorded before the recorder)
+        "gc_count": statistics.mean(r.get("gc_full", [0, 0.0, 0.0])[0] for r in results),
+        "gc_longest": max(r.get("gc_full", [0, 0.0, 0.0])[1] for r in results),
     }
 
 
@@ -90,7 +93,8 @@ def describe(rev: str, r: dict[str, Any]) -> str:
     return (f"{rev}: {r['steps']} collective steps, {r['samples_per_s']:.1f} samples/s, held-out loss {r['loss']:.3f}, "
             f"per trainer: peer loop {r['loop_cpu']:.1f} s CPU, training {r['training_cpu']:.1f} s CPU, "
             f"waited {r['idle']:.1f} s; failed rounds {r['failed']:g}, state downloads {r['downloads']:g}, caught up "
-            f"{r['catch_ups']:g} (all trainers); RPCs made per trainer per second: {rpcs}")
+            f"{r['catch_ups']:g} (all trainers); full garbage collections per trainer {r['gc_count']:.1f}, longest "
+            f"{r['gc_longest']:.3f} s; RPCs made per trainer per second: {rpcs}")
 
 
 def main() -> None:
@@ -118,7 +122,7 @@ def main() -> None:
     for rev, results in runs.items():
         median = {key: statistics.median(r[key] for r in results)
                   for key in ("steps", "samples_per_s", "loss", "loop_cpu", "training_cpu", "idle", "failed",
-                              "downloads", "catch_ups")}
+                              "downloads", "catch_ups", "gc_count", "gc_longest")}
         median["rpcs"] = {m: statistics.median(r["rpcs"].get(m, 0.0) for r in results)
                           for m in set().union(*(r["rpcs"] for r in results))}
         print("  " + describe(rev, median), flush=True)
