@@ -29,6 +29,7 @@ from swarm.averaging.agreement import Coordinator, Report
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.reducer import PartReducer
 from swarm.averaging.verification import Verdict
+from swarm.core.collector import freeze_long_lived
 from swarm.core.errors import InvalidRequest, NotFound
 from swarm.core.malloc import tune_malloc
 from swarm.net.handle import NetworkHandle
@@ -76,6 +77,7 @@ class AveragingService:
 
     def __init__(self, peer: NetworkHandle, join_grace: float = 5.0, limit: CallLimit = AVERAGING_LIMIT) -> None:
         tune_malloc()  # this peer moves tensors from now on
+        freeze_long_lived()  # and its rounds have deadlines: no full collection over its imports
         self.peer = peer
         self.join_grace = join_grace
         self.rounds: dict[tuple[str, bytes], RoundEntry] = {}
