@@ -3,7 +3,7 @@
 A full (generation 2) collection visits every object the collector tracks, holding the GIL
 throughout. In a trainer process that is ~300,000 objects, nearly all from imports (torch, grpc)
 and alive until the process ends. Measured in four 9.5M-parameter trainers on two busy cores, each
-full collection stopped a trainer's event loop for 0.16–0.41 s, about every 15–20 s, and the
+full collection stopped a trainer's event loop for 0.16–0.41 s, once or twice a minute, and the
 processes reached theirs within seconds of each other; one that struck the reducer of a round's
 part held the round past its deadline and the whole group failed it (BENCHMARKS.md,
 "Communication overlapped with compute").
