@@ -88,7 +88,8 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
     if all("gc_full" in r for r in results):  # bench_training's FullCollections
         print(f"  full garbage collections per trainer: {statistics.mean(r['gc_full'][0] for r in results):.1f}, "
               f"longest {max(r['gc_full'][1] for r in results):.3f} s, "
-              f"{statistics.mean(r['gc_full'][2] for r in results):.2f} s in all", flush=True)
+              f"{statistics.mean(r['gc_full'][2] for r in results):.2f} s in all; objects frozen out of them "
+              f"{min(r['gc_full'][3] for r in results)}", flush=True)
     rpcs: dict[str, float] = {}
     for r in results:
         for method, count in r.get("rpcs", {}).items():

@@ -111,8 +111,10 @@ class FullCollections:
             self.pauses.append(time.perf_counter() - self._started)
 
     def summary(self) -> list[float]:
-        """[count, longest, total] in seconds."""
-        return [len(self.pauses), max(self.pauses, default=0.0), sum(self.pauses)]
+        """[count, longest, total] in seconds, then the objects frozen out of them (`gc.freeze`)."""
+        import gc
+
+        return [len(self.pauses), max(self.pauses, default=0.0), sum(self.pauses), gc.get_freeze_count()]
 
 
 def rpc_calls(peer: Any) -> dict[str, int]:
