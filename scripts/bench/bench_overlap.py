@@ -15,7 +15,10 @@ same data, each phase `--seconds` of wall time:
 2. `--peers` swarm trainers x 1 torch thread in large-batch mode, every round waited for
    (`max_staleness=0`);
 3. the same trainers with each round averaging while they compute the next batches
-   (`max_staleness=1`, the default).
+   (`max_staleness=1`, the default);
+4. with `--plain-again`, the plain baseline once more, after everything else: each phase is then
+   also counted against the mean of the two plain runs, so a drift of the machine's speed over the
+   invocation (other load coming or going) does not fall on one side of the comparison only.
 
 For each swarm phase: samples/s of all trainers over the plain process's, held-out loss over the
 plain process's, the share of a trainer's time in compute (forward, backward), in `step()` and
@@ -24,7 +27,7 @@ the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
         [--variants TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR[:WIRE]]]]] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]] ...]
-        [--plain-references BATCH:LR ...] [--ddp-references LR[:WARMUP] ...] [--hidden-dim 128]
+        [--plain-references BATCH:LR ...] [--ddp-references LR[:WARMUP] ...] [--hidden-dim 128] [--plain-again]
 
 `--hidden-dim` sets the model's width in every phase: 128 is the demo's model (0.73M parameters),
 480 gives 9.5M, about the size of the model the issue's comparison names (~9.8M).
@@ -59,7 +62,9 @@ bench_training = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_training)
 
 
-def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) -> None:
+def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) -> tuple[float, float]:
+    """Prints a phase's figures against the plain baseline; returns its (samples/s of all trainers,
+    mean held-out loss)."""
     total = sum(r["samples_per_s"] for r in results)
     loss = statistics.mean(r["final_loss"] for r in results)
     compute = statistics.mean(r["compute_s"] / r["elapsed"] for r in results)
@@ -97,6 +102,7 @@ def describe(name: str, results: list[dict[str, Any]], plain: dict[str, Any]) ->
     top = sorted(rpcs.items(), key=lambda kv: -kv[1])[:8]
     print("  RPCs per trainer per second (in: served, out: made): "
           + ", ".join(f"{method} {rate:.1f}" for method, rate in top), flush=True)
+    return total, loss
 
 
 class Phase(NamedTuple):
@@ -205,6 +211,9 @@ def main() -> None:
                              "trainers could reach with no coordination cost beyond gloo's all-reduce")
     parser.add_argument("--skip-default", action="store_true",
                         help="run only the --variants phases (the plain baseline still runs first)")
+    parser.add_argument("--plain-again", action="store_true",
+                        help="run the plain baseline again after every other phase and also count each phase against "
+                             "the mean of the two plain runs (the machine's drift over the invocation cancels)")
     parser.add_argument("--hidden-dim", type=int, default=128,
                         help="the model's width in every phase: 128 is the demo's (0.73M parameters), 480 gives "
                              "9.5M, about the size of the issue's comparison model (~9.8M)")
@@ -231,12 +240,14 @@ def main() -> None:
         print(f"plain reference, {threads} thread(s), batch {batch}, lr {lr}: {result['samples_per_s']:.1f} samples/s, "
               f"{result['steps']} steps, held-out loss {result['loss']:.3f} = {result['loss'] / plain['loss']:.3f}x "
               f"the baseline's ({plain['steps']} steps)", flush=True)
+    figures: dict[str, tuple[float, float]] = {}  # each phase's samples/s and held-out loss
     for lr, warmup in args.ddp_references:
         results = run("ddp", args.peers, [
             "--max-seconds", seconds, "--threads", "1", "--lr", str(lr), "--warmup-steps", str(warmup),
             "--ddp-port", str(free_port())], args.seconds + 120)
-        describe(f"{args.peers} torch.distributed (gloo) ranks, synchronous, batch {bench_training.BATCH} each, "
-                 f"lr {lr}, warm-up {warmup}", results, plain)
+        name = (f"{args.peers} torch.distributed (gloo) ranks, synchronous, batch {bench_training.BATCH} each, "
+                f"lr {lr}, warm-up {warmup}")
+        figures[name] = describe(name, results, plain)
     phases = [] if args.skip_default else [Phase(args.target_batch, args.lr, staleness=staleness)
                                            for staleness in ([1] if args.skip_sync else [0, 1])]
     for phase in [*phases, *args.variants]:
@@ -253,7 +264,20 @@ def main() -> None:
                      *([] if phase.near is None else ["--near-target", str(phase.near)]),
                      *([] if phase.wire is None else ["--gradient-compression", phase.wire])]
             results = run("swarm", args.peers, extra, args.seconds + 180)
-        describe(f"{args.peers} trainers, {phase.name(args.lr)}", results, plain)
+        name = f"{args.peers} trainers, {phase.name(args.lr)}"
+        figures[name] = describe(name, results, plain)
+    if args.plain_again:
+        again = run("plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr", str(args.lr)],
+                    args.seconds + 120)[0]
+        speed = (plain["samples_per_s"] + again["samples_per_s"]) / 2
+        loss = (plain["loss"] + again["loss"]) / 2
+        print(f"the plain process again, {threads} thread(s), after every other phase: {again['samples_per_s']:.1f} "
+              f"samples/s, held-out loss {again['loss']:.3f}, {again['steps']} steps; the mean of the two runs: "
+              f"{speed:.1f} samples/s, held-out loss {loss:.3f}", flush=True)
+        for name, (total, phase_loss) in figures.items():
+            print(f"  against that mean: {name}: {total / speed:.2f}x the samples/s, {phase_loss / loss:.3f}x the "
+                  f"held-out loss (against the run after alone: {total / again['samples_per_s']:.2f}x, "
+                  f"{phase_loss / again['loss']:.3f}x)", flush=True)
     print(f"baseline: the plain process with {threads} thread(s); load average after: {os.getloadavg()}",
           flush=True)
 
