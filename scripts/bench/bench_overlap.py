@@ -223,20 +223,21 @@ def main() -> None:
     def run(mode: str, peers: int, extra: list[str], timeout: float) -> list[dict[str, Any]]:
         return bench_training.run_workers(mode, peers, [*extra, "--hidden-dim", str(args.hidden_dim)], timeout)
 
+    def run_plain(threads: int, lr: float, *extra: str) -> dict[str, Any]:
+        return run("plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr", str(lr), *extra],
+                   args.seconds + 120)[0]
+
     if args.hidden_dim != 128:
         print(f"model: hidden_dim {args.hidden_dim}", flush=True)
     print(f"load average before: {os.getloadavg()}", flush=True)
-    plains = [(threads, run(
-        "plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr", str(args.lr)], args.seconds + 120)[0])
-              for threads in (args.plain_threads or [os.cpu_count() or 1])]
+    plains = [(threads, run_plain(threads, args.lr)) for threads in (args.plain_threads or [os.cpu_count() or 1])]
     for threads, result in plains:
         print(f"one plain process, {threads} thread(s): {result['samples_per_s']:.1f} samples/s, held-out loss "
               f"{result['loss']:.3f} after {args.seconds} s, {result['steps']} steps (batch {bench_training.BATCH}, "
               f"lr {args.lr})", flush=True)
     threads, plain = max(plains, key=lambda tr: tr[1]["samples_per_s"])
     for batch, lr in args.plain_references:
-        result = run("plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr",
-                                                         str(lr), "--batch", str(batch)], args.seconds + 120)[0]
+        result = run_plain(threads, lr, "--batch", str(batch))
         print(f"plain reference, {threads} thread(s), batch {batch}, lr {lr}: {result['samples_per_s']:.1f} samples/s, "
               f"{result['steps']} steps, held-out loss {result['loss']:.3f} = {result['loss'] / plain['loss']:.3f}x "
               f"the baseline's ({plain['steps']} steps)", flush=True)
@@ -267,8 +268,7 @@ def main() -> None:
         name = f"{args.peers} trainers, {phase.name(args.lr)}"
         figures[name] = describe(name, results, plain)
     if args.plain_again:
-        again = run("plain", 1, ["--max-seconds", seconds, "--threads", str(threads), "--lr", str(args.lr)],
-                    args.seconds + 120)[0]
+        again = run_plain(threads, args.lr)
         speed = (plain["samples_per_s"] + again["samples_per_s"]) / 2
         loss = (plain["loss"] + again["loss"]) / 2
         print(f"the plain process again, {threads} thread(s), after every other phase: {again['samples_per_s']:.1f} "
