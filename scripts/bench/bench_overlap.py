@@ -51,7 +51,6 @@ import importlib.util
 import os
 import socket
 import statistics
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -283,4 +282,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
