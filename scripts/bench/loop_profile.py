@@ -24,7 +24,7 @@ CATEGORIES = [  # checked in this order: a stack counts once, under the first th
                                                              "swarm/averaging/reducer.py")),
     ("state transfer", ("swarm/averaging/state.py",)),
     ("bulk streams served (frames sealed and written)", ("swarm/net/bulk.py",)),
-    ("bulk records opened", ("swarm/net/sealed.py",)),
+    ("sealed connections outside a stream (records opened, sealed records sent)", ("swarm/net/sealed.py",)),
     ("DHT", ("swarm/dht/",)),
     ("gRPC calls", ("swarm/net/calls.py",)),
     ("other swarm code", ("swarm/",)),
