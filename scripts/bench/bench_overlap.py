@@ -18,7 +18,10 @@ same data, each phase `--seconds` of wall time:
    (`max_staleness=1`, the default);
 4. with `--plain-again`, the plain baseline once more, after everything else: each phase is then
    also counted against the mean of the two plain runs, so a drift of the machine's speed over the
-   invocation (other load coming or going) does not fall on one side of the comparison only.
+   invocation (other load coming or going) does not fall on one side of the comparison only;
+   with `--plain-between`, the plain baseline after every phase instead, each phase counted against
+   the mean of the plain runs just before and just after it (the plain process alone moved by up to
+   9% between two runs of one invocation: a drift over ten minutes falls on both sides of each phase).
 
 For each swarm phase: samples/s of all trainers over the plain process's, held-out loss over the
 plain process's, the share of a trainer's time in compute (forward, backward), in `step()` and
@@ -27,7 +30,8 @@ the peer's loop, executor threads, native gRPC/OpenMP threads).
 
     .venv/bin/python scripts/bench/bench_overlap.py [--seconds 60] [--peers 4] [--target-batch 512]
         [--variants TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR[:WIRE]]]]] | diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]] ...]
-        [--plain-references BATCH:LR ...] [--ddp-references LR[:WARMUP] ...] [--hidden-dim 128] [--plain-again]
+        [--plain-references BATCH:LR ...] [--ddp-references LR[:WARMUP] ...] [--hidden-dim 128]
+        [--plain-again | --plain-between]
 
 `--hidden-dim` sets the model's width in every phase: 128 is the demo's model (0.73M parameters),
 480 gives 9.5M, about the size of the model the issue's comparison names (~9.8M).
@@ -163,6 +167,18 @@ def parse_variant(text: str) -> Phase:
         f"a variant is TARGET:LR[:WARMUP[:STALENESS[:TRIAL[:NEAR[:WIRE]]]]] or diloco:H[:BITS[:OUTER_LR[:MOMENTUM[:INNER_LR]]]], got {text!r}")
 
 
+def bracketed(phases: dict[str, tuple[float, float, int]],
+              plains: list[tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Each phase's samples/s and held-out loss over the mean of the plain runs just before and just
+    after it: `phases` maps a name to (samples/s, loss, the index in `plains` of the run before it),
+    `plains` holds the plain runs' (samples/s, loss) in the order they ran."""
+    ratios = {}
+    for name, (speed, loss, before) in phases.items():
+        pair = plains[before:before + 2]
+        ratios[name] = (speed / statistics.mean(s for s, _ in pair), loss / statistics.mean(lo for _, lo in pair))
+    return ratios
+
+
 def parse_plain(text: str) -> tuple[int, float]:
     """`BATCH:LR`: one more plain process (the baseline's threads) with this batch and Adam learning rate."""
     try:
@@ -210,9 +226,13 @@ def main() -> None:
                              "trainers could reach with no coordination cost beyond gloo's all-reduce")
     parser.add_argument("--skip-default", action="store_true",
                         help="run only the --variants phases (the plain baseline still runs first)")
-    parser.add_argument("--plain-again", action="store_true",
+    drift = parser.add_mutually_exclusive_group()
+    drift.add_argument("--plain-again", action="store_true",
                         help="run the plain baseline again after every other phase and also count each phase against "
                              "the mean of the two plain runs (the machine's drift over the invocation cancels)")
+    drift.add_argument("--plain-between", action="store_true",
+                        help="run the plain baseline again after every other phase and also count each phase "
+                             "against the mean of the plain runs just before and after it")
     parser.add_argument("--hidden-dim", type=int, default=128,
                         help="the model's width in every phase: 128 is the demo's (0.73M parameters), 480 gives "
                              "9.5M, about the size of the issue's comparison model (~9.8M)")
@@ -241,6 +261,17 @@ def main() -> None:
               f"{result['steps']} steps, held-out loss {result['loss']:.3f} = {result['loss'] / plain['loss']:.3f}x "
               f"the baseline's ({plain['steps']} steps)", flush=True)
     figures: dict[str, tuple[float, float]] = {}  # each phase's samples/s and held-out loss
+    plain_runs = [(plain["samples_per_s"], plain["loss"])]  # the baseline's runs in order (--plain-between)
+    before: dict[str, int] = {}  # each phase's plain run just before it, an index into plain_runs
+
+    def plain_between(name: str) -> None:
+        before[name] = len(plain_runs) - 1
+        if args.plain_between:
+            again = run_plain(threads, args.lr)
+            plain_runs.append((again["samples_per_s"], again["loss"]))
+            print(f"the plain process again, {threads} thread(s): {again['samples_per_s']:.1f} samples/s, held-out "
+                  f"loss {again['loss']:.3f}, {again['steps']} steps", flush=True)
+
     for lr, warmup in args.ddp_references:
         results = run("ddp", args.peers, [
             "--max-seconds", seconds, "--threads", "1", "--lr", str(lr), "--warmup-steps", str(warmup),
@@ -248,6 +279,7 @@ def main() -> None:
         name = (f"{args.peers} torch.distributed (gloo) ranks, synchronous, batch {bench_training.BATCH} each, "
                 f"lr {lr}, warm-up {warmup}")
         figures[name] = describe(name, results, plain)
+        plain_between(name)
     phases = [] if args.skip_default else [Phase(args.target_batch, args.lr, staleness=staleness)
                                            for staleness in ([1] if args.skip_sync else [0, 1])]
     for phase in [*phases, *args.variants]:
@@ -266,7 +298,16 @@ def main() -> None:
             results = run("swarm", args.peers, extra, args.seconds + 180)
         name = f"{args.peers} trainers, {phase.name(args.lr)}"
         figures[name] = describe(name, results, plain)
-    if args.plain_again:
+        plain_between(name)
+    if args.plain_between:
+        speeds = [speed for speed, _ in plain_runs]
+        print(f"the plain process's {len(speeds)} runs: {', '.join(f'{s:.1f}' for s in speeds)} samples/s "
+              f"(spread {max(speeds) / min(speeds) - 1:.1%})", flush=True)
+        ratios = bracketed({name: (*figures[name], before[name]) for name in figures}, plain_runs)
+        for name, (speed_ratio, loss_ratio) in ratios.items():
+            print(f"  against the plain runs either side: {name}: {speed_ratio:.2f}x the samples/s, "
+                  f"{loss_ratio:.3f}x the held-out loss", flush=True)
+    elif args.plain_again:
         again = run_plain(threads, args.lr)
         speed = (plain["samples_per_s"] + again["samples_per_s"]) / 2
         loss = (plain["loss"] + again["loss"]) / 2
