@@ -228,11 +228,11 @@ def main() -> None:
                         help="run only the --variants phases (the plain baseline still runs first)")
     drift = parser.add_mutually_exclusive_group()
     drift.add_argument("--plain-again", action="store_true",
-                        help="run the plain baseline again after every other phase and also count each phase against "
-                             "the mean of the two plain runs (the machine's drift over the invocation cancels)")
+                        help="run the plain baseline once more after all the other phases and also count each phase "
+                             "against the mean of the two plain runs (the machine's drift over the invocation cancels)")
     drift.add_argument("--plain-between", action="store_true",
-                        help="run the plain baseline again after every other phase and also count each phase "
-                             "against the mean of the plain runs just before and after it")
+                        help="run the plain baseline again after each phase and also count each phase against "
+                             "the mean of the plain runs just before and just after it")
     parser.add_argument("--hidden-dim", type=int, default=128,
                         help="the model's width in every phase: 128 is the demo's (0.73M parameters), 480 gives "
                              "9.5M, about the size of the issue's comparison model (~9.8M)")
@@ -264,7 +264,14 @@ def main() -> None:
     plain_runs = [(plain["samples_per_s"], plain["loss"])]  # the baseline's runs in order (--plain-between)
     before: dict[str, int] = {}  # each phase's plain run just before it, an index into plain_runs
 
-    def plain_between(name: str) -> None:
+    def unique(name: str) -> str:
+        """The phase's name, numbered when the same phase runs more than once in the invocation."""
+        if name not in figures:
+            return name
+        runs = sum(n == name or n.startswith(name + " (#") for n in figures)
+        return f"{name} (#{runs + 1})"
+
+    def after_phase(name: str) -> None:
         before[name] = len(plain_runs) - 1
         if args.plain_between:
             again = run_plain(threads, args.lr)
@@ -276,10 +283,10 @@ def main() -> None:
         results = run("ddp", args.peers, [
             "--max-seconds", seconds, "--threads", "1", "--lr", str(lr), "--warmup-steps", str(warmup),
             "--ddp-port", str(free_port())], args.seconds + 120)
-        name = (f"{args.peers} torch.distributed (gloo) ranks, synchronous, batch {bench_training.BATCH} each, "
-                f"lr {lr}, warm-up {warmup}")
+        name = unique(f"{args.peers} torch.distributed (gloo) ranks, synchronous, batch {bench_training.BATCH} "
+                      f"each, lr {lr}, warm-up {warmup}")
         figures[name] = describe(name, results, plain)
-        plain_between(name)
+        after_phase(name)
     phases = [] if args.skip_default else [Phase(args.target_batch, args.lr, staleness=staleness)
                                            for staleness in ([1] if args.skip_sync else [0, 1])]
     for phase in [*phases, *args.variants]:
@@ -296,9 +303,9 @@ def main() -> None:
                      *([] if phase.near is None else ["--near-target", str(phase.near)]),
                      *([] if phase.wire is None else ["--gradient-compression", phase.wire])]
             results = run("swarm", args.peers, extra, args.seconds + 180)
-        name = f"{args.peers} trainers, {phase.name(args.lr)}"
+        name = unique(f"{args.peers} trainers, {phase.name(args.lr)}")
         figures[name] = describe(name, results, plain)
-        plain_between(name)
+        after_phase(name)
     if args.plain_between:
         speeds = [speed for speed, _ in plain_runs]
         print(f"the plain process's {len(speeds)} runs: {', '.join(f'{s:.1f}' for s in speeds)} samples/s "
