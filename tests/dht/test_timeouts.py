@@ -42,9 +42,10 @@ def test_request_timeouts_follow_each_nodes_round_trip_and_a_dead_fast_node_cost
 
         caller.run(ping_all(6), timeout=30)
         slow_timeout = protocol.request_timeout_for(nodes[slow.peer_id])
-        # One round trip stretched by a loaded machine (the suite's two workers on two cores: once
-        # ~0.5 s) inflates RFC 6298's variance term for a few dozen samples after it. More loopback
-        # samples let it decay; a timeout that did not follow the fast node's round trips would not.
+        # One round trip stretched by a loaded machine (the suite's two workers on two cores) inflates
+        # RFC 6298's variance term for a few dozen samples after it: once a 5.8 s timeout here, what a
+        # first sample of ~0.5 s gives. More loopback samples let it decay; a timeout that did not
+        # follow the fast node's round trips would not.
         for _ in range(40):
             if protocol.request_timeout_for(nodes[fast.peer_id]) < DELAY:
                 break
