@@ -22,6 +22,8 @@ same data, each phase `--seconds` of wall time:
    with `--plain-between`, the plain baseline after every phase instead, each phase counted against
    the mean of the plain runs just before and just after it (the plain process alone moved by up to
    9% between two runs of one invocation: a drift over ten minutes falls on both sides of each phase).
+   Either way each such line ends with whether the phase met issue 19's goals against that baseline
+   (`SPEED_GOAL`: >= 0.9x the samples/s, `LOSS_GOAL`: <= 1.05x the held-out loss).
 
 For each swarm phase: samples/s of all trainers over the plain process's, held-out loss over the
 plain process's, the share of a trainer's time in compute (forward, backward), in `step()` and
@@ -59,6 +61,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 HERE = Path(__file__).parent
+# issue 19's goals for a phase against the plain process: at least this share of its samples/s,
+# at most this multiple of its held-out loss after the same wall time
+SPEED_GOAL, LOSS_GOAL = 0.9, 1.05
 _spec = importlib.util.spec_from_file_location("bench_training", HERE / "bench_training.py")
 assert _spec is not None and _spec.loader is not None
 bench_training = importlib.util.module_from_spec(_spec)
@@ -177,6 +182,14 @@ def bracketed(phases: dict[str, tuple[float, float, int]],
         pair = plains[before:before + 2]
         ratios[name] = (speed / statistics.mean(s for s, _ in pair), loss / statistics.mean(lo for _, lo in pair))
     return ratios
+
+
+def verdict(speed_ratio: float, loss_ratio: float) -> str:
+    """Whether a phase met the issue's goals (`SPEED_GOAL`, `LOSS_GOAL`), judged on the unrounded
+    ratios (a miss says its ratio to four places, where the line's rounding would hide it)."""
+    missed = ([f"samples/s {speed_ratio:.4f}x < {SPEED_GOAL}x"] if speed_ratio < SPEED_GOAL else []) + (
+        [f"held-out loss {loss_ratio:.4f}x > {LOSS_GOAL}x"] if loss_ratio > LOSS_GOAL else [])
+    return "both goals met" if not missed else f"goal missed: {'; '.join(missed)}"
 
 
 def parse_plain(text: str) -> tuple[int, float]:
@@ -313,7 +326,7 @@ def main() -> None:
         ratios = bracketed({name: (*figures[name], before[name]) for name in figures}, plain_runs)
         for name, (speed_ratio, loss_ratio) in ratios.items():
             print(f"  against the plain runs either side: {name}: {speed_ratio:.2f}x the samples/s, "
-                  f"{loss_ratio:.3f}x the held-out loss", flush=True)
+                  f"{loss_ratio:.3f}x the held-out loss ({verdict(speed_ratio, loss_ratio)})", flush=True)
     elif args.plain_again:
         again = run_plain(threads, args.lr)
         speed = (plain["samples_per_s"] + again["samples_per_s"]) / 2
@@ -323,7 +336,7 @@ def main() -> None:
               f"{speed:.1f} samples/s, held-out loss {loss:.3f}", flush=True)
         for name, (total, phase_loss) in figures.items():
             print(f"  against that mean: {name}: {total / speed:.2f}x the samples/s, {phase_loss / loss:.3f}x the "
-                  f"held-out loss (against the run after alone: {total / again['samples_per_s']:.2f}x, "
+                  f"held-out loss, {verdict(total / speed, phase_loss / loss)} (against the run after alone: {total / again['samples_per_s']:.2f}x, "
                   f"{phase_loss / again['loss']:.3f}x)", flush=True)
     print(f"baseline: the plain process with {threads} thread(s); load average after: {os.getloadavg()}",
           flush=True)

@@ -36,3 +36,13 @@ def test_the_two_ways_of_bracketing_the_baseline_do_not_combine() -> None:
                          capture_output=True, text=True, timeout=50)
     assert run.returncode == 2
     assert "not allowed with argument" in run.stderr
+
+
+def test_a_phase_is_judged_against_the_issues_goals_on_its_unrounded_ratios() -> None:
+    bench = load()
+    assert bench.verdict(0.94, 1.041) == "both goals met"
+    assert bench.verdict(0.9, 1.05) == "both goals met"  # the goals' own values meet them
+    # 0.8996 prints as 0.90x and 1.0504 as 1.050x: the verdict still says they missed, and by what
+    assert bench.verdict(0.8996, 1.03) == "goal missed: samples/s 0.8996x < 0.9x"
+    assert bench.verdict(0.95, 1.0504) == "goal missed: held-out loss 1.0504x > 1.05x"
+    assert bench.verdict(0.88, 1.07) == "goal missed: samples/s 0.8800x < 0.9x; held-out loss 1.0700x > 1.05x"
