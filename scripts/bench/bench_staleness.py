@@ -11,7 +11,7 @@ that trainer's previous share.
 Not timed: the figure is the loss.
 
     .venv/bin/python scripts/bench/bench_staleness.py [--steps 117] [--settings 128:0.0085 172:0.0085]
-        [--speculate 4 | --at-once-only]
+        [--speculate 4 | --at-once-only] [--hidden-dim 480]
 
 `--at-once-only` replays waiting rounds alone: how far a given number of collective steps gets at
 each learning rate (what the swarm's step count is worth, whatever its averaging).
@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_training
 
 
-def replay(batch: int, lr: float, steps: int, delay: int, warmup: int, speculate: int = 0) -> float:
+def replay(batch: int, lr: float, steps: int, delay: int, warmup: int, speculate: int = 0,
+           hidden_dim: int = 128) -> float:
     """`speculate` (with delay 1): the number of trainers sharing each batch; each computes its
     share's gradient at the shared parameters moved by a trial of the step still in flight
     (`swarm.optim.large_batch.take_trial_step` on its own previous share), not at the shared
@@ -37,7 +38,7 @@ def replay(batch: int, lr: float, steps: int, delay: int, warmup: int, speculate
 
     from swarm.optim.large_batch import take_trial_step
 
-    model, train, held_out = bench_training._setup(1)
+    model, train, held_out = bench_training._setup(1, hidden_dim)
     params = list(model.parameters())
     adam = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.98))
     scheduler = torch.optim.lr_scheduler.LambdaLR(adam, lambda step: min(1.0, (step + 1) / warmup))
@@ -87,6 +88,9 @@ def main() -> None:
                         help="also replay one step late with N trainers' trial steps (bench_staleness.replay)")
     parser.add_argument("--settings", nargs="+", default=["128:0.0085", "172:0.0085"],
                         help="BATCH:LR pairs, each replayed with the gradient applied at once and one step late")
+    parser.add_argument("--hidden-dim", type=int, default=128,
+                        help="the model's width (480: the 9.5M-parameter model of issue 19's comparison, "
+                             "bench_overlap.py --hidden-dim 480; default: the demo's)")
     parser.add_argument("--at-once-only", action="store_true",
                         help="replay each setting with the gradient applied at once only (waiting rounds)")
     args = parser.parse_args()
@@ -95,15 +99,16 @@ def main() -> None:
     for setting in args.settings:
         batch, lr = setting.split(":")
         if args.at_once_only:
-            now = replay(int(batch), float(lr), args.steps, 0, args.warmup)
+            now = replay(int(batch), float(lr), args.steps, 0, args.warmup, hidden_dim=args.hidden_dim)
             print(f"batch {batch}, lr {lr}, warm-up {args.warmup}, {args.steps} steps: held-out loss {now:.3f} "
                   f"with each gradient applied at once", flush=True)
             continue
-        now, late = (replay(int(batch), float(lr), args.steps, delay, args.warmup) for delay in (0, 1))
+        now, late = (replay(int(batch), float(lr), args.steps, delay, args.warmup, hidden_dim=args.hidden_dim)
+                     for delay in (0, 1))
         line = (f"batch {batch}, lr {lr}, {args.steps} steps: held-out loss {now:.3f} with each gradient applied "
                 f"at once, {late:.3f} one step late ({late / now:.3f}x)")
         if args.speculate:
-            trial = replay(int(batch), float(lr), args.steps, 1, args.warmup, args.speculate)
+            trial = replay(int(batch), float(lr), args.steps, 1, args.warmup, args.speculate, args.hidden_dim)
             line += f", {trial:.3f} one step late from {args.speculate} trainers' trial steps ({trial / now:.3f}x)"
         print(line, flush=True)
 
