@@ -138,6 +138,10 @@ class AveragerConfig:
             raise ConfigError("bandwidth must be finite and >= 0")
 
 
+SHUTDOWN_GRACE = 3.0
+"""Seconds a shutting-down averager waits for its last round's results to reach the other members
+before it cuts their streams (in the usual case they are in within a round trip)."""
+
 RELAYED_BANDWIDTH = 0.25
 """The share of its bandwidth a peer reached through a relay declares (docs/relay.md): its part of
 an all-reduce crosses the relay too, on the relay's bandwidth share, so parts go mostly to
@@ -323,6 +327,12 @@ class Averager:
         self._closed = True
         self.matchmaking.close()
         tasks = list(self._background)
+        if tasks:
+            # The last round's members may still be fetching the parts this peer reduced: its step
+            # returned once its own parts were in. Let those results finish (a release ends when
+            # every stream to this peer closed) before cutting the streams, so a peer that leaves
+            # right after a step does not fail the round it just completed for the others.
+            await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE)
         for task in tasks:
             task.cancel()
         if tasks:  # a release's cleanup, and its streams' cancellation, run before the loop stops

@@ -63,8 +63,10 @@ class Declaration:
 class Election(Protocol):
     """Decides who leads the group this peer is looking for.
 
-    `read_seconds`: the slowest look at the declarations in this step (a leader's join window
-    covers it: followers read the same declarations, as slowly).
+    `read_seconds`: the slowest exchange with the declarations in this step, this peer's own
+    declaration's store included (a leader's join window covers it: followers store and read the
+    same declarations, as slowly, so a follower that declared just before the window closed is
+    visible to the leader's last look).
     """
 
     read_seconds: float
@@ -151,7 +153,7 @@ class DHTElection:
         self.names_round = False
         """Whether `group_key` names one round (e.g. an epoch) rather than being reused by every step."""
         self.read_seconds = 0.0
-        """The slowest read of the declarations in this step (a read waits out a dead replica)."""
+        """The slowest store or read of the declarations in this step (a read waits out a dead replica)."""
 
     @property
     def key(self) -> str:
@@ -166,6 +168,7 @@ class DHTElection:
         self._began = get_dht_time()
         value = {"addr": me.addr, "client_mode": me.client_mode, "ready_at": self._began, "looking": True}
         ok = await self.dht.astore(self.key, value, expiration_time=deadline_wall, subkey=owner_marker(me.peer_id))
+        self.read_seconds = max(self.read_seconds, get_dht_time() - self._began)
         if not ok:
             logger.debug("declaration under %s was not stored", self.key)
 

@@ -68,8 +68,13 @@ class MatchmakingConfig:
     Attributes:
         target_group_size: the leader starts as soon as this many members are in.
         min_group_size: fewest members a round may have.
-        join_window: once `min_group_size` is met, how long the leader waits for peers it knows
-            nothing of (without `adaptive`, the only wait).
+        join_window: once `min_group_size` is met, how long the leader waits after the last
+            arrival for peers it knows nothing of (without `adaptive`, the only wait). Peers that
+            step together reach the leader spread by their own processes' jitter between rounds
+            (a new tensor, a new `Averager`: tenths of a second on a busy 2-core machine), and one
+            that comes later than this after the previous arrival averages in another group or
+            not at all; `swarm.Optimizer` says how many peers come (`expected_size`), so its
+            leaders rarely wait this long.
         matchmaking_share: at most this share of a step's timeout goes to forming a group when
             `min_group_size` is met (the rest is for the all-reduce).
         retry_interval: pause before a follower asks again after a leader refused it.
@@ -99,7 +104,7 @@ class MatchmakingConfig:
 
     target_group_size: int = 4
     min_group_size: int = 2
-    join_window: float = 0.3
+    join_window: float = 1.0
     matchmaking_share: float = 0.5
     retry_interval: float = 0.05
     poll_interval: float = 0.5
@@ -640,7 +645,14 @@ class Matchmaking:
         refreshed_at = led_at  # `election.leader` just looked at the declarations
         # peers expected without a declaration are waited for from when `_lead_again` began waiting
         expected_at: dict[str, float] = {"": waited_from} if waited_from is not None else {}
-        bound = self.spread.bound(self._link.rtt()) + self.election.patience()
+        rtt = self._link.rtt()
+        bound = self.spread.bound(rtt) + self.election.patience()
+        # A peer that missed its round's group waits for another group of that round only while a
+        # declared peer may still come (`outstanding`, up to `bound` each) and for its slowest
+        # declaration exchange and a few round trips for a peer that declared just as it did:
+        # the peers whose rounds all started without it are done, and waiting `bound` for peers
+        # nobody declared kept it out of phase with its next round.
+        missed_wait = min(bound, max(cfg.min_wait, self.election.read_seconds) + 4 * (rtt or 0.05))
         outstanding: dict[str, float] = {}
         why = ""
         while True:
@@ -673,13 +685,13 @@ class Matchmaking:
                         continue
                     why = "every declared peer is in or past its wait bound"
                     break
-            elif cfg.adaptive and self._missed is not None and not outstanding and now >= led_at + bound:
-                if refreshed_at < led_at + bound:  # look once more before giving up
+            elif cfg.adaptive and self._missed is not None and not outstanding and now >= led_at + missed_wait:
+                if refreshed_at < led_at + missed_wait:  # look once more before giving up
                     await self.election.refresh(me)
                     refreshed_at = loop.time()
                     continue
                 raise AveragingError(f"{self._missed}, and no other peer is coming for another group of it "
-                                     f"(waited {now - led_at:.2f} s, bound {bound:.2f} s)")
+                                     f"(waited {now - led_at:.2f} s; no declared peer is still looking)")
             if now >= deadline:
                 return None
             if now >= next_poll and (isinstance(self.election, DHTElection) or self._down):
@@ -691,8 +703,8 @@ class Matchmaking:
             wake = min(deadline, next_poll)
             if outstanding:
                 wake = min(wake, *outstanding.values())
-            elif self._missed is not None and now < led_at + bound:
-                wake = min(wake, led_at + bound)
+            elif self._missed is not None and now < led_at + missed_wait:
+                wake = min(wake, led_at + missed_wait)
             if min_met_at is not None:
                 wake = min(wake, latest_start)
                 if now < min_met_at + window:

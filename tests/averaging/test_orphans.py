@@ -2,7 +2,7 @@
 
 The issue's reproduction: four processes, ``target_group_size=4``, ``step(timeout=60)``. A peer
 that comes after its round's group started learns so from the group (``group started``) or the
-DHT declarations and raises saying why, in a few seconds rather than 60; a peer that announced
+DHT declarations and raises saying why within about a round trip rather than 60 s; a peer that announced
 when it would be ready is waited for and gets in.
 """
 
@@ -14,7 +14,8 @@ import pytest
 from avg_harness import DHT_WORKER, Worker
 
 TIMEOUT = 60.0
-ORPHAN_BOUND = 15.0  # seconds a late peer may take to learn and say it missed its group (vs 60)
+ORPHAN_BOUND = 3.5  # seconds a late peer may take to learn and say it missed its group (vs 60; its wait
+# bound, 5 s before it learned any lateness, was what it waited before a miss counted)
 
 
 def start(n: int, **extra) -> list[Worker]:

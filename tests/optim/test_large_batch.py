@@ -75,12 +75,14 @@ def test_peers_take_identical_steps_equal_to_one_process(make_peer, num_peers, c
             assert all(torch.equal(a, b) for a, b in zip(first, r["params"][epoch])), f"peers differ at {epoch}"
     epoch_samples = [list(itertools.chain.from_iterable(r["epochs"][e] for r in records)) for e in range(epochs)]
     # a round starts when the peers' reports, extrapolated by each peer's throughput since its
-    # report, reach the target (swarm.optim.progress.summarize): one round may hold fewer samples
-    # (a peer's fresh report extrapolated past what it computed), the next more; across the run
-    # every peer takes part in every round and the rounds hold the target on average
+    # report, reach the target (swarm.optim.progress.summarize, its arithmetic tested in
+    # test_progress_state.py): a round may hold fewer samples than the target (a report
+    # extrapolated past what its peer computed) or more, by as much as the machine's load skews
+    # the throughputs, so how many samples a round holds is a timing figure, not asserted here.
+    # What holds: every peer takes part in every round, and each step is exactly one process's
+    # step on the samples the round held (below)
     sizes = [len(s) for s in epoch_samples]
     assert all(len(r["epochs"][e]) > 0 for r in records for e in range(epochs)), sizes
-    assert sum(sizes) >= TARGET * epochs, sizes
     expected = reference_params(epoch_samples, data)
     for got, want in zip(models[0].parameters(), expected):
         torch.testing.assert_close(got.detach(), want, atol=tolerance, rtol=10 * tolerance)
