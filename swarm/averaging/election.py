@@ -197,7 +197,7 @@ class DHTElection:
 
     def patience(self) -> float:
         # this peer's reads pass over nodes it saw time out; a follower that has not met them yet
-        # waits one request timeout on them first (issue #20, 256 simulated peers)
+        # waits one request timeout on them first (seen with 256 simulated peers, BENCHMARKS.md)
         return self.dht.read_patience()
 
     async def refresh(self, me: MemberInfo) -> None:

@@ -88,7 +88,7 @@ class MatchmakingConfig:
         adaptive: wait for the peers declared for this group (up to a bound learned from how late
             joiners arrived), tell late joiners at once that the group started, and derive the
             round's timeout from measured round times. False: the fixed `join_window` and the
-            step's whole remaining time as the round's timeout (the behaviour before issue #14).
+            step's whole remaining time as the round's timeout (the behaviour before adaptive matchmaking).
         min_wait: floor of the learned wait bound, seconds.
         max_wait: cap of the learned wait bound, and the bound before any arrival was seen: a
             declared peer that never comes costs at most this.
@@ -287,7 +287,7 @@ class Matchmaking:
                 # Withdrawing the declaration is a DHT store: seconds at WAN latencies, and more on
                 # one member than another. Each member counts the round's timeout from when it holds
                 # the group, so waiting for it here started some members seconds after the others,
-                # past a short learned timeout (issue #20: whole groups failing on "reducer(s) ... did
+                # past a short learned timeout (whole groups failing on "reducer(s) ... did
                 # not report" with nobody crashed). `DHTElection.end` runs the store in the
                 # background and returns at once; the next `begin` waits for it.
                 await self.election.end(me, group.round_id)
@@ -386,7 +386,7 @@ class Matchmaking:
             # our view of who is down may be what sent us there: look again, but keep the leaders
             # this step saw vanish itself. The next leader is often still waiting on the same
             # vanished leader (it notices later); asking it again soon makes one group of them
-            # (issue #20: followers going back to the vanished leader came too late and scattered).
+            # (followers going back to the vanished leader came too late and scattered).
             self._down = set(self._vanished)
         await asyncio.sleep(self.config.retry_interval * (1 + random.random()))
         return None
@@ -658,7 +658,7 @@ class Matchmaking:
         while True:
             now = loop.time()
             # a follower reads the same declarations: the window covers the slowest read this peer
-            # saw (a crashed replica holds each read for the DHT's request timeout; issue #20)
+            # saw (a crashed replica holds each read for the DHT's request timeout)
             window = max(cfg.join_window, self.election.read_seconds)
             size = 1 + len(self._keep_apart(self._live(now))[0])
             if cfg.adaptive:
@@ -669,7 +669,7 @@ class Matchmaking:
             if size >= cfg.min_group_size:
                 if min_met_at is None or size > last_size:
                     # the window restarts with every arrival: followers reach the leader spread
-                    # over a few round trips, so one window from the first is too short (issue #20)
+                    # over a few round trips, so one window from the first is too short
                     min_met_at = now
                 last_size = size
                 if now >= latest_start:

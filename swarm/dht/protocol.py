@@ -222,7 +222,7 @@ class DHTProtocol:
         name = method.rsplit("/", 1)[-1]
         attempts = {asyncio.ensure_future(self._send(node, method, request, response_type, deadline - started))}
         try:
-            # the RFC 6298 timeout of this link as measured by the channel layer (issue #14)
+            # the RFC 6298 timeout of this link as measured by the channel layer
             resend_after = self.pool.estimates.retransmit_after(
                 node.peer_id, floor=0.02, cap=timeout / 2, default=5 * self.round_trip)
             logger.debug("DHT %s to %s: resend after %.3f s, timeout %.3f s, then %.3f s (RTT %s)", name,

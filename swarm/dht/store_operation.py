@@ -108,7 +108,7 @@ class StoreOperation:
         """Notes the nearest node an answer names (answers list the nearest first), passing over
         suspects (nodes whose last request from this one timed out): a crashed node stays in
         others' routing tables for minutes, and a store settled only by it would wait out its
-        request timeout every time (issue #20). A reader passes over it the same way
+        request timeout every time. A reader passes over it the same way
         (`traversal.py`), so the nearest node that answers is the one it reads first."""
         is_suspect = self.protocol.contacts.is_suspect
         node = next((n for n in nearest if not is_suspect(n.peer_id)), None)

@@ -35,7 +35,7 @@ from swarm.core.errors import (
 )
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
-from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
+from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics
 from swarm.net import bulk as bulk_channel
 from swarm.net import relay
 from swarm.net.auth import TicketSigner, check_handshake
@@ -291,14 +291,14 @@ class PeerChannel:
         if calls is None or calls.broken:
             calls = self._calls = CallStream(self.channel, self._metadata(), self.peer_id,
                                              self.pool.config.calls_idle_timeout)
-        stats = self.pool.metrics.method(method)  # metrics (issue #7)
+        stats = self.pool.metrics.method(method)  # metrics
         started, ok = stats.start(), False  # metrics
         stats.sent.value += len(payload)  # metrics
         try:
             data = await calls.call(method, payload, timeout or self.pool.config.default_timeout)
             stats.received.value += len(data)  # metrics
             ok = True
-            self.pool.estimates.observe_call(self.peer_id, method, time.perf_counter() - started)  # issue #14
+            self.pool.estimates.observe_call(self.peer_id, method, time.perf_counter() - started)  # the link's RTT estimate
         finally:
             stats.finish(started, ok)  # metrics
         return self._decode(data, response_type)
@@ -311,14 +311,14 @@ class PeerChannel:
         if callable_ is None:
             callable_ = self._unary[method] = self.channel.unary_unary(method)
         payload = request if isinstance(request, bytes) else request.SerializeToString()
-        stats = self.pool.metrics.method(method)  # metrics (issue #7)
+        stats = self.pool.metrics.method(method)  # metrics
         started, ok = stats.start(), False  # metrics
         stats.sent.value += len(payload)  # metrics
         try:
             data = await callable_(payload, timeout=timeout or self.pool.config.default_timeout, metadata=metadata)
             stats.received.value += len(data)  # metrics
             ok = True
-            self.pool.estimates.observe_call(self.peer_id, method, time.perf_counter() - started)  # issue #14
+            self.pool.estimates.observe_call(self.peer_id, method, time.perf_counter() - started)  # the link's RTT estimate
         except grpc.aio.AioRpcError as e:
             raise from_grpc_error(e, self.peer_id or str(self.addr), method) from None
         except asyncio.CancelledError:
@@ -358,7 +358,7 @@ class PeerChannel:
         if bulk and (self.bulk_reachable is not False or asyncio.get_running_loop().time() >= self._bulk_retry_at):
             connection = await self._open_bulk(method, timeout)
             if connection is not None:
-                stats = self.pool.metrics.method(method)  # metrics (issue #7)
+                stats = self.pool.metrics.method(method)  # metrics
                 started, ok = stats.start(), False  # metrics
                 sent, received = stats.sent, stats.received
 
@@ -381,7 +381,7 @@ class PeerChannel:
                 finally:
                     stats.finish(started, ok)  # metrics
                 return
-        stats = self.pool.metrics.method(method)  # metrics (issue #7)
+        stats = self.pool.metrics.method(method)  # metrics
         started, ok = stats.start(), False  # metrics
         call = self.channel.stream_stream(method)(
             _counted(requests, stats), timeout=timeout or self.pool.config.default_timeout, metadata=self._metadata()
@@ -475,7 +475,7 @@ class PeerChannel:
     ) -> bytes:
         """Client-streaming call: many requests, one raw-bytes response."""
         await self.verify()
-        stats = self.pool.metrics.method(method)  # metrics (issue #7)
+        stats = self.pool.metrics.method(method)  # metrics
         started, ok = stats.start(), False  # metrics
         try:
             data = await self.channel.stream_unary(method)(
@@ -519,12 +519,12 @@ class ChannelPool:
         self.config = config or ChannelConfig()
         self.signer = TicketSigner(identity)
         self._channels: dict[str, PeerChannel] = {}
-        self.metrics = RPCMetrics("client")  # metrics (issue #7)
-        self.estimates = LinkEstimates()  # measured RTT and throughput per peer (issue #14)
+        self.metrics = RPCMetrics("client")  # metrics
+        self.estimates = LinkEstimates()  # measured RTT and throughput per peer
         self.direct_paths: DirectPaths | None = None  # hole punching to relayed peers, set by `NatTraversal`
 
     def __len__(self) -> int:
-        """Channels open to other peers (metrics, issue #7: known peers when there is no DHT)."""
+        """Channels open to other peers (for metrics: the known peers when there is no DHT)."""
         return len(self._channels)
 
     def get(self, addr: Multiaddr | str) -> PeerChannel:
@@ -589,7 +589,7 @@ class ChannelPool:
 def _counted(
     requests: AsyncIterator[bytes] | Iterable[bytes], stats: MethodMetrics
 ) -> AsyncIterator[bytes] | Iterable[bytes]:
-    """Counts sent bytes of a request stream (metrics, issue #7): one addition per message."""
+    """Counts sent bytes of a request stream (metrics): one addition per message."""
     sent = stats.sent
     # gRPC sends bytes: a message given as a tuple of buffers (`Codec.encode_views`) is joined here
     if hasattr(requests, "__aiter__"):

@@ -39,7 +39,7 @@ from google.protobuf.message import DecodeError, Message
 from swarm.core.errors import ConfigError, InvalidRequest, SwarmError, Unauthenticated
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
-from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics (issue #7)
+from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics
 from swarm.net.auth import TicketVerifier
 from swarm.net.bulk import OPEN_BULK, BulkListener
 from swarm.net.calls import ACCEPTED, CALLS, Admission, serve_calls
@@ -251,7 +251,7 @@ class RPCServer:
         self._dispatcher = _Dispatcher()
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
-        self.metrics = RPCMetrics("server")  # metrics (issue #7)
+        self.metrics = RPCMetrics("server")  # metrics
         self.bulk = BulkListener({}, self._bulk_context, self.config.max_message_bytes)
         self.limiter = CallLimiter(self.config.max_inflight_per_source, self.config.max_inflight_per_caller)
         """Admits every call (`swarm.net.limits`): what one source network or caller runs at once."""
@@ -301,7 +301,7 @@ class RPCServer:
         """Registers `handler(request, ctx) -> response` for unary calls to `path`; `limit` bounds
         what one source network or caller runs of it (`swarm.net.limits`)."""
 
-        stats = self.metrics.method(path)  # metrics (issue #7): bound once, incremented per call
+        stats = self.metrics.method(path)  # metrics: bound once, incremented per call
 
         async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             stats.received.value += len(request)  # metrics
@@ -361,7 +361,7 @@ class RPCServer:
         `limit` bounds what one source network or caller runs of it at once (`swarm.net.limits`).
         """
 
-        stats = self.metrics.method(path)  # metrics (issue #7)
+        stats = self.metrics.method(path)  # metrics
         limiter = self.limiter
         if bulk:
             async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
@@ -408,7 +408,7 @@ class RPCServer:
                          limit: CallLimit | None = None) -> None:
         """Registers `handler(request_iterator, ctx) -> response` for client-streaming calls."""
 
-        stats = self.metrics.method(path)  # metrics (issue #7)
+        stats = self.metrics.method(path)  # metrics
 
         async def behavior(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
             return await self._respond(path, stats, context, True, lambda ctx: handler(_counted(requests, stats), ctx),
@@ -484,7 +484,7 @@ async def _handle(
 ) -> bytes:
     """What every call answered with one response shares, over gRPC or a Calls stream: its
     context (authenticating the caller), admission, the handler, the response's bytes, and metrics."""
-    started, ok = stats.start(), False  # metrics (issue #7)
+    started, ok = stats.start(), False  # metrics
     try:
         ctx = make_context()
         limiter.admit(limit, ctx.peer_id, ctx.source)
@@ -500,12 +500,12 @@ async def _handle(
 
 
 async def _single(request: Any, stats: MethodMetrics) -> AsyncIterator[Any]:
-    stats.received.value += len(request)  # metrics (issue #7)
+    stats.received.value += len(request)  # metrics
     yield request
 
 
 async def _counted(requests: AsyncIterator[bytes], stats: MethodMetrics) -> AsyncIterator[bytes]:
-    """Counts received bytes of a request stream (metrics, issue #7): one addition per message."""
+    """Counts received bytes of a request stream (metrics): one addition per message."""
     received = stats.received
     async for request in requests:
         received.value += len(request)

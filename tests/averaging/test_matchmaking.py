@@ -201,7 +201,7 @@ class _SlowReads:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("patience", [2.0, 0.0])
 def test_a_leader_that_saw_nodes_die_waits_for_a_follower_still_reading_past_them(patience):
-    """Issue #20: after crashes, a leader whose own reads pass over the dead nodes (it saw them
+    """After crashes, a leader whose own reads pass over the dead nodes (it saw them
     time out) is quick, while a follower that has not met them yet spends a request timeout on
     its first read. With the DHT's `read_patience` added to its wait bound the leader takes the
     follower in (one group of 3); with none it starts without it (0.3 s bound), as before."""

@@ -1,4 +1,4 @@
-"""Matchmaking at WAN latencies and with crashes, as the Moshpit simulation met them (issue #20).
+"""Matchmaking at WAN latencies and with crashes, as the Moshpit simulation met them.
 
 A leader's join window restarts with every arrival: the Moshpit simulation (scripts/bench/sim_averaging.py) found groups of 16 peers that all wanted
 the same group splitting into a 3 and a 13 at WAN latencies: followers reach the leader spread

@@ -1,4 +1,4 @@
-"""Moshpit rounds of real `Averager`s on simulated links (issue #20), as the 256-peer simulation
+"""Moshpit rounds of real `Averager`s on simulated links, as the 256-peer simulation
 (scripts/bench/sim_averaging.py) ran them, in a few virtual seconds.
 
 Whole groups failed on "reducer(s) ... did not report" in rounds where nobody crashed: a member

@@ -1,4 +1,4 @@
-"""The simulations of scripts/bench (issue #20), short: the simulated links themselves, then a small
+"""The simulations of scripts/bench, short: the simulated links themselves, then a small
 DHT under churn and a small Moshpit run, each in a subprocess (the scripts put `time.time` on a
 virtual clock for their whole process) with fixed seeds.
 """
@@ -142,7 +142,7 @@ def test_a_small_moshpit_run_converges_despite_a_crash() -> None:
 
 
 def test_a_cheap_bucket_refresh_costs_less_than_a_full_lookup_and_still_finds_every_key() -> None:
-    """Issue #20: refreshing a far bucket needs some live nodes in its range to answer, not the k
+    """Refreshing a far bucket needs some live nodes in its range to answer, not the k
     nearest to a random ID. The same 60 nodes built twice (fixed seeds): with the refresh of today
     a join sends less than with full-lookup refreshes, and every get still succeeds."""
     full, cheap = _run_script("sim_dht.py", "--sizes", "60", "--minutes", "2", "--lookups", "50", "--keys", "20",
@@ -153,7 +153,7 @@ def test_a_cheap_bucket_refresh_costs_less_than_a_full_lookup_and_still_finds_ev
 
 
 def test_survivors_regrouped_by_roll_call_hold_their_exact_mean_after_three_rounds() -> None:
-    """Issue #20: 16 peers on a 4 x 4 grid, 2 crash between rounds 1 and 2. The survivors read
+    """16 peers on a 4 x 4 grid, 2 crash between rounds 1 and 2. The survivors read
     their round-1 group's roll call from the DHT (`moshpit.RowRoll`), the k-th survivor of every
     group meets the k-th of the others weighted by its group's survivors, and the groups meet again
     in round 3 (complete-group peers weight 1, the others 0): every survivor holds the survivors'
@@ -175,7 +175,7 @@ def test_survivors_regrouped_by_roll_call_hold_their_exact_mean_after_three_roun
 
 
 def test_deaths_inside_round_two_leave_every_survivor_at_one_mean_after_three_rounds() -> None:
-    """Issue #20: 16 peers on a 4 x 4 grid, 2 crash in round 2's first 0.5 s (while its groups
+    """16 peers on a 4 x 4 grid, 2 crash in round 2's first 0.5 s (while its groups
     form). Round 2's groups (the k-th member of every round-1 group) come out complete or not; in
     round 3 every round-1 group meets again, peers from complete round-2 groups weight 1, the rest
     1e-6, and every survivor holds the same mean (plain Moshpit keys, same deaths: max 3.5e-2)."""

@@ -411,7 +411,7 @@ def test_large_values_travel_in_batches_under_the_message_limit(swarm):
 
 @pytest.mark.timeout(60)
 def test_a_black_holed_replica_costs_a_writer_its_request_timeout_once_not_on_every_store_and_get(swarm):
-    """Issue #20: a crashed node stays in the others' routing tables for minutes, and every store
+    """A crashed node stays in the others' routing tables for minutes, and every store
     settled by it (the nearest replica) and every fresh get waited out its whole request timeout
     again. Once a request to it timed out, this peer still asks it, but no longer waits for it."""
     plan = FaultPlan()

@@ -1,4 +1,4 @@
-"""Item 7 of issue 17: checkpoints that cannot be written are errors the operator sees. Real
+"""Checkpoints that cannot be written are errors the operator sees. Real
 `swarm-peer --experts` processes on a tiny tmpfs (root only): a read-only directory fails at start
 with exit 2; a disk that fills up fails the final save, the daemon exits 1 saying so, and the
 previous checkpoint stays intact."""

@@ -147,7 +147,7 @@ def test_a_peer_with_another_key_cannot_pass_for_the_victim(make_peer):
 
 @pytest.mark.timeout(90)
 def test_the_handshake_relay_attack_fails(make_peer):
-    """M relays only Handshake to the real S and answers the rest itself (the attack of issue 15)."""
+    """M relays only Handshake to the real S and answers the rest itself (a relaying man in the middle)."""
     client = make_peer(client_mode=True)
     with PeerProcess(*LOCAL) as s:
         s_addr = Multiaddr.parse(s.addrs[0])
