@@ -16,7 +16,7 @@ whenever the network is merely congested. A suspect (`is_suspect`: a node whose 
 this peer timed out, and that has not answered since) is asked too, and its answer counts if it
 comes in time, but once any node answered the key, the lookup no longer waits for it: a crashed
 node stays in other nodes' routing tables for minutes, and every lookup near it would otherwise
-wait out a whole request timeout again (once, every read of a declaration key waited 3 s for
+wait out a whole request timeout again (before it did, every read of a declaration key waited 3 s for
 the same crashed replica, round after round, until a leader started without the readers). Its
 request is not cancelled when the lookup ends but handed to `adopt` (the node's background
 tasks), so that its timeout still counts against it and a dead node leaves the routing table

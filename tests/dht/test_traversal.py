@@ -249,7 +249,7 @@ def test_a_slow_node_frees_its_place_but_the_lookup_still_waits_for_it() -> None
 def test_a_suspect_is_asked_but_not_waited_for_once_another_node_answered() -> None:
     """A node whose last request timed out (`is_suspect`; a crashed node that others still refer
     to) is asked like any other, but the lookup ends without it once other nodes answered, rather
-    than wait out its request (once, every read near a crashed replica waited 3 s, round after
+    than wait out its request (before it did, every read near a crashed replica waited 3 s, round after
     round). Alone, with no answer from anyone else, it is still waited for (until the deadline)."""
     net = Network(100, seed=18)
     key = DHTID.generate(rng=random.Random(19))
