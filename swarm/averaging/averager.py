@@ -289,17 +289,13 @@ class Averager:
     async def aannounce(self, ready_in: float, group_key: str | None = None) -> bool:
         """Awaitable form of `announce`."""
         election = self.matchmaking.election
-        if not isinstance(election, DHTElection):
-            return False
         me = MemberInfo(self.peer.peer_id, self.peer.addrs[0] if self.peer.addrs else "",
                         0.0 if self.auxiliary else 1.0, declared_bandwidth(self.peer.addrs, self.config.bandwidth), self.peer.server is None, self.auxiliary)
         bound = self.matchmaking.config.max_wait
         now = get_dht_time()
-        key = election.group_key if group_key is None else group_key
 
         async def store() -> bool:
-            target = DHTElection(election.dht, election.prefix, key)
-            return await target.announce(me, now + ready_in, now + ready_in + bound)
+            return await election.announce(me, now + ready_in, now + ready_in + bound, group_key)
 
         return await self.peer.loop.wrap(store())
 
@@ -350,13 +346,9 @@ class Averager:
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
         async with self._lock:
-            election = self.matchmaking.election
-            if isinstance(election, DHTElection):
-                # a key given to this step names its round: a group under it that started without
-                # this peer was its round's group (see `matchmaking`)
-                election.names_round = group_key is not None
-                if group_key is not None:
-                    election.group_key = group_key
+            # a key given to this step names its round: a group under it that started without
+            # this peer was its round's group (see `matchmaking`)
+            self.matchmaking.election.name_round(group_key)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             self._formed, self._abandoned = False, None

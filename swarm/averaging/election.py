@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,9 +70,33 @@ class Election(Protocol):
     """
 
     read_seconds: float
+    fixed: bool
+    """The leader is fixed by a list of members, not by who declares: a join that comes before
+    this peer's step is held for it, and members the list does not name (client mode) may come."""
+    group_key: str
+    """The group this peer looks for (see `moshpit_group_key`)."""
+    started: dict[str, str]
+    """PeerID -> round id (hex) of peers whose declarations say a group of this round started."""
+
+    @property
+    def round_key(self) -> str:
+        """The key of this step's round where keys name rounds (a key given to the step), else ""."""
+
+    def name_round(self, group_key: str | None) -> None:
+        """Sets the key of the step about to begin: a key given names its round (None: the
+        averager's own key, reused from step to step)."""
 
     async def begin(self, me: MemberInfo, deadline_wall: float) -> None:
         """Called once per step before looking for a leader (e.g. declare in the DHT)."""
+
+    async def announce(self, me: MemberInfo, ready_at: float, expiration: float, group_key: str | None = None) -> bool:
+        """Declares ahead that this peer will look for the group (`group_key`, else its own) at
+        `ready_at` (DHT time), until `expiration`; False where nothing is declared."""
+
+    async def outranked(self, me: MemberInfo, down: set[str], answers: Callable[[Candidate], Awaitable[bool]]) -> bool:
+        """Whether another peer should lead now, while this one leads: an earlier declaration
+        appeared, or a peer taken for down (and so led in its place) `answers` again (it is then
+        taken off `down`)."""
 
     async def leader(self, me: MemberInfo, down: set[str]) -> Candidate | None:
         """The peer that should lead now (None: no leader known yet), skipping `down` peers."""
@@ -98,8 +122,12 @@ class StaticElection:
         addrs: multiaddrs (with /p2p/<PeerID>) of the other server-mode members; may include this peer's own.
     """
 
+    fixed = True
+
     def __init__(self, addrs: Sequence[str]) -> None:
         self.read_seconds = 0.0  # the members are known: nothing to read
+        self.group_key = "0"  # one group: keys name nothing
+        self.started: dict[str, str] = {}  # nobody declares, so nobody says it started
         self.candidates: dict[str, Candidate] = {}
         for addr in addrs:
             parsed = Multiaddr.parse(addr)
@@ -107,9 +135,29 @@ class StaticElection:
                 raise ConfigError(f"static group address {addr} must end with /p2p/<PeerID>")
             self.candidates[parsed.peer_id] = Candidate(parsed.peer_id, addr)
 
+    @property
+    def round_key(self) -> str:
+        return ""
+
+    def name_round(self, group_key: str | None) -> None:
+        return None
+
     async def begin(self, me: MemberInfo, deadline_wall: float) -> None:
         if me.is_reducer:
             self.candidates.setdefault(me.peer_id, Candidate(me.peer_id, me.addr))
+
+    async def announce(self, me: MemberInfo, ready_at: float, expiration: float, group_key: str | None = None) -> bool:
+        return False  # the leader expects every member anyway
+
+    async def outranked(self, me: MemberInfo, down: set[str], answers: Callable[[Candidate], Awaitable[bool]]) -> bool:
+        for peer_id in sorted(down):
+            candidate = self.candidates.get(peer_id)
+            if candidate is None or peer_id > me.peer_id:
+                continue
+            if await answers(candidate):
+                down.discard(peer_id)
+                return True
+        return False
 
     async def leader(self, me: MemberInfo, down: set[str]) -> Candidate | None:
         alive = sorted((is_relayed(c.addr), pid) for pid, c in self.candidates.items() if pid not in down)
@@ -139,6 +187,8 @@ class DHTElection:
         group_key: which group to look for (see `moshpit_group_key`).
     """
 
+    fixed = False
+
     def __init__(self, dht: KeyValueStore, prefix: str, group_key: str = "0") -> None:
         self.dht = dht
         self.prefix = prefix
@@ -159,6 +209,15 @@ class DHTElection:
     def key(self) -> str:
         return f"{self.prefix}.group.{self.group_key}"
 
+    @property
+    def round_key(self) -> str:
+        return self.group_key if self.names_round else ""
+
+    def name_round(self, group_key: str | None) -> None:
+        self.names_round = group_key is not None
+        if group_key is not None:
+            self.group_key = group_key
+
     async def begin(self, me: MemberInfo, deadline_wall: float) -> None:
         if self._withdrawal is not None:  # the last step's withdrawal lands before this declaration
             await asyncio.gather(self._withdrawal, return_exceptions=True)
@@ -172,14 +231,20 @@ class DHTElection:
         if not ok:
             logger.debug("declaration under %s was not stored", self.key)
 
-    async def announce(self, me: MemberInfo, ready_at: float, expiration: float) -> bool:
-        """Declares that this peer will look for this group at `ready_at` (DHT time), until `expiration`.
+    async def announce(self, me: MemberInfo, ready_at: float, expiration: float, group_key: str | None = None) -> bool:
+        """Declares that this peer will look for this group (or group `group_key` of the same
+        prefix) at `ready_at` (DHT time), until `expiration`.
 
         A leader then waits for it (up to its learned bound past `ready_at`); it is no candidate
         to lead before its step declares it again (`begin`, which must expire later).
         """
+        key = self.key if group_key is None else f"{self.prefix}.group.{group_key}"
         value = {"addr": me.addr, "client_mode": me.client_mode, "ready_at": ready_at, "looking": False}
-        return bool(await self.dht.astore(self.key, value, expiration_time=expiration, subkey=owner_marker(me.peer_id)))
+        return bool(await self.dht.astore(key, value, expiration_time=expiration, subkey=owner_marker(me.peer_id)))
+
+    async def outranked(self, me: MemberInfo, down: set[str], answers: Callable[[Candidate], Awaitable[bool]]) -> bool:
+        leader = await self.leader(me, down)
+        return leader is not None and leader.peer_id != me.peer_id
 
     async def leader(self, me: MemberInfo, down: set[str]) -> Candidate | None:
         await self.refresh(me)

@@ -25,10 +25,10 @@ import logging
 import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.averaging.election import Candidate, DHTElection, Election, StaticElection
+from swarm.averaging.election import Candidate, Election
 from swarm.averaging.group import GroupInfo, MemberInfo, cap_relayed_parts
 from swarm.averaging.service import JOIN, REPORT, AveragingService
 from swarm.averaging.timing import ArrivalSpread, RoundTiming
@@ -141,6 +141,54 @@ class _Joiner:
     key: str = ""  # the group key it asks for ("": any; a follower whose keys name no rounds)
 
 
+_LOOK_AGAIN = "look again"  # `_why_start`: read the declarations once more before deciding
+
+
+@dataclass
+class _Lead:
+    """The state of one wait of a leader for its group to fill (`Matchmaking._lead`)."""
+
+    led_at: float  # loop time it began leading
+    latest_start: float  # it starts by then once `min_group_size` is met (the matchmaking share)
+    deadline: float  # the step's
+    bound: float  # how long past its readiness a declared peer is waited for
+    missed_wait: float  # how long a step that missed its round's group waits for another one
+    expected_at: dict[str, float]  # declared peer -> loop time it was expected from ("": peers not declared)
+    outstanding: dict[str, float] = field(default_factory=dict)  # declared peers not in -> waited for until
+    min_met_at: float | None = None  # when the group last grew while at least `min_group_size`
+    last_size: int = 0
+    next_poll: float = 0.0  # when it checks next that it still leads
+    refreshed_at: float = 0.0  # when it last looked at the declarations
+
+    def wake(self, now: float, window: float, missed: bool) -> float:
+        """Seconds until something may change what the leader decides (an arrival comes sooner)."""
+        wake = min(self.deadline, self.next_poll)
+        if self.outstanding:
+            wake = min(wake, *self.outstanding.values())
+        elif missed and now < self.led_at + self.missed_wait:
+            wake = min(wake, self.led_at + self.missed_wait)
+        if self.min_met_at is not None:
+            wake = min(wake, self.latest_start)
+            if now < self.min_met_at + window:
+                wake = min(wake, self.min_met_at + window)
+        return wake - now
+
+
+@dataclass
+class _Step:
+    """One `form_group` call's state, alive as long as the call (the `Join` handler reads it)."""
+
+    me: MemberInfo
+    key: str  # the group key this step looks under, where keys name rounds (else "")
+    start_size: int  # a leader starts once this many are in
+    expect_unnamed: bool  # more peers may come than the election names (progress counts them, or a static list)
+    down: set[str] = field(default_factory=set)  # peers this step does not follow now
+    vanished: set[str] = field(default_factory=set)  # leaders this step took for gone by its own checks
+    missed: str | None = None  # why this step knows a group of its round started without it
+    leading: bool = False  # this step leads a group now
+    following: bool = False  # this step waits on another peer's Join now
+
+
 class Matchmaking:
     """Forms groups for one averager (one prefix) on one peer.
 
@@ -174,20 +222,12 @@ class Matchmaking:
         """Figures behind the last group this peer led (why it started, waits, the round's timeout)."""
         self._joiners: dict[str, _Joiner] = {}
         self._arrived = asyncio.Event()
-        self._looking: MemberInfo | None = None
-        self._leading = False
-        self._start_size = cfg.target_group_size
-        self._expect_unnamed = False
-        self._down: set[str] = set()
-        self._vanished: set[str] = set()  # leaders this step took for gone by its own checks (`_leader_vanished`)
-        self._missed: str | None = None  # why this step knows a group of its round started without it
+        self._step: _Step | None = None  # the step looking for a group now
         self._last_round: bytes | None = None  # the round this peer's last step joined (until the next step)
-        self._key = ""  # the group key this step looks under, where keys name rounds (else "")
         self._last_key: str | None = None  # the key of the last group this peer's steps formed
         self._last_leader: Candidate | None = None  # that group's leader, when it was another peer
         self._led_last = False  # this peer led that group
         self._last_size = 0  # how many members it had
-        self._following = False  # this step waits on another peer's Join now
         self._link = peer.pool.estimates
         self._link.exclude(JOIN, REPORT)  # long polls, not round trips
         AveragingService.of(peer).join_handlers[prefix] = self.rpc_join
@@ -213,84 +253,83 @@ class Matchmaking:
         """
         loop = asyncio.get_running_loop()
         cfg = self.config
-        self._start_size = cfg.target_group_size if expected_size is None else max(
-            cfg.min_group_size, min(expected_size, cfg.target_group_size))
-        self._expect_unnamed = expected_size is not None or isinstance(self.election, StaticElection)
         start = loop.time()
         deadline = start + timeout
-        self._down = set()
-        self._vanished = set()
-        self._missed = None
-        names_round = isinstance(self.election, DHTElection) and self.election.names_round
-        self._key = self.election.group_key if isinstance(self.election, DHTElection) and names_round else ""
-        self._refuse_other_rounds()
-        self._looking = me
+        step = _Step(
+            me, key=self.election.round_key,
+            start_size=cfg.target_group_size if expected_size is None else max(
+                cfg.min_group_size, min(expected_size, cfg.target_group_size)),
+            expect_unnamed=expected_size is not None or self.election.fixed)
+        self._refuse_other_rounds(step.key)
+        self._step = step
         group: GroupInfo | None = None
         deadline_wall = get_dht_time() + timeout
         # the leader of this peer's last group, for the next round's group (`follow_last_leader`)
-        straight = self._last_leader if (cfg.follow_last_leader and self._key and self._last_key is not None
-                                         and self._last_key != self._key) else None
+        straight = self._last_leader if (cfg.follow_last_leader and step.key and self._last_key is not None
+                                         and self._last_key != step.key) else None
         declared = False
         try:
             waited_from: float | None = None  # since when this step waited for straight members
-            if straight is None and self._leads_again(expected_size):
+            if straight is None and self._leads_again(step, expected_size):
                 waited_from = loop.time()
-                group = await self._lead_again(me, deadline)
+                group = await self._lead_again(step, deadline)
                 if group is not None:
                     return group
-            if straight is None:
-                declared = True
-                await self.election.begin(me, deadline_wall)
-            while loop.time() < deadline:
-                if straight is not None:
-                    group = await self._follow_leader(me, straight, deadline, straight=True)
-                    if group is not None:
-                        return group
-                    # not taken (it leads no group of this round, or not yet): ask the DHT as usual
-                    logger.debug("last leader %s did not take this peer for round %s: declaring in the DHT",
-                                 straight.peer_id[-8:], self._key)
-                    straight = None
-                    declared = True
-                    await self.election.begin(me, deadline_wall)
-                    continue
-                candidate = await self.election.leader(me, self._down)
-                if cfg.adaptive and self._missed is None and isinstance(self.election, DHTElection) \
-                        and self.election.started:
-                    rounds = sorted(set(self.election.started.values()))
-                    self._missed = f"round(s) {', '.join(r[:8] for r in rounds)} of this group started without this peer"
-                if candidate is None:
-                    await asyncio.sleep(self.config.retry_interval)
-                    continue
-                if candidate.peer_id == me.peer_id:
-                    self._leading = True
-                    try:
-                        group = await self._lead(me, start, deadline, waited_from)
-                    finally:
-                        self._leading = False
-                    if group is not None:
-                        return group
-                    continue
+            if straight is not None:
+                group = await self._follow_leader(step, straight, deadline, straight=True)
+                if group is not None:
+                    return group
+                # not taken (it leads no group of this round, or not yet): ask the DHT as usual
+                logger.debug("last leader %s did not take this peer for round %s: declaring in the DHT",
+                             straight.peer_id[-8:], step.key)
+            declared = True
+            await self.election.begin(me, deadline_wall)
+            group = await self._elect_and_join(step, start, deadline, waited_from)
+            return group
+        finally:
+            self._end_of_step(step, group)
+            self._step = None
+            await self._withdraw(me, group, declared)
+
+    async def _elect_and_join(self, step: _Step, start: float, deadline: float, waited_from: float | None) -> GroupInfo:
+        """Asks the election who leads until a group forms: leads it, or joins the leader's."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline:
+            candidate = await self.election.leader(step.me, step.down)
+            if self.config.adaptive and step.missed is None and self.election.started:
+                rounds = sorted(set(self.election.started.values()))
+                step.missed = f"round(s) {', '.join(r[:8] for r in rounds)} of this group started without this peer"
+            if candidate is None:
+                await asyncio.sleep(self.config.retry_interval)
+                continue
+            if candidate.peer_id == step.me.peer_id:
+                step.leading = True
+                try:
+                    group = await self._lead(step, start, deadline, waited_from)
+                finally:
+                    step.leading = False
+            else:
                 # we follow someone else: whoever asked us to lead must look again
                 self._refuse_all("not the leader")
-                group = await self._follow_leader(me, candidate, deadline)
-                if group is not None:
-                    return group
-            if self._missed is not None:
-                raise AveragingError(f"no averaging group formed within {timeout:.1f} s: {self._missed}")
-            raise AveragingError(f"no averaging group formed within {timeout:.1f} s")
-        finally:
-            self._end_of_step(me, group)
-            self._looking = None
-            if group is None and declared:
-                await self.election.end(me, None)
-            if group is not None and declared:
-                # Withdrawing the declaration is a DHT store: seconds at WAN latencies, and more on
-                # one member than another. Each member counts the round's timeout from when it holds
-                # the group, so waiting for it here started some members seconds after the others,
-                # past a short learned timeout (whole groups failing on "reducer(s) ... did
-                # not report" with nobody crashed). `DHTElection.end` runs the store in the
-                # background and returns at once; the next `begin` waits for it.
-                await self.election.end(me, group.round_id)
+                group = await self._follow_leader(step, candidate, deadline)
+            if group is not None:
+                return group
+        timeout = deadline - start
+        if step.missed is not None:
+            raise AveragingError(f"no averaging group formed within {timeout:.1f} s: {step.missed}")
+        raise AveragingError(f"no averaging group formed within {timeout:.1f} s")
+
+    async def _withdraw(self, me: MemberInfo, group: GroupInfo | None, declared: bool) -> None:
+        """Ends a step's declaration (if it declared), naming its round where it found a group."""
+        if not declared:
+            return
+        # Withdrawing the declaration is a DHT store: seconds at WAN latencies, and more on one
+        # member than another. Each member counts the round's timeout from when it holds the group,
+        # so waiting for it here started some members seconds after the others, past a short learned
+        # timeout (whole groups failing on "reducer(s) ... did not report" with nobody crashed).
+        # `DHTElection.end` runs the store in the background and returns at once; the next `begin`
+        # waits for it.
+        await self.election.end(me, None if group is None else group.round_id)
 
     def _refused(self, peer_id: str) -> str | None:
         """Why this peer does not average with `peer_id` now (reputation), or None. A leader whose
@@ -302,16 +341,15 @@ class Matchmaking:
             refusal = "its last group held a peer this peer excludes"
         return refusal
 
-    async def _follow_leader(self, me: MemberInfo, leader: Candidate, deadline: float,
+    async def _follow_leader(self, step: _Step, leader: Candidate, deadline: float,
                              straight: bool = False) -> GroupInfo | None:
-        self._following = True
+        step.following = True
         try:
-            return await self._follow(me, leader, deadline, straight)
+            return await self._follow(step, leader, deadline, straight)
         finally:
-            self._following = False
+            step.following = False
 
-    async def _follow(self, me: MemberInfo, leader: Candidate, deadline: float,
-                      straight: bool = False) -> GroupInfo | None:
+    async def _follow(self, step: _Step, leader: Candidate, deadline: float, straight: bool = False) -> GroupInfo | None:
         """Joins `leader`'s group. `straight`: it led this peer's last group, and no declaration
         named it for this round: a refusal then only means "not here" (it led none of this
         round yet, follows another, or is of a version that keeps no keys, whose "group started"
@@ -321,11 +359,11 @@ class Matchmaking:
         refusal = self._refused(leader.peer_id)
         if refusal is not None:  # local reputation: this peer does not average with it, led or not
             logger.debug("not joining %s: %s", leader.peer_id[-8:], refusal)
-            self._down.add(leader.peer_id)
+            step.down.add(leader.peer_id)
             return None
         remaining = deadline - loop.time()
         request = averaging_pb2.JoinRequest(
-            prefix=self.prefix, group_key=self._key, schema=self.schema, numel=self.numel, member=me.to_proto(),
+            prefix=self.prefix, group_key=step.key, schema=self.schema, numel=self.numel, member=step.me.to_proto(),
             timeout=remaining, excludes=self.excluding() if self.excluding is not None else (),
         )
         channel = self.peer.pool.get(leader.addr)
@@ -339,14 +377,14 @@ class Matchmaking:
         if vanished:
             logger.debug("leader %s left %d check(s) in a row unanswered: taking it for gone",
                          leader.peer_id[-8:], self.config.leader_misses)
-            self._down.add(leader.peer_id)
-            self._vanished.add(leader.peer_id)
+            step.down.add(leader.peer_id)
+            step.vanished.add(leader.peer_id)
             return None
         try:
             response = join.result()
         except PeerUnreachable as e:
             logger.debug("leader %s is down: %s", leader.peer_id[-8:], e)
-            self._down.add(leader.peer_id)
+            step.down.add(leader.peer_id)
             return None
         except RPCError as e:  # slow or refusing, not gone: ask again rather than lead without it
             logger.debug("join at %s failed: %s", leader.peer_id[-8:], e)
@@ -355,41 +393,50 @@ class Matchmaking:
             await asyncio.sleep(self.config.retry_interval * (1 + random.random()))
             return None
         if response.accepted:
-            group = GroupInfo.from_proto(response.group)
-            if group.prefix != self.prefix or me.peer_id not in group.peer_ids or group.leader.peer_id != leader.peer_id:
-                logger.warning("leader %s sent a group that does not match the request", leader.peer_id[-8:])
-                self._down.add(leader.peer_id)
-                return None
-            excluded = [m.peer_id for m in group.members if self._refused(m.peer_id) is not None]
-            if excluded:
-                # the leader let in a peer this one excludes: leave, and avoid that leader while the
-                # peer stays excluded (the group's round fails without this member's part this once)
-                logger.info("leaving the group of %s: it holds %s, excluded by this peer's reputation",
-                            leader.peer_id[-8:], ", ".join(pid[-8:] for pid in excluded))
-                self._shunned[leader.peer_id] = tuple(excluded)
-                self._down.add(leader.peer_id)
-                return None
-            return group
+            return self._accepted(step, leader, response)
+        await self._refused_by(step, leader, response, straight)
+        return None
+
+    def _accepted(self, step: _Step, leader: Candidate, response: averaging_pb2.JoinResponse) -> GroupInfo | None:
+        """The group `leader` answered with, or None if this peer does not take it."""
+        group = GroupInfo.from_proto(response.group)
+        if group.prefix != self.prefix or step.me.peer_id not in group.peer_ids or group.leader.peer_id != leader.peer_id:
+            logger.warning("leader %s sent a group that does not match the request", leader.peer_id[-8:])
+            step.down.add(leader.peer_id)
+            return None
+        excluded = [m.peer_id for m in group.members if self._refused(m.peer_id) is not None]
+        if excluded:
+            # the leader let in a peer this one excludes: leave, and avoid that leader while the
+            # peer stays excluded (the group's round fails without this member's part this once)
+            logger.info("leaving the group of %s: it holds %s, excluded by this peer's reputation",
+                        leader.peer_id[-8:], ", ".join(pid[-8:] for pid in excluded))
+            self._shunned[leader.peer_id] = tuple(excluded)
+            step.down.add(leader.peer_id)
+            return None
+        return group
+
+    async def _refused_by(self, step: _Step, leader: Candidate, response: averaging_pb2.JoinResponse,
+                          straight: bool) -> None:
+        """Takes a leader's refusal into account before the step asks again."""
         logger.debug("leader %s refused: %s", leader.peer_id[-8:], response.reason)
         if "schema" in response.reason:
             raise AveragingError(f"leader {leader.peer_id} averages other tensors: {response.reason}")
-        if straight and not (self._key and response.reason.startswith(_STARTED)
-                             and response.started_group_key == self._key):
-            return None
-        if response.reason.startswith(_STARTED) and self.config.adaptive:
+        started = response.reason.startswith(_STARTED)
+        if straight and not (step.key and started and response.started_group_key == step.key):
+            return
+        if started and self.config.adaptive:
             # it is in a group of this round already: look for the next one now, not after a pause
-            self._down.add(leader.peer_id)
-            self._missed = f"the group of {leader.peer_id[-8:]} started without this peer ({response.reason})"
+            step.down.add(leader.peer_id)
+            step.missed = f"the group of {leader.peer_id[-8:]} started without this peer ({response.reason})"
             MATCHMAKING_MISSED.labels(self.prefix).inc()
-            return None
+            return
         if response.reason == "not the leader":
             # our view of who is down may be what sent us there: look again, but keep the leaders
             # this step saw vanish itself. The next leader is often still waiting on the same
             # vanished leader (it notices later); asking it again soon makes one group of them
             # (followers going back to the vanished leader came too late and scattered).
-            self._down = set(self._vanished)
+            step.down = set(step.vanished)
         await asyncio.sleep(self.config.retry_interval * (1 + random.random()))
-        return None
 
     async def _leader_vanished(self, leader: Candidate, channel: Any, join: asyncio.Future[Any]) -> bool:
         """Waits for the join's answer; True if the leader stopped answering first.
@@ -436,6 +483,38 @@ class Matchmaking:
 
     async def rpc_join(self, request: averaging_pb2.JoinRequest, ctx: CallContext) -> averaging_pb2.JoinResponse:
         """A follower asks to be in this peer's next group (answered when the group forms)."""
+        refusal = self._join_refusal(request, ctx)
+        if refusal is not None:
+            return refusal
+        member = MemberInfo.from_proto(request.member)
+        loop = asyncio.get_running_loop()
+        previous = self._joiners.pop(member.peer_id, None)
+        if previous is not None and not previous.answer.done():
+            previous.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason="joined again"))
+        key = request.group_key
+        joiner = _Joiner(member, loop.time() + max(0.0, request.timeout), loop.create_future(), loop.time(),
+                         frozenset(request.excludes), key)
+        self._joiners[member.peer_id] = joiner
+        self._arrived.set()
+        try:
+            if self._holds(key) and self._step is None:
+                # held for this peer's next step: at most `max_wait`, so a leader that stopped
+                # stepping does not keep its last group's members from the DHT for long
+                try:
+                    return await asyncio.wait_for(asyncio.shield(joiner.answer), min(request.timeout, self.config.max_wait))
+                except TimeoutError:
+                    if self._step is None or self._step.key != key:
+                        return self._answer(joiner, "not leading a group of that round yet")
+            left = joiner.timeout_at - loop.time()
+            return await asyncio.wait_for(asyncio.shield(joiner.answer), max(0.01, left))
+        except TimeoutError:
+            return self._answer(joiner, "no group formed in time")
+        finally:
+            if self._joiners.get(member.peer_id) is joiner:
+                del self._joiners[member.peer_id]
+
+    def _join_refusal(self, request: averaging_pb2.JoinRequest, ctx: CallContext) -> averaging_pb2.JoinResponse | None:
+        """The answer to a join this peer does not hold for a group (None: it holds it)."""
         if request.schema != self.schema or request.numel != self.numel:
             return averaging_pb2.JoinResponse(accepted=False, reason="schema mismatch: different tensors or aggregation settings")
         try:
@@ -449,44 +528,20 @@ class Matchmaking:
             return averaging_pb2.JoinResponse(accepted=False, reason=refusal)
         if self.peer.peer_id in request.excludes:
             return averaging_pb2.JoinResponse(accepted=False, reason="the follower excludes this leader")
-        key = request.group_key
+        key, step = request.group_key, self._step
         missed = (averaging_pb2.JoinResponse(accepted=False, reason=f"{_STARTED}: this peer is in round "
                                              f"{self._last_round.hex()[:8]}", started_group_key=self._last_key or "")
                   if self._last_round is not None and self.config.adaptive else None)
-        if self._looking is not None and self._key and key and key != self._key:
+        if step is not None and step.key and key and key != step.key:
             # a group of another round: never mix rounds in one group
             if key == self._last_key and missed is not None:
                 return missed
-            return averaging_pb2.JoinResponse(accepted=False, reason=f"this peer looks for the group of {self._key!r}")
-        hold = self._holds(key)
-        if not hold and not self._may_lead():
-            if self._looking is None and missed is not None:
+            return averaging_pb2.JoinResponse(accepted=False, reason=f"this peer looks for the group of {step.key!r}")
+        if not self._holds(key) and not self._may_lead():
+            if step is None and missed is not None:
                 return missed
             return averaging_pb2.JoinResponse(accepted=False, reason="not the leader")
-        loop = asyncio.get_running_loop()
-        previous = self._joiners.pop(member.peer_id, None)
-        if previous is not None and not previous.answer.done():
-            previous.answer.set_result(averaging_pb2.JoinResponse(accepted=False, reason="joined again"))
-        joiner = _Joiner(member, loop.time() + max(0.0, request.timeout), loop.create_future(), loop.time(),
-                         frozenset(request.excludes), key)
-        self._joiners[member.peer_id] = joiner
-        self._arrived.set()
-        try:
-            if hold and self._looking is None:
-                # held for this peer's next step: at most `max_wait`, so a leader that stopped
-                # stepping does not keep its last group's members from the DHT for long
-                try:
-                    return await asyncio.wait_for(asyncio.shield(joiner.answer), min(request.timeout, self.config.max_wait))
-                except TimeoutError:
-                    if self._looking is None or self._key != key:
-                        return self._answer(joiner, "not leading a group of that round yet")
-            left = joiner.timeout_at - loop.time()
-            return await asyncio.wait_for(asyncio.shield(joiner.answer), max(0.01, left))
-        except TimeoutError:
-            return self._answer(joiner, "no group formed in time")
-        finally:
-            if self._joiners.get(member.peer_id) is joiner:
-                del self._joiners[member.peer_id]
+        return None
 
     @staticmethod
     def _answer(joiner: _Joiner, refusal: str) -> averaging_pb2.JoinResponse:
@@ -501,43 +556,44 @@ class Matchmaking:
         (`follow_last_leader`): this peer led the last group it was in, and a member of it asks for
         the next round's group before this peer's step for it began (held until it begins) or while
         that step still reads who leads (answered when it knows)."""
+        step = self._step
         return (self.config.follow_last_leader and bool(key) and self._led_last and key != self._last_key
-                and self.peer.server is not None and not self._following
-                and (self._looking is None or key == self._key))
+                and self.peer.server is not None
+                and (step is None or (key == step.key and not step.following)))
 
-    def _end_of_step(self, me: MemberInfo, group: GroupInfo | None) -> None:
+    def _end_of_step(self, step: _Step, group: GroupInfo | None) -> None:
         """Records the step's group for the next step's matchmaking and answers the joins still
         waiting for this step's group: it formed without them, or none formed here."""
         if group is None:
             self._last_round, self._last_leader, self._led_last = None, None, False  # the next try asks the DHT
         else:
-            self._last_round, self._last_key, self._last_size = group.round_id, self._key, len(group.members)
+            self._last_round, self._last_key, self._last_size = group.round_id, step.key, len(group.members)
             leader = group.leader
-            self._led_last = leader.peer_id == me.peer_id
+            self._led_last = leader.peer_id == step.me.peer_id
             self._last_leader = None if self._led_last else Candidate(leader.peer_id, leader.addr)
         if group is None or not self.config.adaptive:
             refusal = averaging_pb2.JoinResponse(accepted=False, reason="not the leader")
         else:
             refusal = averaging_pb2.JoinResponse(accepted=False, reason=f"{_STARTED}: this peer is in round "
-                                                 f"{group.round_id.hex()[:8]}", started_group_key=self._key or "")
+                                                 f"{group.round_id.hex()[:8]}", started_group_key=step.key or "")
         for j in list(self._joiners.values()):
-            if not j.answer.done() and (not j.key or j.key == self._key):
+            if not j.answer.done() and (not j.key or j.key == step.key):
                 j.answer.set_result(refusal)
 
-    def _refuse_other_rounds(self) -> None:
-        """At a step's start: joins held for another round than this step's are refused, so their
-        followers look in the DHT at once."""
+    def _refuse_other_rounds(self, key: str) -> None:
+        """At a step's start: joins held for another round than this step's (`key`) are refused,
+        so their followers look in the DHT at once."""
         for j in list(self._joiners.values()):
-            if j.key and j.key != self._key and not j.answer.done():
+            if j.key and j.key != key and not j.answer.done():
                 j.answer.set_result(averaging_pb2.JoinResponse(
-                    accepted=False, reason=f"this peer looks for the group of {self._key!r}"))
+                    accepted=False, reason=f"this peer looks for the group of {key!r}"))
 
     def _may_lead(self) -> bool:
-        if self._looking is None:
-            # Not averaging right now. A static group's leader is fixed, so hold the call until our
+        if self._step is None:
+            # Not averaging right now. A fixed group's leader is fixed, so hold the call until our
             # next step (refused then if we follow someone else); a DHT follower looks again.
-            return self.peer.server is not None and isinstance(self.election, StaticElection)
-        return self._leading
+            return self.peer.server is not None and self.election.fixed
+        return self._step.leading
 
     def _live(self, now: float) -> list[_Joiner]:
         return [j for j in self._joiners.values() if not j.answer.done() and j.timeout_at > now + 0.05]
@@ -563,7 +619,7 @@ class Matchmaking:
             kept.remove(worst)
             apart[worst.member.peer_id] = rivals[worst.member.peer_id]
 
-    def _outstanding(self, me: MemberInfo, now: float, expected_at: dict[str, float], bound: float) -> dict[str, float]:
+    def _outstanding(self, step: _Step, now: float, expected_at: dict[str, float], bound: float) -> dict[str, float]:
         """Declared peers not in yet -> loop time until which this leader waits for them.
 
         A peer is expected at its announced readiness or, if that passed, when this leader first
@@ -571,8 +627,9 @@ class Matchmaking:
         """
         wall = get_dht_time()
         out: dict[str, float] = {}
-        for peer_id, declaration in self.election.declared(me).items():
-            if peer_id in self._down:
+        declared = self.election.declared(step.me)
+        for peer_id, declaration in declared.items():
+            if peer_id in step.down:
                 continue
             if peer_id not in expected_at:
                 expected_at[peer_id] = max(now, now + declaration.ready_at - wall)
@@ -582,7 +639,7 @@ class Matchmaking:
             until = expected_at[peer_id] + bound
             if until > now:
                 out[peer_id] = until
-        if self._expect_unnamed and 1 + len(self.election.declared(me)) < self._start_size:
+        if step.expect_unnamed and 1 + len(declared) < step.start_size:
             # more peers are expected than declared (client-mode members of a static group are not
             # listed; training progress names peers that have not declared yet): wait for them too
             until = expected_at.setdefault("", now) + bound
@@ -590,16 +647,16 @@ class Matchmaking:
                 out[""] = until
         return out
 
-    def _leads_again(self, expected_size: int | None) -> bool:
+    def _leads_again(self, step: _Step, expected_size: int | None) -> bool:
         """Whether this step may lead its last group's members again without the DHT
         (`follow_last_leader`): this peer led that group, keys name rounds, and the peers expected
         (training progress says how many) are no more than that group held, so every one of them
         can come straight here (a newcomer, which only the DHT can lead here, makes it declare)."""
-        return (self.config.follow_last_leader and bool(self._key) and self._led_last
-                and self._last_key is not None and self._last_key != self._key and self.peer.server is not None
+        return (self.config.follow_last_leader and bool(step.key) and self._led_last
+                and self._last_key is not None and self._last_key != step.key and self.peer.server is not None
                 and expected_size is not None and expected_size <= min(self._last_size, self.config.target_group_size))
 
-    async def _lead_again(self, me: MemberInfo, deadline: float) -> GroupInfo | None:
+    async def _lead_again(self, step: _Step, deadline: float) -> GroupInfo | None:
         """Leads the group of this round with the joins held for it (`_holds`: the last group's
         members come straight here), starting once every expected peer is in, before declaring
         anything: no store, read or withdrawal in the DHT. Waits a couple of round trips at most
@@ -615,106 +672,114 @@ class Matchmaking:
         # members that stepped when this peer did are in within a couple of round trips; a later
         # one is waited for declared, as before, where its announcement says when it comes
         until = min(deadline, led_at + min(bound, self.config.min_wait + 2 * (rtt or 0.0)))
-        self._leading = True
+        step.leading = True
         try:
             while True:
                 now = loop.time()
-                if 1 + len(self._keep_apart(self._live(now))[0]) >= self._start_size:
-                    return self._start(me, now, deadline, led_at, "every expected peer came straight", bound, {})
+                if 1 + len(self._keep_apart(self._live(now))[0]) >= step.start_size:
+                    return self._start(step.me, now, deadline, led_at, "every expected peer came straight", bound, {})
                 if now >= until:
                     logger.debug("round %s: not every expected peer came straight within %.3f s; declaring",
-                                 self._key, until - led_at)
+                                 step.key, until - led_at)
                     return None
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), until - now)
-                except TimeoutError:
-                    pass
+                await self._wait_for_arrival(until - now)
         finally:
-            self._leading = False
+            step.leading = False
 
-    async def _lead(self, me: MemberInfo, start: float, deadline: float,
-                    waited_from: float | None = None) -> GroupInfo | None:
+    async def _wait_for_arrival(self, seconds: float) -> None:
+        """Until a joiner arrives or `seconds` pass."""
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), max(0.001, seconds))
+        except TimeoutError:
+            pass
+
+    async def _lead(self, step: _Step, start: float, deadline: float, waited_from: float | None = None) -> GroupInfo | None:
+        """Waits for this peer's group to fill (see `_Lead`) and starts it; None if this peer
+        should stop leading (another leads, or the deadline passed)."""
         loop = asyncio.get_running_loop()
         cfg = self.config
-        latest_start = start + cfg.matchmaking_share * (deadline - start)
-        led_at = loop.time()
-        min_met_at: float | None = None  # when the group last grew while at least min_group_size
-        last_size = 0
-        next_poll = led_at + cfg.poll_interval
-        refreshed_at = led_at  # `election.leader` just looked at the declarations
-        # peers expected without a declaration are waited for from when `_lead_again` began waiting
-        expected_at: dict[str, float] = {"": waited_from} if waited_from is not None else {}
         rtt = self._link.rtt()
         bound = self.spread.bound(rtt) + self.election.patience()
-        # A peer that missed its round's group waits for another group of that round only while a
-        # declared peer may still come (`outstanding`, up to `bound` each) and for its slowest
-        # declaration exchange and a few round trips for a peer that declared just as it did:
-        # the peers whose rounds all started without it are done, and waiting `bound` for peers
-        # nobody declared kept it out of phase with its next round.
-        missed_wait = min(bound, max(cfg.min_wait, self.election.read_seconds) + 4 * (rtt or 0.05))
-        outstanding: dict[str, float] = {}
-        why = ""
+        lead = _Lead(
+            led_at=loop.time(), latest_start=start + cfg.matchmaking_share * (deadline - start), deadline=deadline,
+            bound=bound,
+            # A peer that missed its round's group waits for another group of that round only while a
+            # declared peer may still come (`outstanding`, up to `bound` each) and for its slowest
+            # declaration exchange and a few round trips for a peer that declared just as it did:
+            # the peers whose rounds all started without it are done, and waiting `bound` for peers
+            # nobody declared kept it out of phase with its next round.
+            missed_wait=min(bound, max(cfg.min_wait, self.election.read_seconds) + 4 * (rtt or 0.05)),
+            # peers expected without a declaration are waited for from when `_lead_again` began waiting
+            expected_at={"": waited_from} if waited_from is not None else {},
+        )
+        lead.next_poll = lead.refreshed_at = lead.led_at
+        lead.next_poll += cfg.poll_interval
         while True:
             now = loop.time()
-            # a follower reads the same declarations: the window covers the slowest read this peer
-            # saw (a crashed replica holds each read for the DHT's request timeout)
-            window = max(cfg.join_window, self.election.read_seconds)
-            size = 1 + len(self._keep_apart(self._live(now))[0])
-            if cfg.adaptive:
-                outstanding = self._outstanding(me, now, expected_at, bound)
-            if size >= self._start_size:
-                why = "target size" if self._start_size == cfg.target_group_size else "expected size"
-                break
-            if size >= cfg.min_group_size:
-                if min_met_at is None or size > last_size:
-                    # the window restarts with every arrival: followers reach the leader spread
-                    # over a few round trips, so one window from the first is too short
-                    min_met_at = now
-                last_size = size
-                if now >= latest_start:
-                    why = "matchmaking share of the timeout spent"
-                    break
-                if not cfg.adaptive and now >= min_met_at + window:
-                    why = "join window"
-                    break
-                if cfg.adaptive and not outstanding and now >= min_met_at + window:
-                    if refreshed_at < min_met_at + window:  # a peer may have declared meanwhile
-                        await self.election.refresh(me)
-                        refreshed_at = loop.time()
-                        continue
-                    why = "every declared peer is in or past its wait bound"
-                    break
-            elif cfg.adaptive and self._missed is not None and not outstanding and now >= led_at + missed_wait:
-                if refreshed_at < led_at + missed_wait:  # look once more before giving up
-                    await self.election.refresh(me)
-                    refreshed_at = loop.time()
-                    continue
-                raise AveragingError(f"{self._missed}, and no other peer is coming for another group of it "
-                                     f"(waited {now - led_at:.2f} s; no declared peer is still looking)")
+            why = self._why_start(step, lead, now)
+            if why == _LOOK_AGAIN:  # a peer may have declared meanwhile: look once more first
+                await self.election.refresh(step.me)
+                lead.refreshed_at = loop.time()
+                continue
+            if why:
+                return self._start(step.me, loop.time(), deadline, lead.led_at, why, bound, lead.outstanding,
+                                   lead.expected_at)
             if now >= deadline:
                 return None
-            if now >= next_poll and (isinstance(self.election, DHTElection) or self._down):
-                next_poll = now + cfg.poll_interval
-                refreshed_at = now
-                if await self._should_step_down(me):
+            if now >= lead.next_poll and (not self.election.fixed or step.down):
+                lead.next_poll = now + cfg.poll_interval
+                lead.refreshed_at = now
+                if await self.election.outranked(step.me, step.down, self._answers):
                     self._refuse_all("the leader changed")
                     return None
-            wake = min(deadline, next_poll)
-            if outstanding:
-                wake = min(wake, *outstanding.values())
-            elif self._missed is not None and now < led_at + missed_wait:
-                wake = min(wake, led_at + missed_wait)
-            if min_met_at is not None:
-                wake = min(wake, latest_start)
-                if now < min_met_at + window:
-                    wake = min(wake, min_met_at + window)
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), max(0.001, wake - now))
-            except TimeoutError:
-                pass
-        return self._start(me, loop.time(), deadline, led_at, why, bound, outstanding, expected_at)
+            await self._wait_for_arrival(lead.wake(now, self._window(), step.missed is not None))
+
+    def _window(self) -> float:
+        # a follower reads the same declarations: the window covers the slowest read (or store)
+        # this peer saw (a crashed replica holds each read for the DHT's request timeout)
+        return max(self.config.join_window, self.election.read_seconds)
+
+    def _why_start(self, step: _Step, lead: _Lead, now: float) -> str:
+        """Why this leader starts its group now ("": not yet; `_LOOK_AGAIN`: after one more look
+        at the declarations); raises `AveragingError` when this step missed its round's group
+        and no other peer is coming for another group of it."""
+        cfg = self.config
+        window = self._window()
+        size = 1 + len(self._keep_apart(self._live(now))[0])
+        if cfg.adaptive:
+            lead.outstanding = self._outstanding(step, now, lead.expected_at, lead.bound)
+        if size >= step.start_size:
+            return "target size" if step.start_size == cfg.target_group_size else "expected size"
+        if size >= cfg.min_group_size:
+            if lead.min_met_at is None or size > lead.last_size:
+                # the window restarts with every arrival: followers reach the leader spread
+                # over a few round trips, so one window from the first is too short
+                lead.min_met_at = now
+            lead.last_size = size
+            if now >= lead.latest_start:
+                return "matchmaking share of the timeout spent"
+            if not cfg.adaptive and now >= lead.min_met_at + window:
+                return "join window"
+            if cfg.adaptive and not lead.outstanding and now >= lead.min_met_at + window:
+                if lead.refreshed_at < lead.min_met_at + window:
+                    return _LOOK_AGAIN
+                return "every declared peer is in or past its wait bound"
+        elif cfg.adaptive and step.missed is not None and not lead.outstanding and now >= lead.led_at + lead.missed_wait:
+            if lead.refreshed_at < lead.led_at + lead.missed_wait:  # look once more before giving up
+                return _LOOK_AGAIN
+            raise AveragingError(f"{step.missed}, and no other peer is coming for another group of it "
+                                 f"(waited {now - lead.led_at:.2f} s; no declared peer is still looking)")
+        return ""
+
+    async def _answers(self, candidate: Candidate) -> bool:
+        """Whether `candidate` answers an Info call within a few of its round trips."""
+        timeout = self._link.deadline(candidate.peer_id, 0, multiple=4, floor=0.05, cap=self.config.poll_interval)
+        try:
+            await self.peer.pool.get(candidate.addr).info(timeout=timeout)
+        except RPCError:
+            return False
+        return True
 
     def _start(self, me: MemberInfo, now: float, deadline: float, led_at: float, why: str, bound: float,
                outstanding: dict[str, float], expected_at: dict[str, float] | None = None) -> GroupInfo:
@@ -779,25 +844,6 @@ class Matchmaking:
             group.round_id.hex()[:8], self.prefix, len(group.members), waited, why, bound, len(self.spread.lags),
             group.timeout, f"{expected:.3f}" if expected is not None else "unknown", self.timing.multiple,
             self.timing.backoff, cap, f"{rtt:.4f}" if rtt is not None else "unknown")
-
-    async def _should_step_down(self, me: MemberInfo) -> bool:
-        """Whether someone else should lead now: a DHT leader that expires earlier appeared, or a
-        peer we took for down (and so led in its place) answers again."""
-        if isinstance(self.election, DHTElection):
-            leader = await self.election.leader(me, self._down)
-            return leader is not None and leader.peer_id != me.peer_id
-        for peer_id in sorted(self._down):
-            candidate = getattr(self.election, "candidates", {}).get(peer_id)
-            if candidate is None or peer_id > me.peer_id:
-                continue
-            timeout = self._link.deadline(peer_id, 0, multiple=4, floor=0.05, cap=self.config.poll_interval)
-            try:
-                await self.peer.pool.get(candidate.addr).info(timeout=timeout)
-            except RPCError:
-                continue
-            self._down.discard(peer_id)
-            return True
-        return False
 
     def _refuse_all(self, reason: str) -> None:
         for j in list(self._joiners.values()):

@@ -165,7 +165,9 @@ async def astep_retrying(averager: Averager, timeout: float, weight: float = 1.0
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    base = group_key if group_key is not None else getattr(averager.matchmaking.election, "group_key", None)
+    election = averager.matchmaking.election
+    # a fixed (static) group meets under no key: its survivors have no other group to retry in
+    base = group_key if group_key is not None else (None if election.fixed else election.group_key)
     key, size = group_key, expected_size
     for attempt in range(1, attempts + 1):
         try:
