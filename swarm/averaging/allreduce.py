@@ -491,7 +491,7 @@ class ButterflyAllReduce:
         the next round's stream (`ChannelConfig.bulk_pool`); it is cancelled after `END_WAIT`
         seconds. Cancelled at once, the member that finishes a round last (its release comes at
         once) lost every connection to its reducers and started the next round's all-gather on
-        new, cold ones (network lab, BENCHMARKS.md scenario 3).
+        new, cold ones (network lab, benchmarks/history/BENCHMARKS-2026-12-05.md scenario 3).
 
         Returns the streams left to end by themselves (the caller cancels them if it shuts down
         first: a task pending when the loop stops is destroyed, with a warning)."""

@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 # reducer learns it a one-way trip later or more. A leader that sent its mean at once filled its
 # uplink with its own slow-starting flows just as the other reducers' flows to it began; in the
 # network lab those flows lost the most packets of any and the leader got its last part 0.35-1.3 s
-# after every other member in every 8-peer round timed (BENCHMARKS.md, scenario 3, "The lagging
+# after every other member in every 8-peer round timed (benchmarks/history/BENCHMARKS-2026-12-05.md, scenario 3, "The lagging
 # member is the round's leader"). A round whose other reducers never answer waits this long at most.
 LEADER_HOLD_CAP = 0.25
 

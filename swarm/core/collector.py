@@ -5,7 +5,7 @@ throughout. In a trainer process that is ~300,000 objects, nearly all from impor
 and alive until the process ends. Measured in four 9.5M-parameter trainers on two busy cores, each
 full collection stopped a trainer's event loop for 0.16–0.41 s, once or twice a minute, and the
 processes reached theirs within seconds of each other; one that struck the reducer of a round's
-part held the round past its deadline and the whole group failed it (BENCHMARKS.md,
+part held the round past its deadline and the whole group failed it (benchmarks/history/BENCHMARKS-2026-12-05.md,
 "Communication overlapped with compute").
 
 `gc.freeze()` moves the objects alive at that moment into a permanent generation that collections

@@ -82,7 +82,7 @@ def peer_id_to_bytes(peer_id: str) -> bytes:
 def _verifying_key(peer_id: str) -> Ed25519PublicKey:
     """The key behind a PeerID, kept for the PeerIDs seen last: a peer's DHT records are checked
     against the same few PeerIDs over and over, and decoding one (base58) cost more than checking
-    the signature (a trainer's profile, BENCHMARKS.md, "Communication overlapped with compute").
+    the signature (a trainer's profile, benchmarks/history/BENCHMARKS-2026-12-05.md, "Communication overlapped with compute").
     Invalid PeerIDs raise and are not kept."""
     return Ed25519PublicKey.from_public_bytes(peer_id_to_public_key(peer_id))
 

@@ -1,7 +1,7 @@
 """Unary calls multiplexed on one long-lived gRPC stream per caller and callee.
 
 A message on a stream that is already open costs much less than a small unary call (figures in
-BENCHMARKS.md, "Multiplexed calls"): a unary call sets up and tears down an HTTP/2 stream, its
+benchmarks/history/BENCHMARKS-2026-12-05.md, "Multiplexed calls"): a unary call sets up and tears down an HTTP/2 stream, its
 headers and a task on both sides every time. So a caller opens `/swarm.Peer/Calls` once per callee (authenticated by its
 ticket, like any call) and sends each small unary call on it as a `CallRequest`; the callee runs
 the handler registered for that method, exactly as for a unary call (same decoding, same

@@ -2,7 +2,7 @@
 (docs/security.md).
 
 `cryptography.x509` builds them just as well, but importing it costs a DHT-only daemon ~3 MB of
-its ~60 MB (its modules, and `email` which it pulls in; BENCHMARKS.md "What a DHT-only daemon's
+its ~60 MB (its modules, and `email` which it pulls in; benchmarks/history/BENCHMARKS-2026-12-05.md "What a DHT-only daemon's
 memory is"), and a daemon needs it at start-up (its own certificate) and for every peer it dials
 (the trust anchor). Both certificates are fixed templates with a handful of fields, so they are
 written here; `tests/net/test_der.py` checks that they are byte for byte what

@@ -25,7 +25,7 @@ sealed END or ERROR frame of that framing: a connection cut before it is an erro
 
 Where the process may use more than 2 cores, records of at least 64 KiB are sealed and opened on
 worker threads (`cryptography` releases the GIL inside AES-GCM), so a peer's loop keeps reading,
-writing and answering while the cipher runs (`OFF_LOOP`; BENCHMARKS.md, "Sealing and opening off
+writing and answering while the cipher runs (`OFF_LOOP`; benchmarks/history/BENCHMARKS-2026-12-05.md, "Sealing and opening off
 the event loop"); on 2 cores or fewer the loop's thread does it, which costs less CPU. The loop still
 decides everything: it reserves each record's nonce in order, sends sealed records in that
 order, hands an opened record to the inner protocol only after its tag verified, and opens one
@@ -64,7 +64,7 @@ def _spare_cores() -> bool:
     """Whether this process may run on more than 2 cores. The workers cost CPU (records change
     cores, threads wake): on 2 cores, where a trainer's loop and its training thread already keep
     both busy, a round on loopback took 0.41 s with records on the loop's thread against 0.49 s
-    on workers (BENCHMARKS.md, "Sealing and opening off the event loop"). A container's CPU quota
+    on workers (benchmarks/history/BENCHMARKS-2026-12-05.md, "Sealing and opening off the event loop"). A container's CPU quota
     is not seen here, only its affinity."""
     try:
         cores = len(os.sched_getaffinity(0))

@@ -3,7 +3,7 @@
 `loop.create_server(host=...)` and `loop.create_connection(host, ...)` resolve even an address
 literal with `getaddrinfo`, and uvloop encodes the host with the `idna` codec first, which imports
 `stringprep` and `unicodedata`, and runs the lookup on libuv's thread pool (its threads, and the
-resolver's libraries: together ~1 MB of a daemon's memory, BENCHMARKS.md "What a DHT-only
+resolver's libraries: together ~1 MB of a daemon's memory, benchmarks/history/BENCHMARKS-2026-12-05.md "What a DHT-only
 daemon's memory is"). A socket bound or connected here to the literal is handed to the loop as
 `sock=` instead (a name is still resolved by the loop); a listening one is set up as asyncio sets up its own (SO_REUSEADDR, IPv6 sockets
 IPv6-only).

@@ -49,7 +49,7 @@ class CollaborationConfig:
         load_state_on_start: download the swarm's current state when this peer starts.
         gradient_compression: wire format of averaged gradients (large-batch mode).
             SCALED_FLOAT16 (the default): half the bytes of float32, and less of a peer's CPU per
-            round (BENCHMARKS.md, "Gradients as scaled float16 by default"), every finite range
+            round (benchmarks/history/BENCHMARKS-2026-12-05.md, "Gradients as scaled float16 by default"), every finite range
             kept; members apply the mean as the codec rounded it, so they stay identical, within
             its rounding (about 2**-11 relative) of one process's step. NONE: that step exactly.
         max_staleness: rounds that may still be averaging while this peer computes. 1 (the
@@ -67,7 +67,7 @@ class CollaborationConfig:
             real step taken, so peers stay identical; what it changes is where the next batches'
             gradients are computed: near the parameters they will be applied to, instead of one
             whole step behind them (`swarm.optim.large_batch`; the loss it buys back:
-            BENCHMARKS.md, "Communication overlapped with compute"). It costs a copy of the
+            benchmarks/history/BENCHMARKS-2026-12-05.md, "Communication overlapped with compute"). It costs a copy of the
             parameters while the round is in flight, and one of the optimizer's state and one
             optimizer step per round for the trial. The optimizer must step without a closure (as
             every collective step does). False: compute at the parameters held.
@@ -131,7 +131,7 @@ class DiLoCoConfig:
         nesterov: use Nesterov momentum (the paper does).
         compression: wire format of the averaged pseudo-gradient: UNIFORM_8BIT (the default),
             or UNIFORM_4BIT (blockwise 4-bit, ~0.53x the bytes; its loss against 8-bit:
-            BENCHMARKS.md, "Communication overlapped with compute").
+            benchmarks/history/BENCHMARKS-2026-12-05.md, "Communication overlapped with compute").
         fragments: the parameters are cut into this many fragments, synced in turn (Streaming
             DiLoCo, Douillard et al. 2025): one fragment every `local_steps / fragments` inner
             steps, so each fragment is still synced every `local_steps` steps while a round sends

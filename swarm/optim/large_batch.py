@@ -13,7 +13,7 @@ every epoch.
 
 A gradient one step late costs more than it seems: at the learning rates that train fastest,
 Adam's step is large, and the next batches' gradients, computed a whole step behind the
-parameters they are applied to, make the loss fall much more slowly (BENCHMARKS.md,
+parameters they are applied to, make the loss fall much more slowly (benchmarks/history/BENCHMARKS-2026-12-05.md,
 "Communication overlapped with compute": 1.40x the loss of the same steps taken at once, replayed
 in one process). So while its round is in flight a peer computes at a guess of where the round
 will land (`CollaborationConfig.trial_step`): the optimizer's step on its own part of the round,

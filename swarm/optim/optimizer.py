@@ -78,7 +78,7 @@ PACE_SLACK = 1.0
 # With every round waited for (max_staleness 0), a trainer whose swarm is due at the target within
 # this share of its own next batch's time waits for it rather than computing that batch: the
 # batch would make the round wait for it (the others, at the target, stop computing), while the
-# wait costs at most this share of a batch (BENCHMARKS.md, "Communication overlapped with compute").
+# wait costs at most this share of a batch (benchmarks/history/BENCHMARKS-2026-12-05.md, "Communication overlapped with compute").
 NEAR_TARGET = 0.5
 
 # A state asked of this peer while its round is in flight (rounds overlapped) is served once that

@@ -154,7 +154,7 @@ async def _kept_everywhere(peer: Peer, channels: int) -> bool:
 @pytest.mark.timeout(30)
 def test_the_leaders_mean_waits_for_another_reducers_mean_to_start_arriving(peers, monkeypatch, caplog):
     # the leader decides first; its reducer holds its mean until another reducer's mean starts to
-    # arrive (BENCHMARKS.md scenario 3: a leader that sent at once got its own parts last). The cap
+    # arrive (benchmarks/history/BENCHMARKS-2026-12-05.md scenario 3: a leader that sent at once got its own parts last). The cap
     # is set far beyond the test's bound, so the round ends only if the others' means release it.
     from swarm.averaging import reducer
 

@@ -112,7 +112,7 @@ def test_round_timeout_follows_a_slow_link_and_bounds_what_a_stalled_peer_costs(
 def test_a_decision_later_than_sender_timeout_does_not_make_members_fetch_every_part_again():
     """A reduce-scatter (here: the leader's decision) that takes longer than `sender_timeout` is no
     silence of the reducers: none can send a result before the decision. Found in the network lab
-    (BENCHMARKS.md, scenario 3), where every member fetched every part a second time over a slow link."""
+    (benchmarks/history/BENCHMARKS-2026-12-05.md, scenario 3), where every member fetched every part a second time over a slow link."""
     from swarm.metrics import REGISTRY
 
     def stalled_fetches() -> float:
