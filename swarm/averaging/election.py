@@ -31,6 +31,7 @@ from swarm.averaging.group import MemberInfo
 from swarm.core.errors import ConfigError
 from swarm.core.multiaddr import Multiaddr, is_relayed
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.expiring import subkey_entries
 from swarm.dht.handle import KeyValueStore
 from swarm.dht.validation import marker_owner, owner_marker
 
@@ -272,27 +273,25 @@ class DHTElection:
         self.read_seconds = max(self.read_seconds, now - asked)
         declared: dict[str, Declaration] = {}
         leaders: dict[str, tuple[float, str]] = {}
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                peer_id = marker_owner(subkey)  # signed by that peer; other subkeys anyone may write
-                value = getattr(item, "value", None)
-                expiration = getattr(item, "expiration_time", 0.0)
-                if peer_id is None or not isinstance(value, dict) or expiration <= now:
-                    continue
-                if value.get("done"):
-                    at = value.get("at", 0.0)
-                    # a key that names one round: any group under it is of that round; a key reused
-                    # from step to step: only a group that started during this step
-                    recent = self.names_round or (isinstance(at, (int, float)) and at >= self._began)
-                    if isinstance(value.get("started"), str) and recent:
-                        self.started[peer_id] = value["started"]
-                    continue
-                ready_at = value.get("ready_at", 0.0)
-                looking = value.get("looking", True) is not False
-                declared[peer_id] = Declaration(
-                    peer_id, float(ready_at) if isinstance(ready_at, (int, float)) else 0.0, looking)
-                if looking and not value.get("client_mode") and value.get("addr"):
-                    leaders[peer_id] = (float(expiration), str(value["addr"]))
+        for subkey, item in subkey_entries(found).items():
+            peer_id = marker_owner(subkey)  # signed by that peer; other subkeys anyone may write
+            value, expiration = item.value, item.expiration_time
+            if peer_id is None or not isinstance(value, dict) or expiration <= now:
+                continue
+            if value.get("done"):
+                at = value.get("at", 0.0)
+                # a key that names one round: any group under it is of that round; a key reused
+                # from step to step: only a group that started during this step
+                recent = self.names_round or (isinstance(at, (int, float)) and at >= self._began)
+                if isinstance(value.get("started"), str) and recent:
+                    self.started[peer_id] = value["started"]
+                continue
+            ready_at = value.get("ready_at", 0.0)
+            looking = value.get("looking", True) is not False
+            declared[peer_id] = Declaration(
+                peer_id, float(ready_at) if isinstance(ready_at, (int, float)) else 0.0, looking)
+            if looking and not value.get("client_mode") and value.get("addr"):
+                leaders[peer_id] = (float(expiration), str(value["addr"]))
         self._declared, self._leaders = declared, leaders
 
     async def end(self, me: MemberInfo, started: bytes | None = None) -> None:

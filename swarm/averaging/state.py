@@ -32,6 +32,7 @@ from swarm.core.faults import FaultPlan
 from swarm.core.malloc import tune_malloc
 from swarm.core.serialization import pack, unpack
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.expiring import subkey_entries
 from swarm.dht.handle import PeerHandle
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
@@ -246,12 +247,10 @@ async def _discover(peer: PeerHandle, prefix: str) -> list[str]:
     if dht is None:
         return []
     found = await dht.aget(f"{prefix}.state", latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
     now = get_dht_time()
     addrs = []
-    for subkey, item in found.value.items():
-        value = getattr(item, "value", None)
+    for subkey, item in subkey_entries(found).items():
+        value = item.value
         if subkey != peer.peer_id and isinstance(value, dict) and value.get("addr") and item.expiration_time > now:
             addrs.append(str(value["addr"]))
     random.shuffle(addrs)

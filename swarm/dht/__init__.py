@@ -19,7 +19,7 @@ from typing import Any
 from swarm.core.faults import FaultPlan, LinkFault
 from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
-from swarm.dht.expiring import ValueWithExpiration
+from swarm.dht.expiring import ValueWithExpiration, subkey_entries
 from swarm.dht.node import DHTNode
 from swarm.dht.validation import (
     CompositeValidator,
@@ -42,6 +42,7 @@ __all__ = [
     "ValueWithExpiration",
     "marker_owner",
     "owner_marker",
+    "subkey_entries",
 ]
 
 

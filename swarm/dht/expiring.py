@@ -22,6 +22,15 @@ class ValueWithExpiration(NamedTuple):
     expiration_time: float
 
 
+def subkey_entries(found: ValueWithExpiration | None) -> dict[Any, ValueWithExpiration]:
+    """The entries of a dictionary value as `DHT.aget` returns it (subkey -> its own value and
+    expiration), typed; empty where `found` is None or holds a plain value. Callers read
+    ``entry.value`` and ``entry.expiration_time`` from here instead of probing what a read gave."""
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {subkey: entry for subkey, entry in found.value.items() if isinstance(entry, ValueWithExpiration)}
+
+
 class ExpiringMap:
     """A dict whose entries carry expiration times, with a lazy min-heap over them.
 

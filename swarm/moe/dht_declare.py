@@ -31,6 +31,7 @@ from typing import Any
 
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.expiring import ValueWithExpiration, subkey_entries
 from swarm.dht.handle import KeyValueStore
 from swarm.moe.uids import Successors, is_valid_prefix, is_valid_uid, parse_uid, successor_coord, uid_prefixes
 
@@ -83,7 +84,7 @@ async def declare_experts(dht: KeyValueStore, uids: Sequence[str], addr: str, ex
     return sum(1 for r in results if r is True)
 
 
-async def _get_all(dht: KeyValueStore, keys: list[str]) -> list[Any]:
+async def _get_all(dht: KeyValueStore, keys: list[str]) -> list[ValueWithExpiration | BaseException | None]:
     """Each key's record (None, or an exception when that read failed), in one batched read."""
     try:
         found = await dht.aget_many(keys)
@@ -92,9 +93,8 @@ async def _get_all(dht: KeyValueStore, keys: list[str]) -> list[Any]:
     return [found.get(key) for key in keys]
 
 
-def _alive(record: Any, now: float) -> bool:
-    expiration = getattr(record, "expiration_time", None)
-    return not isinstance(expiration, int | float) or expiration >= now
+def _alive(entry: ValueWithExpiration, now: float) -> bool:
+    return entry.expiration_time >= now
 
 
 async def get_successors(dht: KeyValueStore, prefixes: Sequence[str]) -> dict[str, Successors]:
@@ -112,10 +112,10 @@ async def get_successors(dht: KeyValueStore, prefixes: Sequence[str]) -> dict[st
         successors: Successors = {}
         if isinstance(record, BaseException):
             logger.debug("reading %s from the DHT failed: %s", prefix, record)
-        elif record is not None and hasattr(getattr(record, "value", None), "items"):
+        else:
             newest: dict[int, float] = {}
-            for subkey, entry in record.value.items():
-                value = getattr(entry, "value", None)
+            for subkey, entry in subkey_entries(record).items():
+                value = entry.value
                 if not _alive(entry, now) or not isinstance(value, list | tuple) or len(value) != 2:
                     continue
                 uid, addr = value
@@ -123,7 +123,7 @@ async def get_successors(dht: KeyValueStore, prefixes: Sequence[str]) -> dict[st
                 if owned is None or owned[0] is None or not isinstance(uid, str):
                     continue
                 coord = owned[0]
-                expiration = float(getattr(entry, "expiration_time", now))
+                expiration = entry.expiration_time
                 if successor_coord(prefix, uid) == coord and expiration > newest.get(coord, -1.0):
                     newest[coord] = expiration
                     successors[coord] = (uid, addr)
@@ -140,14 +140,14 @@ async def get_experts(dht: KeyValueStore, uids: Sequence[str]) -> dict[str, str]
     for uid, record in zip(uids, results):
         if isinstance(record, BaseException):
             logger.debug("reading %s from the DHT failed: %s", uid, record)
-        elif record is not None and hasattr(getattr(record, "value", None), "items"):
+        else:
             newest = -1.0
-            for subkey, entry in record.value.items():
-                addr = getattr(entry, "value", None)
+            for subkey, entry in subkey_entries(record).items():
+                addr = entry.value
                 owned = _owned_entry(subkey, addr)
                 if owned is None or owned[0] is not None or not isinstance(addr, str) or not _alive(entry, now):
                     continue
-                expiration = float(getattr(entry, "expiration_time", now))
+                expiration = entry.expiration_time
                 if expiration > newest:
                     newest, found[uid] = expiration, addr
     return found

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 from torch import nn
 
 from swarm.core.identity import Identity
 from swarm.core.timeutil import get_dht_time
-from swarm.dht import DHTConfig, FaultPlan, LinkFault
+from swarm.dht import DHTConfig, FaultPlan, LinkFault, ValueWithExpiration
 from swarm.dht.ids import DHTID
 from swarm.dht.keys import key_to_bytes
 from swarm.moe import ExpertServer
@@ -31,9 +31,7 @@ B = f"/ip4/127.0.0.1/tcp/2/p2p/{Q}"
 MP, MQ = f"[owner:{P}]", f"[owner:{Q}]"
 
 
-class Record(NamedTuple):
-    value: Any
-    expiration_time: float
+Record = ValueWithExpiration  # what the DHT's reads return
 
 
 class DictDHT:
