@@ -48,6 +48,7 @@ class DemoConfig:
         model: model sizes (the expert server is started to match).
         aggregation: how the trainers average ("mean" or "centered_clip").
         byzantine: how many trainers attack (the first ones), with `attack` (`swarm.demo.byzantine`).
+        attack: the attack those trainers make (one of `swarm.demo.byzantine.ATTACKS`).
     """
 
     trainers: int = 3
