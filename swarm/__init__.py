@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 from swarm.core.version import __version__
 
 if TYPE_CHECKING:
-    from swarm.averaging.averager import Averager, AveragerConfig, AveragingResult
+    from swarm.averaging.averager import Averager, AveragerConfig
     from swarm.averaging.config import AllReduceConfig
     from swarm.averaging.matchmaking import MatchmakingConfig
+    from swarm.averaging.round import AveragingResult
     from swarm.compression.base import CompressionError, CompressionType
     from swarm.core.errors import (
         AveragingError,
@@ -73,7 +74,7 @@ _EXPORTS = {
     "CompressionError": "swarm.compression.base",
     "Averager": "swarm.averaging.averager",
     "AveragerConfig": "swarm.averaging.averager",
-    "AveragingResult": "swarm.averaging.averager",
+    "AveragingResult": "swarm.averaging.round",
     "AllReduceConfig": "swarm.averaging.config",
     "MatchmakingConfig": "swarm.averaging.matchmaking",
     "ExpertServer": "swarm.moe.server.expert_server",

@@ -9,7 +9,7 @@ Byzantine-robust mode: `AveragerConfig(allreduce=AllReduceConfig(aggregation="ce
 
 from swarm.averaging.agreement import Decision
 from swarm.averaging.allreduce import ButterflyAllReduce
-from swarm.averaging.averager import Averager, AveragerConfig, AveragingResult
+from swarm.averaging.averager import Averager, AveragerConfig
 from swarm.averaging.config import AllReduceConfig
 from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo, MemberInfo
@@ -17,6 +17,7 @@ from swarm.averaging.matchmaking import MatchmakingConfig
 from swarm.averaging.moshpit import moshpit_group_key
 from swarm.averaging.parts import RoundFailed
 from swarm.averaging.reputation import ReputationConfig
+from swarm.averaging.round import AveragingResult
 from swarm.averaging.state import State, StateServer, aload_state_from_peers, load_state_from_peers
 from swarm.averaging.verification import ReducerLied
 from swarm.core.faults import Action, FaultPlan

@@ -140,19 +140,21 @@ class Coordinator:
     Args:
         group: the round's group.
         report_deadline: loop time after which missing reports count as failed reducers.
+        faults_hit: the owner's `FaultPlan.hit` (fault injection in tests).
+        probe: True when member `i` is known gone (its address refuses connections).
     """
 
-    def __init__(self, group: GroupInfo, report_deadline: float) -> None:
+    def __init__(self, group: GroupInfo, report_deadline: float, *,
+                 faults_hit: Callable[[FaultPoint], Awaitable[None]] | None = None,
+                 probe: Callable[[int], Awaitable[bool]] | None = None) -> None:
         self.group = group
         self.report_deadline = report_deadline
+        self.faults_hit = faults_hit
+        self.probe = probe
         self.reports: dict[int, Report] = {}
         self._all_reported = asyncio.Event()
         self._decided: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         self._decider: asyncio.Task[None] | None = None
-        self.faults_hit: Callable[[FaultPoint], Awaitable[None]] | None = None
-        """Set by the owner to `FaultPlan.hit` (fault injection in tests)."""
-        self.probe: Callable[[int], Awaitable[bool]] | None = None
-        """Set by the owner: True when member `i` is known gone (its address refuses connections)."""
         self.gone: set[int] = set()
         self._probed: set[int] = set()
         self._probes: set[asyncio.Task[None]] = set()

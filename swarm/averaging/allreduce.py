@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from swarm.averaging.liveness import refuses_connections
 from swarm.averaging.lockstep import Lockstep
 from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.averaging.parts import Part, PartState, RoundFailed, plan_parts, scratch_numel
-from swarm.averaging.reducer import PartReducer, encode_failure_message, is_raw_float32
+from swarm.averaging.reducer import PartReducer, ReportFn, encode_failure_message, is_raw_float32
 from swarm.averaging.service import FETCH, REDUCE
 from swarm.compression import Codec, CompressionError, get_codec
 from swarm.compression.base import HEADER_SIZE
@@ -58,9 +58,13 @@ PART_FETCHES = REGISTRY.counter(
     ("why",))
 
 
+RoundCheck = Callable[["ButterflyAllReduce", Decision], Awaitable[None]]
+"""A member's check of a decided round before it applies the mean (verified rounds: the audit,
+`round.AveragingRound`); raises to stop the round for everyone alike."""
+
 END_WAIT = 5.0  # seconds a held part's stream may take to end by itself once the round is closed
 SILENCE_MULTIPLE = 4.0  # a streaming peer silent this many times its expected chunk time is given up on
-SILENCE_FLOOR = 1.0     # seconds (as the round-wide stall limit's floor, `averager._run_round`)
+SILENCE_FLOOR = 1.0     # seconds (as the round-wide stall limit's floor, `round.RoundTimeline.of`)
 
 
 def silence_limit(estimates: LinkEstimates, peer_id: str, chunk_bytes: int, cap: float) -> float:
@@ -88,11 +92,11 @@ class ButterflyAllReduce:
 
     def __init__(
         self, peer: PeerHandle, group: GroupInfo, flat: FlatTensors | None, scratch: torch.Tensor,
-        config: AllReduceConfig, faults: FaultPlan, timeout: float, report: Any, verify: Any = None,
+        config: AllReduceConfig, faults: FaultPlan, timeout: float, report: ReportFn, verify: RoundCheck | None = None,
         on_gone: Callable[[int], None] | None = None,
     ) -> None:
         self.peer, self.group, self.flat, self.config, self.faults = peer, group, flat, config, faults
-        self.verify = verify  # verified rounds: `verification.verify_round`-like check before applying
+        self.verify = verify  # verified rounds: the member's audit of the parts before it applies the mean
         # told the index of a member this member found gone (the leader's `Coordinator.member_gone`:
         # the reducers may all have reported before that member died, naming no broken stream)
         self.on_gone = on_gone

@@ -21,93 +21,26 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.agreement import Coordinator, Decision
-from swarm.averaging.allreduce import ButterflyAllReduce
-from swarm.averaging.audit import audit_round
 from swarm.averaging.buffers import ScratchPool
 from swarm.averaging.config import AllReduceConfig, fold_schema
 from swarm.averaging.election import DHTElection, Election, StaticElection
 from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo, MemberInfo
-from swarm.averaging.liveness import refuses_connections
 from swarm.averaging.matchmaking import Matchmaking, MatchmakingConfig
 from swarm.averaging.partition import FlatTensors, schema_digest
-from swarm.averaging.parts import RoundFailed, scratch_numel
 from swarm.averaging.reputation import Reputation, ReputationConfig
 from swarm.averaging.robust import MIN_CONTRIBUTORS
-from swarm.averaging.service import REPORT, VERIFY, AveragingService, RoundEntry
-from swarm.averaging.timing import clamp
-from swarm.averaging.verification import Verdict
+from swarm.averaging.round import AveragingResult, AveragingRound, RoundTimeline
+from swarm.averaging.service import AveragingService
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
 from swarm.core.faults import FaultInjected, FaultPlan
-from swarm.core.loop import spawn
 from swarm.core.multiaddr import is_relayed
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.metrics import AVERAGING_ROUNDS
-from swarm.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AveragingResult:
-    """The outcome of a successful step, the same on every member that got one.
-
-    Attributes:
-        round_id: hex id of the round.
-        group: PeerIDs of the group's members, leader first.
-        contributors: PeerIDs whose tensors are in the mean.
-        weights: weight of each contributor.
-        excluded: PeerID -> why its tensors are not in the mean (stalled, died, non-finite, ...).
-        clipped: robust mode: PeerID -> how much of each contributor's input CenteredClip cut away,
-            averaged over the parts by their sizes (0: none; 0.9: its distance from the centre
-            counted for a tenth); empty in plain mode.
-        clip_tau: robust mode: the clipping radius of each part, in part order.
-    """
-
-    round_id: str
-    group: tuple[str, ...]
-    contributors: tuple[str, ...]
-    weights: dict[str, float]
-    excluded: dict[str, str] = field(default_factory=dict)
-    clipped: dict[str, float] = field(default_factory=dict)
-    clip_tau: tuple[float, ...] = ()
-
-    @classmethod
-    def from_decision(cls, group: GroupInfo, decision: Decision,
-                      clipping: tuple[dict[int, float], tuple[float, ...]] | None = None) -> AveragingResult:
-        ids = group.peer_ids
-        clipped, taus = clipping or ({}, ())
-        return cls(
-            round_id=group.round_id.hex(), group=ids,
-            contributors=tuple(ids[i] for i in decision.contributors),
-            weights={ids[i]: w for i, w in zip(decision.contributors, decision.weights)},
-            excluded={ids[i]: reason for i, reason in decision.excluded.items()},
-            clipped={ids[i]: c for i, c in clipped.items()}, clip_tau=taus,
-        )
-
-
-def clipping_of(allreduce: ButterflyAllReduce, decision: Decision) -> tuple[dict[int, float], tuple[float, ...]]:
-    """Robust mode: (member index -> share clipped away, by part size; each part's radius), from the
-    clip scales its reducer published (the same on every member)."""
-    cut = dict.fromkeys(decision.contributors, 0.0)
-    taus: list[float] = []
-    total = 0
-    for p in allreduce.parts:
-        if p.index == allreduce.my_part and allreduce.reducer is not None and allreduce.reducer.clip is not None:
-            scales, tau = allreduce.reducer.clip.scales, allreduce.reducer.clip.tau
-        elif p.claim is not None:
-            scales, tau = tuple(p.claim.clip_scales), p.claim.clip_tau
-        else:
-            scales, tau = (), 0.0
-        taus.append(tau)
-        if p.size and len(scales) == len(decision.contributors):
-            total += p.size
-            for i, c in zip(decision.contributors, scales):
-                cut[i] += p.size * (1.0 - c)
-    return ({i: v / total for i, v in cut.items()} if total else dict.fromkeys(cut, 0.0)), tuple(taus)
 
 
 @dataclass(frozen=True)
@@ -393,118 +326,16 @@ class Averager:
             self._forming = None
 
     async def _run_round(self, group: GroupInfo, deadline: float) -> AveragingResult:
-        loop = asyncio.get_running_loop()
-        my_index = group.index_of(self.peer.peer_id)
-        timeout = min(group.timeout, deadline - loop.time())
-        if timeout <= 0:
-            raise RoundFailed(group.round_id, "no time left for the all-reduce")
-        cfg = self.config.allreduce
-        if self.config.matchmaking.adaptive:
-            # a sender silent for the round's expected time is dropped (the round's timeout, a
-            # multiple of that time, comes from the leader's measurements)
-            stall = clamp(timeout / self.config.matchmaking.round_timeout_multiple, 1.0, cfg.sender_timeout)
-            cfg = dataclasses.replace(cfg, sender_timeout=stall)
-        t0 = loop.time()
-        coordinator: Coordinator | None = None
-        if my_index == 0:
-            coordinator = Coordinator(group, t0 + cfg.decide_at * timeout)
-            coordinator.faults_hit = self.faults.hit
-            coordinator.probe = lambda i: refuses_connections(group.members[i].addr)
-            coordinator.start()
-            report = coordinator.submit
-        else:
-            report = self._remote_report(group, t0 + cfg.give_up_decision * timeout)
-        if self.flat is not None:
-            self.flat.refresh()
-        scratch = await self._scratch.acquire(scratch_numel(group, my_index))
-        end = t0 + timeout  # waiting for the buffer does not move the round's end
-        verdict, verify = self._verification(group, cfg, end, coordinator)
-        allreduce = ButterflyAllReduce(self.peer, group, self.flat, scratch, cfg, self.faults, end - loop.time(), report,
-                                       verify=verify, on_gone=coordinator.member_gone if coordinator else None)
-        self.service.register(group.prefix, group.round_id, RoundEntry(allreduce, coordinator, verdict))
-        try:
-            decision = await allreduce.run()
-        except RoundFailed:
-            self.matchmaking.timing.observe_failure()  # the next round this peer leads gets more time
-            raise
-        else:
-            # a round that left senders out (too late, stalled) was cut short by its timeline: its
-            # time is a lower bound of what the round needs, and the next timeout grows with it
-            self.matchmaking.timing.observe_success(loop.time() - t0)
-        finally:
-            task = spawn(self._release(group, allreduce, coordinator, scratch, end + cfg.linger),
-                         name=f"avg-release-{group.round_id.hex()[:8]}")
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        clipping = clipping_of(allreduce, decision) if cfg.robust else None
-        return AveragingResult.from_decision(group, decision, clipping)
+        """The all-reduce over `group` (`round.AveragingRound`), within the step's `deadline`."""
+        timeline = RoundTimeline.of(group, deadline, self.config.allreduce, self.config.matchmaking.adaptive,
+                                    self.config.matchmaking.round_timeout_multiple)
+        return await AveragingRound(
+            self.peer, group, self.flat, timeline, self.faults, self.service, self.matchmaking.timing, self._scratch,
+            adopt=self._adopt, closing=lambda: self._closed,
+        ).run()
 
-    def _verification(self, group: GroupInfo, cfg: AllReduceConfig, end: float,
-                      coordinator: Coordinator | None) -> tuple[Verdict | None, Any]:
-        """Verified rounds: the leader's verdict collector (on the leader) and the members' audit step."""
-        if not cfg.verified:
-            return None, None
-        loop = asyncio.get_running_loop()
-        verdict: Verdict | None = None
-        if group.index_of(self.peer.peer_id) == 0:
-            # members finish at about the same time; one gone after the decision costs at most this
-            until = min(end - 0.05 * group.timeout, loop.time() + cfg.give_up_decision * group.timeout)
-            assert coordinator is not None
-
-            def expected() -> frozenset[int]:
-                decision = coordinator.decision
-                return frozenset(decision.contributors) if decision is not None else frozenset(group.senders)
-
-            verdict = Verdict(group, expected, until, grace=cfg.sender_timeout)
-            ask = verdict.submit
-        else:
-            async def ask(report: Any) -> Any:
-                channel = self.peer.pool.get(group.leader.addr)
-                return await channel.unary(VERIFY, report, averaging_pb2.VerifyVerdict,
-                                           timeout=max(0.01, end - asyncio.get_running_loop().time()))
-
-        async def verify(allreduce: ButterflyAllReduce, decision: Decision) -> None:
-            await audit_round(allreduce, decision, ask)
-
-        return verdict, verify
-
-    def _remote_report(self, group: GroupInfo, give_up: float) -> Any:
-        async def report(r: Any) -> Decision:
-            loop = asyncio.get_running_loop()
-            channel = self.peer.pool.get(group.leader.addr)
-            data = await channel.unary(REPORT, r.to_proto(group.prefix, group.round_id), None,
-                                       timeout=max(0.01, give_up - loop.time()))
-            return Decision.from_bytes(data)
-
-        return report
-
-    async def _release(
-        self, group: GroupInfo, allreduce: ButterflyAllReduce, coordinator: Coordinator | None,
-        scratch: torch.Tensor, until: float,
-    ) -> None:
-        """Keeps the round's results reachable until every stream to this peer closed (nobody can
-        still fetch from us) or the linger ran out, then frees its buffer for the next round."""
-        loop = asyncio.get_running_loop()
-        try:
-            if allreduce.reducer is not None:
-                # a sender that has not connected yet (late, or dead) holds the round until `until`,
-                # unless the round is doomed (a part was aborted: no one applies it, no one fetches)
-                closed = asyncio.ensure_future(allreduce.reducer.streams_closed.wait())
-                doomed = asyncio.ensure_future(allreduce.doomed.wait())
-                try:
-                    await asyncio.wait({closed, doomed}, timeout=max(0.0, until - loop.time()),
-                                       return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    closed.cancel()
-                    doomed.cancel()
-            if coordinator is not None and coordinator.decision is None:
-                await asyncio.sleep(max(0.0, until - loop.time()))
-        finally:
-            self.service.unregister(group.prefix, group.round_id)
-            for stream in allreduce.close(linger=not self._closed):
-                self._background.add(stream)  # cancelled at shutdown if it has not ended by then
-                stream.add_done_callback(self._background.discard)
-            if coordinator is not None:
-                coordinator.close()
-            self._scratch.release(scratch)
+    def _adopt(self, task: asyncio.Task[Any]) -> None:
+        """Keeps `task` (a round's release, a stream left to end) until it ends; cancelled at shutdown."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 

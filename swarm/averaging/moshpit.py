@@ -17,7 +17,8 @@ from swarm.dht.handle import KeyValueStore
 from swarm.dht.validation import marker_owner, owner_marker
 
 if TYPE_CHECKING:
-    from swarm.averaging.averager import Averager, AveragingResult
+    from swarm.averaging.averager import Averager
+    from swarm.averaging.round import AveragingResult
 
 
 def moshpit_group_key(round_number: int, coords: Sequence[int]) -> str:
