@@ -31,6 +31,11 @@ class PeerProgress:
         addr: a multiaddr others can download this peer's state from ("" in client mode).
         digest: a fingerprint of the state this peer holds at `epoch`; peers at one epoch must
             agree on it (`canonical_digest`).
+        loss: the training loss the trainer last reported (`ProgressTracker.report_loss`), for
+            people watching the run (the dashboard); None where it reports none. Nothing in
+            training reads it.
+        target_batch_size: the target batch this peer trains towards (None: no target, DiLoCo;
+            or an older peer), for people watching the run.
     """
 
     peer_id: str
@@ -41,12 +46,20 @@ class PeerProgress:
     client_mode: bool = False
     addr: str = ""
     digest: str = ""
+    loss: float | None = None
+    target_batch_size: int | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the subkey names the PeerID)."""
-        return {"epoch": self.epoch, "samples": self.samples, "sps": float(self.samples_per_second),
-                "time": float(self.time), "client": self.client_mode, "addr": self.addr,
-                "digest": self.digest}
+        record: dict[str, Any] = {
+            "epoch": self.epoch, "samples": self.samples, "sps": float(self.samples_per_second),
+            "time": float(self.time), "client": self.client_mode, "addr": self.addr, "digest": self.digest,
+        }
+        if self.loss is not None:
+            record["loss"] = float(self.loss)  # optional: readers of older versions ignore it
+        if self.target_batch_size is not None:
+            record["target"] = self.target_batch_size
+        return record
 
     @classmethod
     def from_record(cls, peer_id: str, record: Any) -> PeerProgress | None:
@@ -59,6 +72,9 @@ class PeerProgress:
             client = bool(record.get("client", False))
             addr = record.get("addr", "")
             digest = record.get("digest", "")
+            raw_loss = record.get("loss")
+            loss = None if raw_loss is None else float(raw_loss)
+            target = record.get("target")
         except (KeyError, TypeError, ValueError):
             return None
         if not isinstance(epoch, int) or not isinstance(samples, int) or epoch < 0 or samples < 0:
@@ -67,7 +83,11 @@ class PeerProgress:
             return None
         if not isinstance(digest, str):
             return None
-        return cls(peer_id, epoch, samples, sps, time, client, addr, digest)
+        if loss is not None and not math.isfinite(loss):
+            loss = None  # a NaN/Inf loss is no figure to show; the report itself still counts
+        if target is not None and (not isinstance(target, int) or isinstance(target, bool) or target < 1):
+            target = None
+        return cls(peer_id, epoch, samples, sps, time, client, addr, digest, loss, target)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -61,7 +62,8 @@ class ProgressTracker:
         self.addr = addr
         self.clock = clock
         self._lock = threading.Lock()
-        self._local = PeerProgress(peer.peer_id, 0, 0, 0.0, clock(), peer.client_mode, addr)
+        self._local = PeerProgress(peer.peer_id, 0, 0, 0.0, clock(), peer.client_mode, addr,
+                                   target_batch_size=config.target_batch_size)
         self._reports: dict[str, PeerProgress] = {}
         self._dirty = True
         self._urgent = False
@@ -89,12 +91,21 @@ class ProgressTracker:
         with self._lock:
             changed_epoch = epoch != self._local.epoch
             self._local = PeerProgress(self.peer.peer_id, epoch, samples, samples_per_second, self.clock(),
-                                       self.peer.client_mode, self.addr, digest)
+                                       self.peer.client_mode, self.addr, digest, self._local.loss,
+                                       self.config.target_batch_size)
             wake = not self._dirty or urgent or changed_epoch
             self._dirty = True
             self._urgent = self._urgent or urgent or changed_epoch
         if wake and self._wake is not None and not self._closed:
             self.peer.loop.loop.call_soon_threadsafe(self._wake.set)
+
+    def report_loss(self, loss: float) -> None:
+        """Adds the trainer's current training loss to this peer's reports (from the next one on),
+        for people watching the run; training never reads it. A NaN or infinite loss is left out."""
+        if not isinstance(loss, (int, float)):
+            raise TypeError(f"loss must be a number, got {type(loss).__name__}")
+        with self._lock:
+            self._local = replace(self._local, loss=float(loss) if math.isfinite(loss) else None)
 
     @property
     def local(self) -> PeerProgress:

@@ -121,3 +121,13 @@ def test_configs_refuse_nonsense():
         DiLoCoConfig(local_steps=0)
     with pytest.raises(ConfigError):
         DiLoCoConfig(outer_momentum=1.0)
+
+
+def test_a_reported_loss_round_trips_and_a_hostile_one_is_dropped_without_losing_the_report():
+    r = PeerProgress("p", 4, 17, 3.5, 123.0, loss=2.25)
+    assert PeerProgress.from_record("p", r.to_record()) == r
+    assert "loss" not in PeerProgress("p", 4, 17, 3.5, 123.0).to_record()  # older readers see the same record
+    for bad_loss in (float("nan"), float("inf")):
+        back = PeerProgress.from_record("p", {**r.to_record(), "loss": bad_loss})
+        assert back is not None and back.loss is None and back.epoch == 4
+    assert PeerProgress.from_record("p", {**r.to_record(), "loss": "high"}) is None
