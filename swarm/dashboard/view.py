@@ -254,6 +254,8 @@ class History:
         self._append(self.peers, now, float(answering), None, None)  # the peer count rides in `epoch`
         for run in view["runs"]:
             run_id = run["run_id"]
+            if run["epoch"] is None:
+                continue  # no live report: nothing to draw (the curve resumes where reports do)
             if run_id not in self.runs and len(self.runs) >= self.max_runs:
                 continue
             series = self.runs.setdefault(run_id, _Series())
