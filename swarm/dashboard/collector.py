@@ -25,6 +25,7 @@ from swarm.core.timeutil import get_dht_time
 from swarm.dashboard.view import (
     DashboardLimits,
     ExpertDeclaration,
+    GridCache,
     History,
     PeerAnswer,
     RunReports,
@@ -122,6 +123,8 @@ class Collector:
         self.history = History(config.history_seconds)
         self._first_seen: dict[str, float] = {}
         self._experts: list[ExpertDeclaration] = []
+        self._experts_read = 0  # how many times the grids were walked (the grid cache's generation)
+        self._grid = GridCache()
         self._next_experts = 0.0
 
     async def acollect(self) -> dict[str, Any]:
@@ -134,7 +137,9 @@ class Collector:
         if time.monotonic() >= self._next_experts:
             self._next_experts = time.monotonic() + self.config.experts_period
             self._experts = await self._read_experts(answers)
-        view = build_view(now, self.peer.peer_id, answers, runs, self._experts, self.history.contributions(),
+            self._experts_read += 1
+        grid = self._grid.get(self._experts_read, self._experts, answers, self.config.limits)
+        view = build_view(now, self.peer.peer_id, answers, runs, grid, self.history.contributions(),
                           self.config.limits)
         self.history.record(view)
         return view

@@ -74,6 +74,7 @@ class DashboardServer:
         self.port = config.port
         self._snapshot = "{}"
         self._experts = "{}"
+        self._grid: object = None
         self._version = 0
         self._experts_version = 0
         self._changed = asyncio.Condition()
@@ -152,7 +153,9 @@ class DashboardServer:
             return
         self.last_collect_s = loop.time() - started
         self.collections += 1
-        experts = _encode(view.pop("experts", {}))
+        grid = view.pop("experts", {})
+        experts = self._experts if grid is self._grid else _encode(grid)  # a kept grid is not encoded again
+        self._grid = grid
         async with self._changed:
             self._snapshot = _encode(view)
             if experts != self._experts:

@@ -15,6 +15,7 @@ from swarm.core.timeutil import get_dht_time
 from swarm.dashboard.view import (
     DashboardLimits,
     ExpertDeclaration,
+    GridCache,
     History,
     PeerAnswer,
     RunReports,
@@ -53,6 +54,7 @@ class SyntheticSwarm:
         self.text = text
         self.limits = limits or DashboardLimits()
         self.history = History()
+        self.grid = GridCache()
         self.tick = 0
         grids = max(1, math.ceil(experts / 10_000))
         uids = [f"{'g' if text is None else text}{g}.{i // 100}.{i % 100}" for g in range(grids)
@@ -74,7 +76,8 @@ class SyntheticSwarm:
             PeerProgress(pid, self.tick // 3, (self.tick * 16 + j) % 512, 30.0 + j % 7, now,
                          loss=2.0 + 3.0 / (1 + self.tick / 10) + 0.01 * (j % 5), target_batch_size=512)
             for j, pid in enumerate(self.trainers))) for run_id in self.run_ids]
-        view = build_view(now, self.ids[0], answers, runs, self.declared, self.history.contributions(), self.limits)
+        grid = self.grid.get(0, self.declared, answers, self.limits)  # as the collector keeps it
+        view = build_view(now, self.ids[0], answers, runs, grid, self.history.contributions(), self.limits)
         self.history.record(view)
         return view
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from swarm.optim.progress import PeerProgress, summarize
 
-__all__ = ["DashboardLimits", "ExpertDeclaration", "History", "PeerAnswer", "RunReports", "build_view", "short_id"]
+__all__ = ["DashboardLimits", "ExpertDeclaration", "ExpertGrid", "GridCache", "History", "PeerAnswer", "RunReports", "build_view", "short_id"]
 
 _MAX_SAMPLE_POINTS = 4096  # per peer and run: one hour of snapshots at a period of 0.9 s or more
 
@@ -120,9 +120,63 @@ def _reachability(answer: PeerAnswer) -> str:
     return answer.reachability if answer.reachability in ("public", "unknown") else "unknown"
 
 
+@dataclass(frozen=True)
+class ExpertGrid:
+    """The expert grid: who serves each expert (the DHT's declarations first, then what peers'
+    `Info` answers add, each peer's capped), in the page's form."""
+
+    serving: dict[str, int]
+    """PeerID -> experts it serves in the grid."""
+    json: dict[str, Any]
+    """``{"total", "truncated", "grids": [{"prefix", "rows": [[uid, server PeerID], ...]}]}``."""
+
+    @classmethod
+    def build(cls, declared: Iterable[ExpertDeclaration], answers: Sequence[PeerAnswer],
+              limits: DashboardLimits) -> ExpertGrid:
+        cap = limits.max_text
+        experts: dict[str, str] = {}
+        truncated = False
+        for d in declared:
+            if len(experts) >= limits.max_experts:
+                truncated = True
+                break
+            experts.setdefault(_text(d.uid, cap), d.server)
+        for a in answers:
+            for uid in a.experts[: limits.max_experts_per_peer]:
+                if len(experts) >= limits.max_experts:
+                    truncated = True
+                    break
+                experts.setdefault(_text(uid, cap), a.peer_id)
+            truncated = truncated or len(a.experts) > limits.max_experts_per_peer
+        serving: dict[str, int] = {}
+        grids: dict[str, list[list[str]]] = {}
+        for uid, server in sorted(experts.items()):
+            serving[server] = serving.get(server, 0) + 1
+            grid = uid.split(".", 1)[0] + "." if "." in uid else uid
+            grids.setdefault(grid, []).append([uid, _text(server, cap)])  # the page looks up the server's RTT
+        return cls(serving, {"total": len(experts), "truncated": truncated,
+                             "grids": [{"prefix": p, "rows": rows} for p, rows in grids.items()]})
+
+
+class GridCache:
+    """Keeps the last `ExpertGrid` while its inputs stay the same: the declarations (named by a
+    generation their reader bumps at each read) and what each peer's answer lists."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._grid: ExpertGrid | None = None
+
+    def get(self, generation: int, declared: Sequence[ExpertDeclaration], answers: Sequence[PeerAnswer],
+            limits: DashboardLimits) -> ExpertGrid:
+        key = (generation, tuple((a.peer_id, a.experts) for a in answers))
+        if self._grid is None or key != self._key:
+            self._grid, self._key = ExpertGrid.build(declared, answers, limits), key
+        return self._grid
+
+
 def build_view(
     now: float, self_id: str, answers: Sequence[PeerAnswer], runs: Sequence[RunReports],
-    declared: Iterable[ExpertDeclaration], contributions: Mapping[str, Mapping[str, float]],
+    declared: Iterable[ExpertDeclaration] | ExpertGrid, contributions: Mapping[str, Mapping[str, float]],
     limits: DashboardLimits,
 ) -> dict[str, Any]:
     """The page's snapshot (JSON-able): peers, training runs and the expert grid.
@@ -132,31 +186,16 @@ def build_view(
         self_id: the serving peer's PeerID (listed first).
         answers: the peers met, with their `Info` answers.
         runs: each named run's live reports.
-        declared: experts found in the DHT.
+        declared: experts found in the DHT, or the grid built of them (`ExpertGrid`, which a
+            collector keeps while neither the declarations nor the peers' answers change).
         contributions: ``{run_id: {peer_id: samples in the last hour}}`` (`History.contributions`).
         limits: the caps (see `DashboardLimits`).
     """
     cap = limits.max_text
     trainers = {r.peer_id for run in runs for r in run.reports}
     relays = {relay for a in answers for relay in a.relays}
-    # experts: the DHT's declarations first, then what peers' Info answers add (capped per peer)
-    experts: dict[str, str] = {}
-    truncated = False
-    for d in declared:
-        if len(experts) >= limits.max_experts:
-            truncated = True
-            break
-        experts.setdefault(_text(d.uid, cap), d.server)
-    serving: dict[str, int] = {}
-    for a in answers:
-        for uid in a.experts[: limits.max_experts_per_peer]:
-            if len(experts) >= limits.max_experts:
-                truncated = True
-                break
-            experts.setdefault(_text(uid, cap), a.peer_id)
-        truncated = truncated or len(a.experts) > limits.max_experts_per_peer
-    for server in experts.values():
-        serving[server] = serving.get(server, 0) + 1
+    grid = declared if isinstance(declared, ExpertGrid) else ExpertGrid.build(declared, answers, limits)
+    serving = grid.serving
 
     by_id = {a.peer_id: a for a in answers}
     # trainers in client mode answer no Info: they are known from their progress reports alone
@@ -205,16 +244,11 @@ def build_view(
             })
         run_views.append(view)
 
-    grids: dict[str, list[list[str]]] = {}
-    for uid, server in sorted(experts.items()):
-        grid = uid.split(".", 1)[0] + "." if "." in uid else uid
-        grids.setdefault(grid, []).append([uid, _text(server, cap)])  # the page looks up the server's RTT
     return {
         "now": now, "self": short_id(self_id),
         "peers": peers, "peers_total": len(by_id), "peers_truncated": len(by_id) > limits.max_peers,
         "runs": run_views,
-        "experts": {"total": len(experts), "truncated": truncated,
-                    "grids": [{"prefix": p, "rows": rows} for p, rows in grids.items()]},
+        "experts": grid.json,
     }
 
 
