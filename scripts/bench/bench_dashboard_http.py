@@ -79,8 +79,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     args = parser.parse_args()
     for lib in ("aiohttp", "starlette+uvicorn"):
-        out = subprocess.run([sys.executable, "-c", CHILD, lib, str(args.requests)], capture_output=True,
-                             text=True, check=True).stdout.split()
+        done = subprocess.run([sys.executable, "-c", CHILD, lib, str(args.requests)], capture_output=True, text=True)
+        if done.returncode != 0:  # e.g. aiohttp, which swarm does not install: pip install aiohttp to compare
+            print(json.dumps({"lib": lib, "error": done.stderr.strip().splitlines()[-1:]}))
+            continue
+        out = done.stdout.split()
         import_s, mib, rps = map(float, out)
         print(json.dumps({"lib": lib, "import_ms": round(import_s * 1000, 1), "rss_added_mib": round(mib, 1),
                           "requests_per_s": round(rps)}))
