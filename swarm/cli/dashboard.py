@@ -69,12 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = ([a for group in args.initial_peers for item in group for a in item.replace(",", " ").split()]
            if args.initial_peers else os.environ.get("SWARM_INITIAL_PEERS", "").replace(",", " ").split())
     stop = threading.Event()
-    handle_stop_signals(lambda signum: stop.set())
     try:
         if not raw:
             raise ConfigError("name at least one peer: --initial-peers MADDR... (or set SWARM_INITIAL_PEERS)")
         config = dashboard_config(args.dashboard_port or 0, args.dashboard_host, args.dashboard_run,
                                   args.dashboard_experts)
+        handle_stop_signals(lambda signum: stop.set())
         peer = Peer(initial_peers=raw, client_mode=True, insecure=args.insecure)
     except SwarmError as e:
         print(f"swarm-peer dashboard: error: {e}", file=sys.stderr)

@@ -36,8 +36,7 @@ from swarm.dht.validation import marker_owner
 from swarm.moe.dht_declare import get_successors
 from swarm.moe.uids import UID_DELIMITER, is_valid_prefix
 from swarm.net.channels import ChannelPool
-from swarm.optim.progress import PeerProgress
-from swarm.optim.tracker import progress_key
+from swarm.optim.progress import PeerProgress, progress_key
 from swarm.proto import peer_pb2
 
 __all__ = ["Collector", "DashboardConfig", "DashboardPeer"]

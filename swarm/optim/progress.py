@@ -17,6 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def progress_key(run_id: str) -> str:
+    """The DHT key under which the peers of a run report their progress (subkey: the reporter's
+    `owner_marker`, so only it can write its report)."""
+    return f"{run_id}.progress"
+
+
 @dataclass(frozen=True)
 class PeerProgress:
     """One peer's report.

@@ -32,15 +32,11 @@ from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.dht.validation import marker_owner, owner_marker
 from swarm.optim.config import CollaborationConfig
-from swarm.optim.progress import PeerProgress, SwarmProgress, summarize
+from swarm.optim.progress import PeerProgress, SwarmProgress, progress_key, summarize
+
+__all__ = ["ProgressTracker", "progress_key"]
 
 logger = logging.getLogger(__name__)
-
-
-def progress_key(run_id: str) -> str:
-    """The DHT key under which the peers of a run report their progress (subkey: the reporter's
-    `owner_marker`, so only it can write its report)."""
-    return f"{run_id}.progress"
 
 
 class ProgressTracker:

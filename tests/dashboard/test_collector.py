@@ -4,6 +4,9 @@ peer that stopped as answering."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from swarm.core.timeutil import get_dht_time
 from swarm.dashboard.collector import Collector, DashboardConfig
 from swarm.dht.validation import owner_marker
@@ -35,3 +38,10 @@ def test_the_collector_reads_peers_and_validated_progress_reports(make_peer):
     # a peer that left politely is out of the routing table (gone); one that died is unreachable
     assert {p["id"]: p["reachability"] for p in view["peers"]}.get(leaving.peer_id, "unreachable") == "unreachable"
     assert collector.history.to_json()["runs"]["r"]["epoch"] == [5, 5]
+
+
+def test_serving_the_dashboard_does_not_import_torch():
+    # a DHT-only daemon with --dashboard-port stays as light as without it (~50 MB, not ~250)
+    code = ("import sys, swarm.cli.dashboard, swarm.dashboard.service, swarm.dashboard.collector; "
+            "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('swarm.')]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

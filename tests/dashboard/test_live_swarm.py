@@ -2,7 +2,8 @@
 (`swarm-peer --dashboard-port 0`) and three demo trainers, as separate processes on loopback. The
 page shows the four peers, an epoch that rises, the loss chart filling, and a SIGKILLed trainer
 as unreachable within 10 s. The screenshot is kept (its path is printed; set
-SWARM_DASHBOARD_SCREENSHOT to copy it elsewhere)."""
+SWARM_DASHBOARD_SCREENSHOT to copy it elsewhere). Marked `alone`: five processes and a browser
+on two cores, with a 10 s deadline that a neighbour test's load should not decide."""
 
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ LOSS_POINTS = f"const c = window.dashboardCharts && window.dashboardCharts['{RUN
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.timeout(300)
 def test_the_page_shows_a_live_swarm_training_and_a_killed_trainer_within_10_s(tmp_path):
     if browser_missing():
