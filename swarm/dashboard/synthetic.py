@@ -21,7 +21,7 @@ from swarm.dashboard.view import (
     RunReports,
     build_view,
 )
-from swarm.optim.progress import PeerProgress
+from swarm.optim.progress import PeerProgress, RoundSummary
 
 __all__ = ["SyntheticSwarm"]
 
@@ -74,7 +74,8 @@ class SyntheticSwarm:
                    for i, pid in enumerate(self.ids)]
         runs = [RunReports(run_id, tuple(
             PeerProgress(pid, self.tick // 3, (self.tick * 16 + j) % 512, 30.0 + j % 7, now,
-                         loss=2.0 + 3.0 / (1 + self.tick / 10) + 0.01 * (j % 5), target_batch_size=512)
+                         loss=2.0 + 3.0 / (1 + self.tick / 10) + 0.01 * (j % 5), target_batch_size=512,
+                         last_round=RoundSummary(self.tick // 3, j % 17 != 0, 4, 4 - (j % 23 == 0), 0.3))
             for j, pid in enumerate(self.trainers))) for run_id in self.run_ids]
         grid = self.grid.get(0, self.declared, answers, self.limits)  # as the collector keeps it
         view = build_view(now, self.ids[0], answers, runs, grid, self.history.contributions(), self.limits)

@@ -158,6 +158,20 @@ class ExpertGrid:
                              "grids": [{"prefix": p, "rows": rows} for p, rows in grids.items()]})
 
 
+def _last_round(reports: Sequence[PeerProgress]) -> dict[str, Any] | None:
+    """The swarm's latest averaging round as its peers report it: the group sizes they saw, how
+    many of them failed it, and the most members a group left out of its mean (failed senders, or
+    peers excluded by robust aggregation)."""
+    rounds = [r.last_round for r in reports if r.last_round is not None]
+    if not rounds:
+        return None
+    epoch = max(r.epoch for r in rounds)
+    latest = [r for r in rounds if r.epoch == epoch]
+    return {"epoch": epoch, "peers": len(latest), "group_sizes": sorted({r.group_size for r in latest}),
+            "failed": sum(1 for r in latest if not r.ok),
+            "excluded": max((r.group_size - r.contributors for r in latest if r.ok), default=0)}
+
+
 class GridCache:
     """Keeps the last `ExpertGrid` while its inputs stay the same: the declarations (named by a
     generation their reader bumps at each read) and what each peer's answer lists."""
@@ -235,12 +249,16 @@ def build_view(
             losses = [r.loss for r in reports if r.loss is not None]
             view.update(epoch=summary.epoch, samples=summary.samples, sps=_number(summary.samples_per_second, 1),
                         loss=_number(sum(losses) / len(losses), 4) if losses else None)
+        view["last_round"] = _last_round(reports)
         hour = contributions.get(run.run_id, {})
         for r in reports:
             view["peers"].append({
                 "id": _text(r.peer_id, cap), "short": short_id(_text(r.peer_id, cap)), "epoch": r.epoch,
                 "samples": r.samples, "sps": _number(r.samples_per_second, 1), "loss": _number(r.loss, 4),
                 "age_s": round(max(0.0, now - r.time), 1), "samples_last_hour": round(hour.get(r.peer_id, 0.0)),
+                "round": None if r.last_round is None else {
+                    "epoch": r.last_round.epoch, "ok": r.last_round.ok, "group": r.last_round.group_size,
+                    "in_mean": r.last_round.contributors, "seconds": _number(r.last_round.seconds, 2)},
             })
         run_views.append(view)
 

@@ -32,7 +32,8 @@ from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.dht.validation import marker_owner, owner_marker
 from swarm.optim.config import CollaborationConfig
-from swarm.optim.progress import PeerProgress, SwarmProgress, progress_key, summarize
+from swarm.optim.outcome import RoundOutcome
+from swarm.optim.progress import PeerProgress, RoundSummary, SwarmProgress, progress_key, summarize
 
 __all__ = ["ProgressTracker", "progress_key"]
 
@@ -88,7 +89,7 @@ class ProgressTracker:
             changed_epoch = epoch != self._local.epoch
             self._local = PeerProgress(self.peer.peer_id, epoch, samples, samples_per_second, self.clock(),
                                        self.peer.client_mode, self.addr, digest, self._local.loss,
-                                       self.config.target_batch_size)
+                                       self.config.target_batch_size, self._local.last_round)
             wake = not self._dirty or urgent or changed_epoch
             self._dirty = True
             self._urgent = self._urgent or urgent or changed_epoch
@@ -102,6 +103,12 @@ class ProgressTracker:
             raise TypeError(f"loss must be a number, got {type(loss).__name__}")
         with self._lock:
             self._local = replace(self._local, loss=float(loss) if math.isfinite(loss) else None)
+
+    def report_round(self, outcome: RoundOutcome) -> None:
+        """Adds this peer's last collective step to its reports (from the next one on), for people
+        watching the run (group size, members in the mean, time); training never reads it."""
+        with self._lock:
+            self._local = replace(self._local, last_round=RoundSummary.of(outcome))
 
     @property
     def local(self) -> PeerProgress:

@@ -15,7 +15,7 @@ from swarm.dashboard.view import (
     RunReports,
     build_view,
 )
-from swarm.optim.progress import PeerProgress
+from swarm.optim.progress import PeerProgress, RoundSummary
 
 SELF = "12D3KooWSelfSelfSelfSelfSelfSelfSelfSelfSelfSelf"
 T1, T2, SRV = "12D3KooWTrainer1aaaaaaaaaaaaa", "12D3KooWTrainer2bbbbbbbbbbbbb", "12D3KooWServerccccccccccccc"
@@ -30,8 +30,10 @@ def test_peers_get_roles_reachability_and_rtt_from_their_answers_and_the_runs():
                PeerAnswer(SRV, True, role="expert-server", experts=("ffn.0.0", "ffn.0.1"), rtt_ms=1.23456),
                PeerAnswer(T1, True, reachability="private", relays=(SRV,), rtt_ms=2.0),
                PeerAnswer("12D3KooWGoneddddddddddd", False)]
-    runs = [RunReports("run", (PeerProgress(T1, 3, 10, 5.0, 999.0, loss=2.5, target_batch_size=100),
-                               PeerProgress(T2, 3, 20, 7.0, 999.0, client_mode=True)))]
+    runs = [RunReports("run", (PeerProgress(T1, 3, 10, 5.0, 999.0, loss=2.5, target_batch_size=100,
+                                            last_round=RoundSummary(2, True, 2, 1, 0.5)),
+                               PeerProgress(T2, 3, 20, 7.0, 999.0, client_mode=True,
+                                            last_round=RoundSummary(2, False, 0, 0, 3.0))))]
     view = _view(answers, runs)
     peers = {p["id"]: p for p in view["peers"]}
     assert view["peers"][0]["id"] == SELF and view["peers"][0]["self"] and peers[SELF]["seen_s"] == 100.0
@@ -43,6 +45,8 @@ def test_peers_get_roles_reachability_and_rtt_from_their_answers_and_the_runs():
     run = view["runs"][0]
     assert (run["epoch"], run["samples"], run["target"], run["sps"], run["loss"]) == (3, 30, 100, 12.0, 2.5)
     assert [p["id"] for p in run["peers"]] == [T1, T2]
+    assert run["last_round"] == {"epoch": 2, "peers": 2, "group_sizes": [0, 2], "failed": 1, "excluded": 1}
+    assert run["peers"][0]["round"] == {"epoch": 2, "ok": True, "group": 2, "in_mean": 1, "seconds": 0.5}
     assert view["experts"]["grids"] == [{"prefix": "ffn.", "rows": [["ffn.0.0", SRV], ["ffn.0.1", SRV]]}]
     json.dumps(view, allow_nan=False)  # plain data, no NaN
 

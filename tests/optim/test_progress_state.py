@@ -131,3 +131,13 @@ def test_a_reported_loss_round_trips_and_a_hostile_one_is_dropped_without_losing
         back = PeerProgress.from_record("p", {**r.to_record(), "loss": bad_loss})
         assert back is not None and back.loss is None and back.epoch == 4
     assert PeerProgress.from_record("p", {**r.to_record(), "loss": "high"}) is None
+
+
+def test_a_reported_round_round_trips_and_a_malformed_one_is_dropped_without_losing_the_report():
+    from swarm.optim.progress import RoundSummary
+
+    r = PeerProgress("p", 4, 17, 3.5, 123.0, last_round=RoundSummary(3, True, 4, 3, 0.25))
+    assert PeerProgress.from_record("p", r.to_record()) == r
+    for bad in ([3, True, 4, 3], [3, "yes", 4, 3, 0.2], [-1, True, 4, 3, 0.2], [3, True, 4, 3, float("nan")], "x"):
+        back = PeerProgress.from_record("p", {**r.to_record(), "round": bad})
+        assert back is not None and back.last_round is None and back.epoch == 4

@@ -101,7 +101,7 @@
     const figures = el("div", "figures");
     const parts = {};
     for (const [key, label] of [["epoch", "epoch"], ["sps", "samples/s"], ["progress", "towards the target batch"],
-                                ["loss", "loss (mean of peers)"], ["peers", "peers"]]) {
+                                ["loss", "loss (mean of peers)"], ["peers", "peers"], ["round", "last averaging round"]]) {
       const box = el("div", "figure");
       parts[key] = el("b", "run-" + key, "–");
       box.appendChild(parts[key]);
@@ -125,7 +125,8 @@
     card.appendChild(charts);
     const table = el("table", "run-peers");
     const head = el("tr");
-    for (const h of ["PeerID", "epoch", "samples", "samples/s", "loss", "samples in the last hour", "report age"]) {
+    for (const h of ["PeerID", "epoch", "samples", "samples/s", "loss", "samples in the last hour", "last round",
+                     "report age"]) {
       head.appendChild(el("th", null, h));
     }
     const thead = el("thead");
@@ -150,6 +151,12 @@
     c.epoch.setData([h.t, h.epoch]);
   }
 
+  function roundText(r) {
+    if (!r) return "–";
+    if (!r.ok) return "epoch " + r.epoch + " failed";
+    return "epoch " + r.epoch + ": " + r.in_mean + " of " + r.group + " in the mean, " + fmt(r.seconds, 2) + " s";
+  }
+
   function renderRuns(snap) {
     for (const run of snap.runs) {
       const parts = runCard(run.run_id);
@@ -157,6 +164,9 @@
       parts.sps.textContent = fmt(run.sps, 1);
       parts.loss.textContent = fmt(run.loss, 3);
       parts.peers.textContent = fmt(run.num_peers);
+      const last = run.last_round;
+      parts.round.textContent = last ? "epoch " + last.epoch + ": group " + last.group_sizes.join("/") + ", " +
+        last.failed + " failed, " + last.excluded + " left out" : "–";
       const share = run.target ? Math.min(1, run.samples / run.target) : null;
       parts.progress.textContent = run.target ? run.samples + " / " + run.target : "no target";
       parts.bar.style.width = share === null ? "0" : (100 * share).toFixed(1) + "%";
@@ -169,7 +179,7 @@
         id.title = p.id;
         tr.appendChild(id);
         for (const v of [fmt(p.epoch), fmt(p.samples), fmt(p.sps, 1), fmt(p.loss, 3), fmt(p.samples_last_hour),
-                         duration(p.age_s)]) {
+                         roundText(p.round), duration(p.age_s)]) {
           tr.appendChild(el("td", null, v));
         }
         rows.appendChild(tr);
