@@ -84,7 +84,7 @@ LOSS_POINTS = f"const c = window.dashboardCharts && window.dashboardCharts['{RUN
 
 @pytest.mark.slow
 @pytest.mark.alone
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_the_page_shows_a_live_swarm_training_and_a_killed_trainer_within_10_s(tmp_path):
     if browser_missing():
         pytest.skip(browser_missing())
@@ -102,18 +102,20 @@ def test_the_page_shows_a_live_swarm_training_and_a_killed_trainer_within_10_s(t
         for i in range(3):
             proc, out, _ = _start([
                 sys.executable, "-m", "swarm.demo.trainer", "--json", "--name", f"t{i}", "--initial-peers", addr,
-                "--listen", "/ip4/127.0.0.1/tcp/0", "--seed", str(i), "--threads", "1", "--duration", "240",
+                "--listen", "/ip4/127.0.0.1/tcp/0", "--seed", str(i), "--threads", "1", "--duration", "400",
                 "--batch-size", "4", "--target-batch-size", "24", "--hidden-dim", "32", "--mode", "large-batch",
                 "--eval-every", "1000", "--run-id", RUN])
             procs.append(proc)
             trainers.append((proc, out))
-        ids = [out.wait_for(r"peer (12D3KooW\w+) joined run", 90).group(1) for _, out in trainers]
+        startup = time.monotonic() + 240  # a quiet machine needs ~20 s; a loaded one many times that
+        ids = [out.wait_for(r"peer (12D3KooW\w+) joined run", startup - time.monotonic()).group(1)
+               for _, out in trainers]
 
         started = time.monotonic()
         print(f"swarm up in {started - t0:.1f} s")
         with chrome(tmp_path) as driver:
             driver.get(url)
-            answering = _page(driver, f"const a = (() => {{ {ANSWERING} }})(); return a.length >= 4 ? a : null;", 90)
+            answering = _page(driver, f"const a = (() => {{ {ANSWERING} }})(); return a.length >= 4 ? a : null;", 120)
             assert set(ids) <= set(answering) and len(answering) == 4
             first = _page(driver, EPOCH.replace("return e &&", "return e && Number(e.textContent) >= 1 &&"), 120)
             later = _page(driver, EPOCH.replace("return e &&", f"return e && Number(e.textContent) > {first} &&"),
