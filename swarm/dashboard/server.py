@@ -46,6 +46,7 @@ HEADERS = {
     "Cache-Control": "no-store",
 }
 HEARTBEAT_S = 15.0
+STARTUP_TIMEOUT_S = 10.0
 
 
 class SnapshotSource(Protocol):
@@ -116,8 +117,10 @@ class DashboardServer:
         self._server = server
         self._serve_task = spawn(server.serve(sockets=[sock]), name="dashboard-http")
         self._refresh_task = spawn(self._refresh(), name="dashboard-refresh")
-        while not server.started:
-            if self._serve_task.done():
+        deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S
+        while not server.started:  # uvicorn offers no event for it
+            if self._serve_task.done() or asyncio.get_running_loop().time() > deadline:
+                await self.ashutdown()
                 raise ConfigError(f"the dashboard's HTTP server did not start on {self.url}")
             await asyncio.sleep(0.01)
         return self.port
@@ -127,10 +130,9 @@ class DashboardServer:
         self._closing.set()
         async with self._changed:
             self._changed.notify_all()
-        for task in (self._refresh_task,):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            await asyncio.gather(self._refresh_task, return_exceptions=True)
         if self._server is not None:
             self._server.should_exit = True
         if self._serve_task is not None:
