@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("swarm.averaging", "swarm.moe"),  # side by side: neither imports the other
     ("swarm.optim",),
     ("swarm.peer",),
+    ("swarm.dashboard",),  # the swarm's live page, served by a daemon or its own client process
     ("swarm.cli", "swarm.demo"),
     ("swarm.testing",),  # the network lab starts daemons and demo trainers as processes
     ("swarm", "swarm.__main__"),

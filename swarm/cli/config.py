@@ -33,6 +33,11 @@ class PeerOptions:
     relay: str = "auto"
     relay_port: int = 0
     log_level: str = "INFO"
+    # the swarm's live page (swarm.dashboard): served only when a port is given
+    dashboard_port: int | None = None
+    dashboard_host: str = "127.0.0.1"
+    dashboard_run: tuple[str, ...] = ()
+    dashboard_experts: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -51,13 +56,15 @@ class PeerOptions:
             raise ConfigError(f"--relay must be auto, on or off, got {self.relay!r}")
         if not 0 <= self.relay_port <= 65535:
             raise ConfigError(f"--relay-port must be a TCP port, got {self.relay_port}")
+        if self.dashboard_port is not None and not 0 <= self.dashboard_port <= 65535:
+            raise ConfigError(f"--dashboard-port must be a TCP port, got {self.dashboard_port}")
         if self.client_mode and self.experts:
             raise ConfigError("a client-mode peer cannot serve experts (it accepts no connections)")
 
 
-_LIST_OPTIONS = {"announce", "initial_peers"}
+_LIST_OPTIONS = {"announce", "initial_peers", "dashboard_run", "dashboard_experts"}
 _BOOL_OPTIONS = {"client_mode", "insecure"}
-_INT_OPTIONS = {"hidden_dim", "metrics_port", "relay_port"}
+_INT_OPTIONS = {"hidden_dim", "metrics_port", "relay_port", "dashboard_port"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +92,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relay", help="auto (default: relay for peers behind NAT when publicly reachable), on or off")
     parser.add_argument("--relay-port", type=int, help="TCP port of the relay service (default: any free port)")
     parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
+    add_dashboard_arguments(parser)
+
+
+def add_dashboard_arguments(parser: argparse.ArgumentParser, port_flag: str = "--dashboard-port") -> None:
+    """The dashboard's options (the daemon's, and `swarm-peer dashboard`'s with `--port`)."""
+    parser.add_argument(port_flag, dest="dashboard_port", type=int,
+                        help="serve the swarm's live page on this port (0: any free one; docs/operations.md)")
+    parser.add_argument("--dashboard-host", help="address the page is served on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--dashboard-run", action="append", metavar="RUN_ID",
+                        help="a training run to show (repeatable)")
+    parser.add_argument("--dashboard-experts", action="append", metavar="PREFIX",
+                        help="an expert grid to read from the DHT, e.g. 'ffn.' (repeatable; grids the "
+                             "peers serve are found anyway)")
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -149,7 +169,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
             continue
         if f.name == "initial_peers":
             value = tuple(a for group in value for item in group for a in item.replace(",", " ").split())
-        elif f.name == "announce":
+        elif f.name in ("announce", "dashboard_run", "dashboard_experts"):
             value = tuple(value)
         merged[f.name] = value
     return PeerOptions(**merged)

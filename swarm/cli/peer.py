@@ -44,6 +44,10 @@ def _attach_services(peer: Peer, options: PeerOptions) -> Any:
         from swarm.cli.metrics import serve_metrics
 
         serve_metrics(peer, options.metrics_port)
+    if options.dashboard_port is not None:
+        from swarm.cli.dashboard import attach_dashboard
+
+        attach_dashboard(peer, options)
     return server
 
 
@@ -115,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from swarm.cli.status import main as status_main
 
         return status_main(argv[1:])
+    if argv and argv[0] == "dashboard":
+        from swarm.cli.dashboard import main as dashboard_main
+
+        return dashboard_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         options = resolve(args)

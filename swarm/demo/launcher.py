@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +51,8 @@ class DemoConfig:
         aggregation: how the trainers average ("mean" or "centered_clip").
         byzantine: how many trainers attack (the first ones), with `attack` (`swarm.demo.byzantine`).
         attack: the attack those trainers make (one of `swarm.demo.byzantine.ATTACKS`).
+        dashboard_port: the expert server serves the swarm's live page on this port of 127.0.0.1
+            (0: any free one; None: no page).
     """
 
     trainers: int = 3
@@ -63,6 +67,7 @@ class DemoConfig:
     aggregation: str = "mean"
     byzantine: int = 0
     attack: str = "sign_flip"
+    dashboard_port: int | None = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.trainers <= 16:
@@ -71,6 +76,8 @@ class DemoConfig:
             raise ConfigError("--byzantine must be within 0..trainers")
         if self.duration <= 0:
             raise ConfigError("--duration must be positive")
+        if self.dashboard_port is not None and not 0 <= self.dashboard_port <= 65535:
+            raise ConfigError("--dashboard-port must be a TCP port")
 
 
 def run_mode(c: DemoConfig) -> str:
@@ -156,12 +163,31 @@ class Launcher:
         m = self.config.model
         argv = [sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--experts", m.expert_pattern,
                 "--expert-cls", "ffn", "--hidden-dim", str(m.hidden_dim), "--log-level", "WARNING"]
+        dashboard = self.dashboard_url()
+        if dashboard is not None:  # the page shows the trainers' run (their default run id)
+            argv += ["--dashboard-port", dashboard.rsplit(":", 1)[1].strip("/"), "--dashboard-run", "swarm-demo"]
         self.server = Child("expert-server", argv, self.log_dir)
         line = self.server.stdout.readline().strip()
         if not line.startswith("/"):
             raise RuntimeError(f"the expert server did not start:\n{self.server.log_tail()}")
         self.board.notice(f"expert server: experts {m.expert_pattern} (ffn, hidden {m.hidden_dim}) at {line}")
+        if dashboard is not None:
+            self.board.notice(f"dashboard: {dashboard}  (the swarm live in a browser, served by the expert server)")
         return line
+
+    def dashboard_url(self) -> str | None:
+        """Where the expert server will serve the dashboard, or None (off, or its extra missing)."""
+        if self.config.dashboard_port is None:
+            return None
+        if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:
+            self.board.notice("dashboard: off (pip install 'swarm-peer[dashboard]' to watch the swarm in a browser)")
+            return None
+        port = self.config.dashboard_port
+        if not port:  # a free port now; the server binds it a moment later
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+        return f"http://127.0.0.1:{port}/"
 
     def start_trainers(self, initial_peer: str) -> None:
         c = self.config
@@ -336,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--byzantine", type=int, default=0, help="how many trainers attack (default 0)")
     parser.add_argument("--attack", default=d.attack, choices=["x1000", "sign_flip", "random", "constant"],
                         help="what the byzantine trainers do to their gradients (default sign_flip)")
+    parser.add_argument("--dashboard-port", type=int, default=0,
+                        help="port of the swarm's live page on 127.0.0.1 (default: any free one)")
+    parser.add_argument("--no-dashboard", action="store_true", help="serve no live page")
     return parser
 
 
@@ -345,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = DemoConfig(trainers=args.trainers, duration=args.duration, batch_size=args.batch_size,
                             target_batch_size=args.target_batch_size, diloco_steps=args.diloco_steps,
                             max_staleness=args.max_staleness, sample_length=args.sample_length, out_dir=args.out_dir, model=ModelConfig(hidden_dim=args.hidden_dim),
-                            aggregation=args.aggregation, byzantine=args.byzantine, attack=args.attack)
+                            aggregation=args.aggregation, byzantine=args.byzantine, attack=args.attack,
+                            dashboard_port=None if args.no_dashboard else args.dashboard_port)
     except ValueError as e:
         print(f"swarm demo: error: {e}", file=sys.stderr)
         return 2

@@ -334,6 +334,7 @@ class Trainer:
             self.expert_bytes += bytes_per_step
             value = loss.item()
             smoothed = value if math.isnan(smoothed) else 0.9 * smoothed + 0.1 * value
+            opt.tracker.report_loss(smoothed)  # in the run's progress record, for the dashboard
             now = time.monotonic()
             if now >= next_report:
                 throughput = window_samples / max(now - window_start, 1e-9)

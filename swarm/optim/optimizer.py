@@ -605,6 +605,7 @@ class Optimizer:
             if self.failed_rounds >= self.config.max_failed_rounds:
                 self.tracker.request_refresh()  # the swarm may have moved on without us
         self.history.append(outcome)
+        self.tracker.report_round(outcome)  # in the next progress report, for people watching (dashboard)
         self._settle(outcome.epoch)
         self._report(urgent=True)
         return outcome

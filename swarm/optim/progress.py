@@ -16,6 +16,53 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.optim.outcome import RoundOutcome
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT key under which the peers of a run report their progress (subkey: the reporter's
+    `owner_marker`, so only it can write its report)."""
+    return f"{run_id}.progress"
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """A peer's last collective step as its progress record carries it, for people watching the run.
+
+    Attributes:
+        epoch: the epoch the round led out of.
+        ok: it averaged and the step was applied.
+        group_size: members of its group (1: the peer stepped alone; 0: it failed before one formed).
+        contributors: members whose tensors are in the mean (fewer than the group: some failed, or
+            robust aggregation excluded them).
+        seconds: its wall time.
+    """
+
+    epoch: int
+    ok: bool
+    group_size: int
+    contributors: int
+    seconds: float
+
+    @classmethod
+    def of(cls, outcome: RoundOutcome) -> RoundSummary:
+        return cls(outcome.epoch, outcome.ok, outcome.group_size, outcome.contributors, float(outcome.seconds))
+
+    def to_record(self) -> list[Any]:
+        return [self.epoch, self.ok, self.group_size, self.contributors, self.seconds]
+
+    @classmethod
+    def from_record(cls, record: Any) -> RoundSummary | None:
+        """None for anything but ``[epoch, ok, group_size, contributors, seconds]`` with sane values."""
+        if not isinstance(record, (list, tuple)) or len(record) != 5:
+            return None
+        epoch, ok, group, contributors, seconds = record
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, group, contributors)):
+            return None
+        if not isinstance(ok, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < 1e9:
+            return None
+        return cls(epoch, ok, group, min(contributors, group), float(seconds))
+
 
 @dataclass(frozen=True)
 class PeerProgress:
@@ -31,6 +78,13 @@ class PeerProgress:
         addr: a multiaddr others can download this peer's state from ("" in client mode).
         digest: a fingerprint of the state this peer holds at `epoch`; peers at one epoch must
             agree on it (`canonical_digest`).
+        loss: the training loss the trainer last reported (`ProgressTracker.report_loss`), for
+            people watching the run (the dashboard); None where it reports none. Nothing in
+            training reads it.
+        target_batch_size: the target batch this peer trains towards (None: no target, DiLoCo;
+            or an older peer), for people watching the run.
+        last_round: this peer's last collective step (`ProgressTracker.report_round`), for people
+            watching the run; None before its first or from an older peer.
     """
 
     peer_id: str
@@ -41,12 +95,23 @@ class PeerProgress:
     client_mode: bool = False
     addr: str = ""
     digest: str = ""
+    loss: float | None = None
+    target_batch_size: int | None = None
+    last_round: RoundSummary | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the subkey names the PeerID)."""
-        return {"epoch": self.epoch, "samples": self.samples, "sps": float(self.samples_per_second),
-                "time": float(self.time), "client": self.client_mode, "addr": self.addr,
-                "digest": self.digest}
+        record: dict[str, Any] = {
+            "epoch": self.epoch, "samples": self.samples, "sps": float(self.samples_per_second),
+            "time": float(self.time), "client": self.client_mode, "addr": self.addr, "digest": self.digest,
+        }
+        if self.loss is not None:
+            record["loss"] = float(self.loss)  # optional: readers of older versions ignore it
+        if self.target_batch_size is not None:
+            record["target"] = self.target_batch_size
+        if self.last_round is not None:
+            record["round"] = self.last_round.to_record()
+        return record
 
     @classmethod
     def from_record(cls, peer_id: str, record: Any) -> PeerProgress | None:
@@ -59,6 +124,10 @@ class PeerProgress:
             client = bool(record.get("client", False))
             addr = record.get("addr", "")
             digest = record.get("digest", "")
+            raw_loss = record.get("loss")
+            loss = None if raw_loss is None else float(raw_loss)
+            target = record.get("target")
+            last_round = RoundSummary.from_record(record.get("round"))  # None when absent or malformed
         except (KeyError, TypeError, ValueError):
             return None
         if not isinstance(epoch, int) or not isinstance(samples, int) or epoch < 0 or samples < 0:
@@ -67,7 +136,11 @@ class PeerProgress:
             return None
         if not isinstance(digest, str):
             return None
-        return cls(peer_id, epoch, samples, sps, time, client, addr, digest)
+        if loss is not None and not math.isfinite(loss):
+            loss = None  # a NaN/Inf loss is no figure to show; the report itself still counts
+        if target is not None and (not isinstance(target, int) or isinstance(target, bool) or target < 1):
+            target = None
+        return cls(peer_id, epoch, samples, sps, time, client, addr, digest, loss, target, last_round)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -31,15 +32,12 @@ from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.dht.validation import marker_owner, owner_marker
 from swarm.optim.config import CollaborationConfig
-from swarm.optim.progress import PeerProgress, SwarmProgress, summarize
+from swarm.optim.outcome import RoundOutcome
+from swarm.optim.progress import PeerProgress, RoundSummary, SwarmProgress, progress_key, summarize
+
+__all__ = ["ProgressTracker", "progress_key"]
 
 logger = logging.getLogger(__name__)
-
-
-def progress_key(run_id: str) -> str:
-    """The DHT key under which the peers of a run report their progress (subkey: the reporter's
-    `owner_marker`, so only it can write its report)."""
-    return f"{run_id}.progress"
 
 
 class ProgressTracker:
@@ -61,7 +59,8 @@ class ProgressTracker:
         self.addr = addr
         self.clock = clock
         self._lock = threading.Lock()
-        self._local = PeerProgress(peer.peer_id, 0, 0, 0.0, clock(), peer.client_mode, addr)
+        self._local = PeerProgress(peer.peer_id, 0, 0, 0.0, clock(), peer.client_mode, addr,
+                                   target_batch_size=config.target_batch_size)
         self._reports: dict[str, PeerProgress] = {}
         self._dirty = True
         self._urgent = False
@@ -89,12 +88,27 @@ class ProgressTracker:
         with self._lock:
             changed_epoch = epoch != self._local.epoch
             self._local = PeerProgress(self.peer.peer_id, epoch, samples, samples_per_second, self.clock(),
-                                       self.peer.client_mode, self.addr, digest)
+                                       self.peer.client_mode, self.addr, digest, self._local.loss,
+                                       self.config.target_batch_size, self._local.last_round)
             wake = not self._dirty or urgent or changed_epoch
             self._dirty = True
             self._urgent = self._urgent or urgent or changed_epoch
         if wake and self._wake is not None and not self._closed:
             self.peer.loop.loop.call_soon_threadsafe(self._wake.set)
+
+    def report_loss(self, loss: float) -> None:
+        """Adds the trainer's current training loss to this peer's reports (from the next one on),
+        for people watching the run; training never reads it. A NaN or infinite loss is left out."""
+        if not isinstance(loss, (int, float)):
+            raise TypeError(f"loss must be a number, got {type(loss).__name__}")
+        with self._lock:
+            self._local = replace(self._local, loss=float(loss) if math.isfinite(loss) else None)
+
+    def report_round(self, outcome: RoundOutcome) -> None:
+        """Adds this peer's last collective step to its reports (from the next one on), for people
+        watching the run (group size, members in the mean, time); training never reads it."""
+        with self._lock:
+            self._local = replace(self._local, last_round=RoundSummary.of(outcome))
 
     @property
     def local(self) -> PeerProgress:

@@ -35,6 +35,9 @@ def test_build_makes_an_sdist_and_a_wheel_named_swarm_peer_that_twine_accepts(di
     assert "swarm-peer = swarm.cli.peer:main" in entry_points
     # the import package is swarm, with its generated protobuf code and data files
     assert {"swarm/__init__.py", "swarm/py.typed", "swarm/proto/dht_pb2.py"} <= names
+    # the dashboard's page and the charting library it serves, with that library's license
+    assert {f"swarm/dashboard/static/{f}" for f in ("index.html", "app.js", "style.css", "vendor/uplot/LICENSE",
+                                                     "vendor/uplot/uPlot.iife.min.js")} <= names
     committed = {p.relative_to(ROOT).as_posix() for p in (ROOT / "swarm").rglob("*.py")}
     assert committed <= names, sorted(committed - names)
     assert not [n for n in names if n.startswith(("tests/", "scripts/"))]

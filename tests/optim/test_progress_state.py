@@ -121,3 +121,23 @@ def test_configs_refuse_nonsense():
         DiLoCoConfig(local_steps=0)
     with pytest.raises(ConfigError):
         DiLoCoConfig(outer_momentum=1.0)
+
+
+def test_a_reported_loss_round_trips_and_a_hostile_one_is_dropped_without_losing_the_report():
+    r = PeerProgress("p", 4, 17, 3.5, 123.0, loss=2.25)
+    assert PeerProgress.from_record("p", r.to_record()) == r
+    assert "loss" not in PeerProgress("p", 4, 17, 3.5, 123.0).to_record()  # older readers see the same record
+    for bad_loss in (float("nan"), float("inf")):
+        back = PeerProgress.from_record("p", {**r.to_record(), "loss": bad_loss})
+        assert back is not None and back.loss is None and back.epoch == 4
+    assert PeerProgress.from_record("p", {**r.to_record(), "loss": "high"}) is None
+
+
+def test_a_reported_round_round_trips_and_a_malformed_one_is_dropped_without_losing_the_report():
+    from swarm.optim.progress import RoundSummary
+
+    r = PeerProgress("p", 4, 17, 3.5, 123.0, last_round=RoundSummary(3, True, 4, 3, 0.25))
+    assert PeerProgress.from_record("p", r.to_record()) == r
+    for bad in ([3, True, 4, 3], [3, "yes", 4, 3, 0.2], [-1, True, 4, 3, 0.2], [3, True, 4, 3, float("nan")], "x"):
+        back = PeerProgress.from_record("p", {**r.to_record(), "round": bad})
+        assert back is not None and back.last_round is None and back.epoch == 4

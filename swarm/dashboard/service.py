@@ -1,0 +1,53 @@
+"""Attaching a dashboard to a running peer: collector, HTTP server, stopped with the peer."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from swarm.core.errors import ConfigError
+from swarm.dashboard.collector import Collector, DashboardConfig
+from swarm.dashboard.server import DashboardServer
+from swarm.peer import Peer
+
+__all__ = ["PeerDashboard", "serve_dashboard"]
+
+logger = logging.getLogger(__name__)
+
+
+class PeerDashboard:
+    """The collector of one peer with its `History`, as the server's `SnapshotSource`."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+
+    async def acollect(self) -> dict[str, Any]:
+        return await self.collector.acollect()
+
+    def history_json(self) -> dict[str, Any]:
+        return self.collector.history.to_json()
+
+
+def serve_dashboard(peer: Peer, config: DashboardConfig) -> DashboardServer:
+    """Serves the swarm's page from `peer` until it shuts down.
+
+    Args:
+        peer: a started `swarm.Peer` (a daemon, or a client-mode peer that only watches).
+        config: where to serve and what to show.
+
+    Returns:
+        The running server (its `url` names the page); stopped with the peer.
+
+    Raises:
+        ConfigError: the `dashboard` extra is not installed, or the address cannot be bound.
+    """
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise ConfigError("the dashboard needs the 'dashboard' extra: pip install 'swarm-peer[dashboard]'") from None
+    server = DashboardServer(PeerDashboard(Collector(peer, config)), config)
+    peer.run(server.astart(), timeout=30)
+    peer.attach(server)
+    logger.info("serving the swarm's dashboard at %s", server.url)
+    return server

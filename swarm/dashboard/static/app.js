@@ -1,0 +1,279 @@
+// The swarm's live page: server-sent events from /api/events, drawn with uPlot.
+// Every string a peer reports is inserted as text (textContent, title), never parsed as HTML.
+"use strict";
+
+(function () {
+  const MAX_POINTS = 4000;
+  const state = { history: { peers: { t: [], count: [] }, runs: {} }, charts: {}, runCards: {}, peers: {} };
+  const stats = { snapshots: 0, lastRenderMs: 0, maxRenderMs: 0, totalRenderMs: 0, expertsRenderMs: 0,
+                  experts: 0, peers: 0, firstCompleteMs: null };
+  window.dashboardStats = stats;
+  window.dashboardCharts = state.charts;
+
+  function el(tag, cls, text) {
+    const node = document.createElement(tag);
+    if (cls) node.className = cls;
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    return node;
+  }
+
+  function fmt(value, digits) {
+    if (value === null || value === undefined) return "–";
+    return typeof value === "number" ? value.toFixed(digits === undefined ? 0 : digits) : String(value);
+  }
+
+  function duration(seconds) {
+    if (seconds < 90) return Math.round(seconds) + " s";
+    if (seconds < 5400) return Math.round(seconds / 60) + " min";
+    return (seconds / 3600).toFixed(1) + " h";
+  }
+
+  function hue(id) {
+    let h = 0;
+    for (let i = 0; i < id.length; i++) h = (h * 31 + id.charCodeAt(i)) % 360;
+    return h;
+  }
+
+  function shortId(id) {
+    return id.length > 10 ? "…" + id.slice(-8) : id;
+  }
+
+  // -- charts -----------------------------------------------------------------------------------
+
+  function chart(target, label, color, width) {
+    const opts = {
+      width: width || 420, height: 170, legend: { show: true },
+      series: [{}, { label: label, stroke: color, width: 2, spanGaps: true, points: { show: true, size: 4 } }],
+      scales: { x: { time: true } },
+    };
+    return new uPlot(opts, [[], []], target);
+  }
+
+  function trim(series) {
+    for (const key of Object.keys(series)) {
+      const extra = series[key].length - MAX_POINTS;
+      if (extra > 0) series[key].splice(0, extra);
+    }
+  }
+
+  // -- peers --------------------------------------------------------------------------------------
+
+  function renderPeers(snap) {
+    const body = document.querySelector("#peers tbody");
+    const rows = document.createDocumentFragment();
+    let live = 0;
+    state.peers = {};
+    for (const p of snap.peers) {
+      state.peers[p.id] = p;
+      if (p.reachability !== "unreachable") live += 1;
+      const tr = el("tr", "peer-row");
+      tr.dataset.peer = p.id;
+      tr.dataset.reachability = p.reachability;
+      const id = el("td", null, p.short + (p.self ? " (this peer)" : ""));
+      id.title = p.id;
+      tr.appendChild(id);
+      tr.appendChild(el("td", "reachability", p.reachability));
+      tr.appendChild(el("td", null, p.version || "?"));
+      const roles = el("td", null, p.roles.length ? p.roles.join(", ") : (p.role || "peer"));
+      roles.title = p.role;
+      tr.appendChild(roles);
+      tr.appendChild(el("td", null, fmt(p.rtt_ms, 1)));
+      tr.appendChild(el("td", null, duration(p.seen_s)));
+      tr.appendChild(el("td", null, p.experts || ""));
+      rows.appendChild(tr);
+    }
+    body.replaceChildren(rows);
+    document.getElementById("peer-count").textContent = live + " answering, " + snap.peers_total + " known";
+    document.getElementById("peers-note").textContent = snap.peers_truncated
+      ? "Only the first " + snap.peers.length + " peers are shown." : "";
+    stats.peers = snap.peers.length;
+  }
+
+  // -- training runs ------------------------------------------------------------------------------
+
+  function runCard(runId) {
+    if (state.runCards[runId]) return state.runCards[runId];
+    const container = document.getElementById("runs");
+    if (!Object.keys(state.runCards).length) container.replaceChildren();
+    const card = el("div", "run");
+    card.dataset.run = runId;
+    card.appendChild(el("h3", "run-id", runId));
+    const figures = el("div", "figures");
+    const parts = {};
+    for (const [key, label] of [["epoch", "epoch"], ["sps", "samples/s"], ["progress", "towards the target batch"],
+                                ["loss", "loss (mean of peers)"], ["peers", "peers"], ["round", "last averaging round"]]) {
+      const box = el("div", "figure");
+      parts[key] = el("b", "run-" + key, "–");
+      box.appendChild(parts[key]);
+      box.appendChild(el("span", null, label));
+      if (key === "progress") {
+        const bar = el("div", "bar");
+        parts.bar = el("div");
+        bar.appendChild(parts.bar);
+        box.appendChild(bar);
+      }
+      figures.appendChild(box);
+    }
+    card.appendChild(figures);
+    parts.error = el("p", "note run-error");
+    card.appendChild(parts.error);
+    const charts = el("div", "charts");
+    const lossBox = el("div", "chart loss-chart");
+    const epochBox = el("div", "chart epoch-chart");
+    charts.appendChild(lossBox);
+    charts.appendChild(epochBox);
+    card.appendChild(charts);
+    const table = el("table", "run-peers");
+    const head = el("tr");
+    for (const h of ["PeerID", "epoch", "samples", "samples/s", "loss", "samples in the last hour", "last round",
+                     "report age"]) {
+      head.appendChild(el("th", null, h));
+    }
+    const thead = el("thead");
+    thead.appendChild(head);
+    table.appendChild(thead);
+    parts.body = el("tbody");
+    table.appendChild(parts.body);
+    card.appendChild(table);
+    container.appendChild(card);
+    state.charts[runId] = { loss: chart(lossBox, "loss", "#d9480f"), epoch: chart(epochBox, "epoch", "#3b7ddd") };
+    state.runCards[runId] = parts;
+    const h = state.history.runs[runId];
+    if (h) drawRun(runId);
+    return parts;
+  }
+
+  function drawRun(runId) {
+    const h = state.history.runs[runId];
+    const c = state.charts[runId];
+    if (!h || !c) return;
+    c.loss.setData([h.t, h.loss]);
+    c.epoch.setData([h.t, h.epoch]);
+  }
+
+  function roundText(r) {
+    if (!r) return "–";
+    if (!r.ok) return "epoch " + r.epoch + " failed";
+    return "epoch " + r.epoch + ": " + r.in_mean + " of " + r.group + " in the mean, " + fmt(r.seconds, 2) + " s";
+  }
+
+  function renderRuns(snap) {
+    for (const run of snap.runs) {
+      const parts = runCard(run.run_id);
+      parts.epoch.textContent = fmt(run.epoch);
+      parts.sps.textContent = fmt(run.sps, 1);
+      parts.loss.textContent = fmt(run.loss, 3);
+      parts.peers.textContent = fmt(run.num_peers);
+      const last = run.last_round;
+      parts.round.textContent = last ? "epoch " + last.epoch + ": group " + last.group_sizes.join("/") + ", " +
+        last.failed + " failed, " + last.excluded + " left out" : "–";
+      const share = run.target ? Math.min(1, run.samples / run.target) : null;
+      parts.progress.textContent = run.target ? run.samples + " / " + run.target : "no target";
+      parts.bar.style.width = share === null ? "0" : (100 * share).toFixed(1) + "%";
+      parts.error.textContent = run.error || (run.num_peers ? "" : "no live progress reports");
+      const rows = document.createDocumentFragment();
+      for (const p of run.peers) {
+        const tr = el("tr");
+        tr.dataset.peer = p.id;
+        const id = el("td", null, p.short);
+        id.title = p.id;
+        tr.appendChild(id);
+        for (const v of [fmt(p.epoch), fmt(p.samples), fmt(p.sps, 1), fmt(p.loss, 3), fmt(p.samples_last_hour),
+                         roundText(p.round), duration(p.age_s)]) {
+          tr.appendChild(el("td", null, v));
+        }
+        rows.appendChild(tr);
+      }
+      parts.body.replaceChildren(rows);
+      let h = state.history.runs[run.run_id];
+      if (!h) h = state.history.runs[run.run_id] = { t: [], epoch: [], sps: [], loss: [] };
+      if (!h.t.length || h.t[h.t.length - 1] < snap.now) {
+        h.t.push(snap.now);
+        h.epoch.push(run.epoch);
+        h.sps.push(run.sps);
+        h.loss.push(run.loss);
+        trim(h);
+      }
+      drawRun(run.run_id);
+    }
+  }
+
+  // -- experts ------------------------------------------------------------------------------------
+
+  function renderExperts(experts) {
+    const started = performance.now();
+    const box = document.getElementById("experts");
+    const frag = document.createDocumentFragment();
+    for (const grid of experts.grids || []) {
+      frag.appendChild(el("div", "grid-title", grid.prefix + " (" + grid.rows.length + ")"));
+      const cells = el("div", "grid");
+      cells.dataset.prefix = grid.prefix;
+      for (const [uid, server] of grid.rows) {
+        const cell = el("div", "cell");
+        cell.dataset.uid = uid;
+        const peer = state.peers[server];
+        cell.title = uid + " on " + shortId(server) + (peer && peer.rtt_ms !== null ? ", RTT " + peer.rtt_ms.toFixed(1) + " ms" : "");
+        cell.style.setProperty("--h", hue(server));
+        cells.appendChild(cell);
+      }
+      frag.appendChild(cells);
+    }
+    box.replaceChildren(frag);
+    document.getElementById("expert-count").textContent =
+      (experts.total || 0) + (experts.truncated ? " (capped: more exist)" : "");
+    stats.experts = experts.total || 0;
+    stats.expertsRenderMs = performance.now() - started;
+    complete();
+  }
+
+  function complete() {  // the first moment the page shows peers and experts (page load to picture)
+    if (stats.firstCompleteMs === null && stats.snapshots > 0 && stats.experts > 0) {
+      stats.firstCompleteMs = performance.now();
+    }
+  }
+
+  // -- the stream ---------------------------------------------------------------------------------
+
+  function onSnapshot(snap) {
+    const started = performance.now();
+    document.getElementById("serving").textContent = "served by " + snap.self;
+    renderPeers(snap);
+    renderRuns(snap);
+    const h = state.history.peers;
+    if (!h.t.length || h.t[h.t.length - 1] < snap.now) {
+      h.t.push(snap.now);
+      h.count.push(snap.peers.filter(function (p) { return p.reachability !== "unreachable"; }).length);
+      trim(h);
+    }
+    if (!state.peersChart) state.peersChart = chart(document.getElementById("peers-chart"), "peers answering", "#2b8a3e", 640);
+    state.peersChart.setData([h.t, h.count]);
+    document.getElementById("updated").textContent = "updated " + new Date(snap.now * 1000).toLocaleTimeString();
+    stats.snapshots += 1;
+    stats.lastRenderMs = performance.now() - started;
+    stats.maxRenderMs = Math.max(stats.maxRenderMs, stats.lastRenderMs);
+    stats.totalRenderMs += stats.lastRenderMs;
+    complete();
+  }
+
+  function onHistory(history) {
+    state.history.runs = history.runs || {};
+    state.history.peers = history.peers || { t: [], count: [] };
+    for (const runId of Object.keys(state.history.runs)) runCard(runId);
+  }
+
+  function status(text, st) {
+    const node = document.getElementById("status");
+    node.textContent = text;
+    node.dataset.state = st;
+  }
+
+  function connect() {
+    const source = new EventSource("/api/events");
+    source.addEventListener("history", function (e) { onHistory(JSON.parse(e.data)); });
+    source.addEventListener("snapshot", function (e) { onSnapshot(JSON.parse(e.data)); status("live", "live"); });
+    source.addEventListener("experts", function (e) { renderExperts(JSON.parse(e.data)); });
+    source.onerror = function () { status("disconnected, retrying…", "down"); };
+  }
+
+  connect();
+})();
