@@ -11,10 +11,10 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from swarm.core.timeutil import get_dht_time
+from swarm.dht import ValueWithExpiration
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 DHT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dht_worker.py")
@@ -169,12 +169,6 @@ def run_steps(avgs: list[Any], weights: list[float] | None = None, timeout: floa
     for t in threads:
         t.join(timeout + 10)
     return out
-
-
-@dataclass
-class ValueWithExpiration:
-    value: Any
-    expiration_time: float
 
 
 class FakeDHT:
