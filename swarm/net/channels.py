@@ -30,6 +30,7 @@ from swarm.core.errors import (
     InvalidRequest,
     NotFound,
     PeerUnreachable,
+    PermissionDenied,
     RPCError,
     Unauthenticated,
 )
@@ -42,11 +43,13 @@ from swarm.net.auth import TicketSigner, check_handshake
 from swarm.net.calls import MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
 from swarm.net.errors import from_grpc_error
 from swarm.net.estimates import LinkEstimates
+from swarm.net.membership import MEMBERSHIP, MembershipGate
 from swarm.net.tls import SERVER_NAME, trust_anchor
 from swarm.net.tls import probe as tls_probe
 from swarm.proto import peer_pb2
 
 if TYPE_CHECKING:
+    from swarm.core.membership import Member
     from swarm.net.holepunch import DirectPaths
 
 logger = logging.getLogger(__name__)
@@ -133,6 +136,7 @@ class PeerChannel:
         self.calls_supported = pool.config.multiplex  # False: unary calls of their own (or an older peer)
         self._calls_refused_until = 0.0  # loop time until which calls skip the stream (it was refused)
         self._limits: dict[str, asyncio.Semaphore] = {}
+        self.member: Member | None = None  # in a private swarm: the membership the callee proved
 
     def limit(self, name: str, size: int) -> asyncio.Semaphore:
         """The semaphore `name` of this channel, made with `size` places on first use: how an upper
@@ -191,6 +195,24 @@ class PeerChannel:
         await asyncio.shield(self._verified)
 
     async def _handshake(self) -> None:
+        await self._prove_identity()
+        if self.pool.gate is not None:
+            await self._check_membership(self.pool.gate)
+
+    async def _check_membership(self, gate: MembershipGate) -> None:
+        """A private swarm: asks the callee (whose PeerID TLS proved) for its membership proof, and
+        refuses it without a valid one; the call carries this peer's proof, which it checks too."""
+        try:
+            proof = await self._raw_unary(MEMBERSHIP, b"", None, self.pool.config.handshake_timeout, self._metadata())
+        except PermissionDenied as e:
+            gate.refused["refused by the callee"] += 1
+            logger.warning("private swarm: %s at %s refused this peer: %s", self.peer_id, self.addr, e)
+            raise
+        except NotFound:
+            proof = b""  # an open swarm's peer (no Membership method): it presents nothing
+        self.member = gate.check_callee(self.peer_id, proof, self.addr.host)
+
+    async def _prove_identity(self) -> None:
         if self.pool.config.tls:
             await self._connect_tls()
             return
@@ -514,10 +536,14 @@ def _retrieve(future: asyncio.Future[None]) -> None:
 class ChannelPool:
     """Channels to other peers, one per PeerID (re-dialed when the peer's address changes)."""
 
-    def __init__(self, identity: Identity, config: ChannelConfig | None = None) -> None:
+    def __init__(self, identity: Identity, config: ChannelConfig | None = None, *,
+                 gate: MembershipGate | None = None) -> None:
         self.identity = identity
         self.config = config or ChannelConfig()
-        self.signer = TicketSigner(identity)
+        self.gate = gate
+        """A private swarm's gate (`swarm.net.membership`): callees must prove membership, and every
+        call carries this peer's proof. None: an open swarm."""
+        self.signer = TicketSigner(identity, gate.metadata if gate is not None else ())
         self._channels: dict[str, PeerChannel] = {}
         self.metrics = RPCMetrics("client")  # metrics (issue #7)
         self.estimates = LinkEstimates()  # measured RTT and throughput per peer (issue #14)
