@@ -121,10 +121,10 @@ class Peer:
             raise ConfigError("server_config.tls and channel_config.tls differ: a peer is TLS or insecure on both")
         self.insecure = not (channel_config or ChannelConfig()).tls
         self._server_config = server_config
+        if swarm_key is not None and (swarm_authority is not None or membership is not None):
+            raise ConfigError("a private swarm uses certificates (swarm_authority, membership) or a swarm key, not both")
         self._certificates = certificate_policy(self.peer_id, swarm_authority, membership, revocations)
         shared_key = swarm_key_policy(self.peer_id, swarm_key)
-        if self._certificates is not None and shared_key is not None:
-            raise ConfigError("a private swarm uses certificates (swarm_authority, membership) or a swarm key, not both")
         self.membership: MembershipPolicy | None = self._certificates or shared_key
         self.gate = MembershipGate(self.membership, gate) if self.membership is not None else None
         """A private swarm's gate (docs/security.md, "Private swarms"); None in an open swarm."""

@@ -1,16 +1,17 @@
 """A private swarm's revocation lists, spread through the DHT (docs/security.md, "Revocation").
 
-The authority's newest revocation list lives under one key, `REVOCATIONS_KEY`, with the
-expiration `issued_at + REVOCATION_TTL`: a newer list (issued later) expires later, so it replaces
-an older one in every store (a store with a later expiration wins), and `RevocationValidator`
-makes every DHT node refuse anything else under that key: a list not signed by the authority,
-garbage, or a genuine old list stored with a later expiration than its own (a member cannot roll
-revocations back, nor fill the key with junk).
+The authority's newest revocation list lives under one key, `REVOCATIONS_KEY`, and
+`RevocationValidator` makes every DHT node refuse anything else there: a list not signed by the
+authority, or garbage (a member cannot fill the key with junk).
 
 `RevocationWatcher` reads the key every `interval` seconds; a newer list goes to the membership
 policy, the gate checks every cached member again (`MembershipGate.revalidate`), and a revoked
 peer's calls are refused from then on and its channels closed. So a revoked peer is cut off at
-most `interval` plus one DHT lookup after the list was stored.
+most `interval` plus one DHT lookup after the list was stored. Every member that holds a newer
+list than the DHT's, or one that expires within half of `REVOCATION_TTL`, stores it again with a
+later expiration: the list stays alive while members run, and a member that stores an older
+genuine list (a rollback) is overwritten at the next member's read; no peer ever goes back to
+an older list than one it applied.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from swarm.core.errors import ConfigError, DHTError, RPCError, ValidationError
 from swarm.core.loop import spawn
 from swarm.core.membership import CertificatePolicy, MembershipRefused, RevocationList
 from swarm.core.serialization import pack, unpack
+from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import KeyValueStore
 from swarm.dht.keys import serialize_key
 from swarm.dht.validation import DHTRecord, RecordValidator
@@ -30,8 +32,9 @@ from swarm.net.membership import MembershipGate
 logger = logging.getLogger(__name__)
 
 REVOCATIONS_KEY = "_swarm.revocations"
-REVOCATION_TTL = 400 * 86400.0
-"""Seconds a list stays in the DHT after it was issued (longer than any certificate should live)."""
+REVOCATION_TTL = 12 * 3600.0
+"""Seconds a stored list lives in the DHT unless a member stores it again (within the DHT's own
+limit on how far ahead a record may expire)."""
 _RAW_KEY = serialize_key(REVOCATIONS_KEY)
 
 
@@ -50,11 +53,9 @@ class RevocationValidator(RecordValidator):
             raise ValidationError("the revocation list's key holds no subkeys")
         try:
             data = unpack(record.value)
-            revocations = RevocationList.decode(data if isinstance(data, bytes) else b"", self.authority)
+            RevocationList.decode(data if isinstance(data, bytes) else b"", self.authority)
         except (ValueError, MembershipRefused) as e:
             raise ValidationError(f"not this swarm's revocation list: {e}") from None
-        if abs(record.expiration_time - (revocations.issued_at + REVOCATION_TTL)) > 1.0:
-            raise ValidationError("a revocation list is stored with its own expiration (issued_at + TTL) only")
 
 
 class RevocationWatcher:
@@ -96,20 +97,26 @@ class RevocationWatcher:
         """Applies `revocations` here and stores it in the DHT for every member to find."""
         RevocationList.decode(revocations.encode(), self.policy.authority)  # refuse a foreign list here
         self.apply(revocations)
-        return await self.dht.astore(REVOCATIONS_KEY, revocations.encode(),
-                                     revocations.issued_at + REVOCATION_TTL)
+        return await self._store(revocations)
+
+    async def _store(self, revocations: RevocationList) -> bool:
+        return await self.dht.astore(REVOCATIONS_KEY, revocations.encode(), get_dht_time() + REVOCATION_TTL)
 
     async def refresh(self) -> None:
         """One read of the list from the DHT."""
         found = await self.dht.aget(REVOCATIONS_KEY, latest=True)
-        if found is None or not isinstance(found.value, bytes):
-            return
-        try:
-            revocations = RevocationList.decode(found.value, self.policy.authority)
-        except MembershipRefused as e:
-            logger.warning("private swarm: ignored a revocation list from the DHT: %s", e)
-            return
-        self.apply(revocations)
+        stored: RevocationList | None = None
+        if found is not None and isinstance(found.value, bytes):
+            try:
+                stored = RevocationList.decode(found.value, self.policy.authority)
+            except MembershipRefused as e:
+                logger.warning("private swarm: ignored a revocation list from the DHT: %s", e)
+        if stored is not None:
+            self.apply(stored)
+        held = self.policy.revocations
+        if held is not None and (stored is None or stored.number < held.number or found is None
+                                 or found.expiration_time < get_dht_time() + REVOCATION_TTL / 2):
+            await self._store(held)  # keep the newest list alive, over an older one stored later
 
     async def _watch(self) -> None:
         while True:

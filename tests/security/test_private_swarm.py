@@ -1,0 +1,265 @@
+"""Private swarms with real peers (docs/security.md, "Private swarms"): strangers, thieves and
+revoked members get nothing; invited peers work as before."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from swarm.averaging import Averager
+from swarm.averaging.state import State, StateServer
+from swarm.core.errors import ConfigError, DHTError, PermissionDenied
+from swarm.core.identity import Identity
+from swarm.core.membership import Authority, CertificatePolicy, MembershipCertificate, SwarmKey
+from swarm.moe.server.expert_server import ExpertServer
+from swarm.net.channels import ChannelPool
+from swarm.net.membership import METADATA_KEY, MembershipGate
+from swarm.peer import Peer
+
+DAY = 86400.0
+pytestmark = pytest.mark.timeout(90)
+
+
+class Swarm:
+    """An authority and the peers it invited (all on loopback)."""
+
+    def __init__(self, make_peer: Callable[..., Peer]) -> None:
+        self.authority = Authority.generate()
+        self.make_peer = make_peer
+        self.peers: list[Peer] = []
+
+    def invite(self, roles: tuple[str, ...] = ("trainer",), **kwargs: Any) -> Peer:
+        identity = Identity.generate()
+        certificate = self.authority.invite(identity.peer_id, list(roles), DAY)
+        initial = [self.peers[0].addrs[0]] if self.peers else []
+        peer = self.make_peer(identity=identity, initial_peers=initial, swarm_authority=self.authority.public_text,
+                              membership=certificate, **kwargs)
+        self.peers.append(peer)
+        return peer
+
+
+@pytest.fixture
+def swarm(make_peer: Callable[..., Peer]) -> Swarm:
+    return Swarm(make_peer)
+
+
+def _probe_every_method(target: Peer, pool: ChannelPool, owner: Peer) -> dict[str, grpc.StatusCode]:
+    """Calls every method `target` serves, from `pool` (run on `owner`'s loop): the status of each."""
+    assert target.server is not None
+    paths = sorted(target.server._dispatcher.handlers)  # every service the peer hosts, whatever its layer
+
+    async def probe() -> dict[str, grpc.StatusCode]:
+        channel = pool.get(target.addrs[0])
+        await channel._prove_identity()  # TLS proves the callee; no membership exchange from this pool
+        codes = {}
+        for path in paths:
+            call = channel.channel.stream_stream(path)
+            try:
+                async for _ in call(iter([b"\x00" * 16]), timeout=5, metadata=channel._metadata()):
+                    pass
+                codes[path] = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as e:
+                codes[path] = e.code()
+        return codes
+
+    return owner.run(probe(), timeout=60)
+
+
+def test_an_uninvited_peer_obtains_no_record_and_every_service_refuses_it(swarm: Swarm, make_peer: Callable[..., Peer],
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    first, second = swarm.invite(), swarm.invite(("server", "trainer"))
+    assert second.dht is not None and second.dht.store("secret", "weights", time.time() + 60)
+    assert first.dht is not None and first.dht.get("secret") is not None
+    with pytest.raises(DHTError, match=r"not a member of this private swarm \(missing\)"):
+        make_peer(initial_peers=first.addrs)  # an open peer cannot even join
+    # every service a member can host: averaging, state transfer, experts
+    averager = Averager(first, [torch.zeros(1000)], prefix="run", target_group_size=2)
+    StateServer(first, "run", lambda: State({"step": 1}, [torch.ones(1000)]))
+    ExpertServer(first, {"ffn.0.0": nn.Linear(4, 4)})
+    stranger = make_peer()  # alone, then it dials a member directly, every method, with garbage
+    with caplog.at_level(logging.WARNING, logger="swarm.net.membership"):
+        codes = _probe_every_method(first, stranger.pool, stranger)
+    handshake = "/swarm.Peer/Handshake"  # proves the callee's PeerID only (plaintext mode): public
+    assert len(codes) > 15  # DHT, averaging, state transfer, experts' wire, bulk, calls, dial-back...
+    refused = {path: code for path, code in codes.items() if path != handshake}
+    # every call was refused by the gate before its handler ran: PERMISSION_DENIED with the reason,
+    # or, where grpc's core reports the abort of a stream whose request it was still reading, INTERNAL
+    assert grpc.StatusCode.OK not in refused.values()
+    assert sum(c == grpc.StatusCode.PERMISSION_DENIED for c in refused.values()) >= len(refused) - 2, refused
+    assert first.gate is not None and first.gate.refused["missing"] >= len(refused)
+    assert any("refused caller" in r.message and "(missing)" in r.message for r in caplog.records)
+    averager.shutdown()
+
+
+def test_a_member_refuses_a_callee_that_is_not_one(swarm: Swarm, make_peer: Callable[..., Peer],
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    member = swarm.invite()
+    outsider = make_peer()  # an open peer: it presents nothing
+    assert outsider.dht is not None and outsider.dht.store("bait", 1, time.time() + 60)
+
+    async def call() -> None:
+        await member.pool.get(outsider.addrs[0]).info(timeout=5)
+
+    with caplog.at_level(logging.WARNING, logger="swarm.net.membership"), \
+            pytest.raises(PermissionDenied, match=r"\(missing\)"):
+        member.run(call(), timeout=20)
+    assert member.gate is not None and member.gate.refused["missing"] == 1
+    assert any("refused callee" in r.message for r in caplog.records)
+
+
+def test_each_bad_certificate_is_refused_with_its_reason_on_both_sides(swarm: Swarm,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    member = swarm.invite()
+    authority, now = swarm.authority, time.time()
+    victim = Identity.generate()
+    cases: dict[str, tuple[Identity, MembershipCertificate, bytes]] = {}
+    thief = Identity.generate()
+    stolen = authority.invite(victim.peer_id, ["trainer"], DAY)
+    cases["wrong PeerID"] = (thief, stolen, authority.public_key)  # a certificate for another PeerID
+    expired_id = Identity.generate()
+    cases["expired"] = (expired_id, authority.invite(expired_id.peer_id, ["trainer"], 60, now=now - 3600),
+                        authority.public_key)
+    foreign_id, foreign = Identity.generate(), Authority.generate()
+    cases["wrong authority"] = (foreign_id, foreign.invite(foreign_id.peer_id, ["trainer"], DAY), foreign.public_key)
+    forged_id = Identity.generate()
+    genuine = authority.invite(forged_id.peer_id, ["trainer"], DAY)
+    forged = MembershipCertificate(genuine.authority, genuine.peer_id, ("server", "trainer"), genuine.issued_at,
+                                   genuine.expires_at, genuine.serial, genuine.signature)
+    cases["forged"] = (forged_id, forged, authority.public_key)
+    for reason, (identity, certificate, key) in cases.items():
+        policy = CertificatePolicy.__new__(CertificatePolicy)  # the intruder's own copy: it skips its own checks
+        policy.authority, policy.certificate, policy.revocations = key, certificate, None
+        policy._proof = certificate.encode()
+        pool = ChannelPool(identity, gate=MembershipGate(policy))
+
+        async def call(pool: ChannelPool = pool) -> None:
+            try:
+                await pool.get(member.addrs[0]).info(timeout=5)
+            finally:
+                await pool.close()
+
+        with caplog.at_level(logging.WARNING), pytest.raises(PermissionDenied) as caught:
+            member.run(call(), timeout=20)
+        assert f"({reason})" in str(caught.value), (reason, caught.value)
+        assert member.gate is not None and member.gate.refused[reason] == 1, (reason, member.gate.refused)
+        callee_side = [r.message for r in caplog.records if "refused caller" in r.message and f"({reason})" in r.message]
+        caller_side = [r.message for r in caplog.records if "refused this peer" in r.message and f"({reason})" in r.message]
+        assert callee_side and caller_side, reason
+
+
+def test_a_stolen_certificate_and_identity_file_checks_at_start(swarm: Swarm, make_peer: Callable[..., Peer]) -> None:
+    member = swarm.invite()
+    assert member.membership is not None
+    stolen = MembershipCertificate.decode(member.membership.proof)
+    with pytest.raises(ConfigError, match="is for"):
+        make_peer(swarm_authority=swarm.authority.public_text, membership=stolen)
+    with pytest.raises(ConfigError, match="both"):
+        make_peer(swarm_authority=swarm.authority.public_text)
+
+
+def test_repeated_attempts_from_one_address_are_refused_unread(swarm: Swarm) -> None:
+    member = swarm.invite()
+    assert member.gate is not None
+    limit = member.gate.config.max_refusals
+
+    async def attempts() -> list[str]:
+        reasons = []
+        for _ in range(limit + 3):
+            intruder = Identity.generate()  # a new PeerID each time: nothing cached helps it
+            pool = ChannelPool(intruder)
+            try:
+                await pool.get(member.addrs[0]).info(timeout=5)
+            except PermissionDenied as e:
+                reasons.append(str(e))
+            finally:
+                await pool.close()
+        return reasons
+
+    reasons = member.run(attempts(), timeout=60)
+    assert len(reasons) == limit + 3
+    # an attempt may be refused more than once (its Calls stream, then the call on its own): the
+    # address is throttled after at most `limit` attempts, and stays so for the window
+    assert "(missing)" in reasons[0]
+    throttled = [i for i, r in enumerate(reasons) if "too many refused attempts" in r]
+    assert throttled and throttled[0] <= limit and throttled == list(range(throttled[0], len(reasons)))
+    assert member.gate.refused["too many refused attempts"] >= len(throttled)
+
+
+def test_a_revoked_member_is_cut_off_within_the_interval(swarm: Swarm) -> None:
+    interval = 0.5
+    first = swarm.invite(revocation_interval=interval)
+    second = swarm.invite(revocation_interval=interval)
+    doomed = swarm.invite(revocation_interval=interval)
+    assert doomed.dht is not None and doomed.dht.store("before", 1, time.time() + 60)
+    assert second.revocations is not None and first.revocations is not None
+
+    async def watched_call() -> None:
+        await doomed.pool.get(second.addrs[0]).info(timeout=5)
+
+    doomed.run(watched_call(), timeout=20)  # a member: answered, its channel now open
+    revocations = swarm.authority.revoke([doomed.peer_id])
+    published = time.monotonic()
+    assert first.run(first.revocations.publish(revocations), timeout=20)
+
+    async def wait_applied() -> float:
+        await asyncio.wait_for(second.revocations.applied.wait(), 10 * interval + 10)
+        return time.monotonic()
+
+    applied = second.run(wait_applied(), timeout=30)
+    # the bound: one interval plus one DHT lookup (loopback: well under the lookup timeout)
+    assert applied - published < interval + 5.0
+    with pytest.raises(PermissionDenied):
+        doomed.run(watched_call(), timeout=20)  # the same open channel: refused now
+    with pytest.raises(PermissionDenied, match="revoked"):
+        async def fresh() -> None:
+            await doomed.pool.forget(first.peer_id)
+            await doomed.pool.get(first.addrs[0]).info(timeout=5)
+        doomed.run(fresh(), timeout=20)
+    assert first.dht is not None and first.dht.get("before") is not None  # the others go on
+
+
+def test_invited_peers_average_as_before(swarm: Swarm) -> None:
+    peers = [swarm.invite() for _ in range(3)]
+    addrs = [p.addrs[0] for p in peers]
+    tensors = [[torch.full((50_000,), float(i))] for i in range(3)]
+    averagers = [Averager(p, t, prefix="private", target_group_size=3, initial_group=addrs)
+                 for p, t in zip(peers, tensors)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda a: a.step(timeout=30), averagers))
+    assert all(len(r.group) == 3 for r in results)
+    for t in tensors:
+        assert torch.allclose(t[0], torch.full((50_000,), 1.0))
+    for a in averagers:
+        a.shutdown()
+
+
+def test_swarm_key_members_talk_and_other_keys_are_refused(tmp_path: Any, make_peer: Callable[..., Peer]) -> None:
+    paths = []
+    for name in ("ours", "theirs"):
+        path = tmp_path / f"{name}.key"
+        path.write_text(SwarmKey.generate_text())
+        path.chmod(0o600)
+        paths.append(str(path))
+    first = make_peer(swarm_key=paths[0])
+    second = make_peer(swarm_key=paths[0], initial_peers=first.addrs)
+    assert second.dht is not None and second.dht.store("k", 1, time.time() + 60)
+    assert first.dht is not None and first.dht.get("k") is not None
+    with pytest.raises(DHTError, match=r"wrong swarm key"):
+        make_peer(swarm_key=paths[1], initial_peers=first.addrs)
+    with pytest.raises(ConfigError, match="not both"):
+        make_peer(swarm_key=paths[0], swarm_authority=Authority.generate().public_text, membership="x")
+
+
+def test_membership_rides_in_every_calls_metadata(swarm: Swarm) -> None:
+    member = swarm.invite()
+    metadata = dict(member.pool.signer.metadata_for(member.peer_id))
+    assert member.membership is not None and metadata[METADATA_KEY] == member.membership.proof
