@@ -35,7 +35,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from swarm.core.errors import ConfigError, IdentityError, PermissionDenied
-from swarm.core.identity import peer_id_to_bytes, public_key_to_peer_id
+from swarm.core.identity import peer_id_to_bytes, peer_id_to_public_key, public_key_to_peer_id
 
 ROLES = ("trainer", "server", "relay", "archive", "observer")
 """Roles a certificate may grant: `trainer` averages and trains, `server` declares and serves
@@ -166,7 +166,7 @@ class Authority:
             raise ValueError(f"a certificate needs at least one role ({', '.join(ROLES)})")
         if expires_in <= 0:
             raise ValueError(f"expires_in must be positive, got {expires_in}")
-        peer_id_to_bytes(peer_id)  # a malformed PeerID fails here, not in a member's log later
+        _check_peer_id(peer_id)  # a malformed PeerID fails here, not in a member's log later
         issued = int(time.time() if now is None else now)
         unsigned = MembershipCertificate(self.public_key, peer_id, tuple(sorted(set(roles))), issued,
                                          issued + int(expires_in), os.urandom(8), b"")
@@ -177,7 +177,7 @@ class Authority:
         """A revocation list naming `peer_ids` and certificate `serials`, plus those of `previous`,
         numbered one past it (so every peer that sees both keeps this one)."""
         for peer_id in peer_ids:
-            peer_id_to_bytes(peer_id)
+            _check_peer_id(peer_id)
         if previous is not None and previous.authority != self.public_key:
             raise ValueError("the previous revocation list was signed by another authority")
         old_peers = previous.peer_ids if previous is not None else frozenset()
@@ -186,6 +186,13 @@ class Authority:
         unsigned = RevocationList(self.public_key, number, int(time.time() if now is None else now),
                                   frozenset(peer_ids) | old_peers, frozenset(serials) | old_serials, b"")
         return unsigned.signed(self._key.sign(unsigned.payload()))
+
+
+def _check_peer_id(peer_id: str) -> None:
+    try:
+        peer_id_to_public_key(peer_id)
+    except (IdentityError, ValueError):
+        raise ValueError(f"not an Ed25519 PeerID: {peer_id!r}") from None
 
 
 def _verify(public_key: bytes, signature: bytes, payload: bytes) -> bool:
