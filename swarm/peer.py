@@ -39,6 +39,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+CALLER_ROLES = {"/swarm.Averaging/": frozenset({"trainer", "archive"})}
+"""In a private swarm, the roles a caller needs: averaging and its state transfer are for trainers
+(and archives, which keep a run's state). The DHT, experts and the rest take any member."""
+CALLEE_ROLES = {"/swarm.moe.Expert/": frozenset({"server"})}
+"""In a private swarm, the roles a callee needs: experts are called only on servers."""
+
 _live: set[int] = set()  # the peers of this process not shut down yet
 _live_lock = threading.Lock()
 
@@ -126,7 +132,8 @@ class Peer:
         self._certificates = certificate_policy(self.peer_id, swarm_authority, membership, revocations)
         shared_key = swarm_key_policy(self.peer_id, swarm_key)
         self.membership: MembershipPolicy | None = self._certificates or shared_key
-        self.gate = MembershipGate(self.membership, gate) if self.membership is not None else None
+        self.gate = MembershipGate(self.membership, gate, caller_roles=CALLER_ROLES, callee_roles=CALLEE_ROLES
+                                   ) if self.membership is not None else None
         """A private swarm's gate (docs/security.md, "Private swarms"); None in an open swarm."""
         self.revocations: RevocationWatcher | None = None
         self._revocation_interval = revocation_interval

@@ -212,6 +212,12 @@ class PeerChannel:
             proof = b""  # an open swarm's peer (no Membership method): it presents nothing
         self.member = gate.check_callee(self.peer_id, proof, self.addr.host)
 
+    def _permit(self, method: str) -> None:
+        """A private swarm: refuses to call `method` on a callee that lacks the role it needs."""
+        gate = self.pool.gate
+        if gate is not None and self.member is not None:
+            gate.require_callee(self.member, method)
+
     async def _prove_identity(self) -> None:
         if self.pool.config.tls:
             await self._connect_tls()
@@ -292,6 +298,8 @@ class PeerChannel:
         unary calls of their own; both reach the same handler and fail with the same errors.
         """
         await self.verify()
+        if self.member is not None:
+            self._permit(method)
         payload = request if isinstance(request, bytes) else request.SerializeToString()
         if (self.calls_supported and len(payload) <= MAX_MULTIPLEXED_REQUEST
                 and (not self._calls_refused_until or asyncio.get_running_loop().time() >= self._calls_refused_until)):
@@ -376,6 +384,8 @@ class PeerChannel:
         so received arrives as a `swarm.net.bulk.Sunk`).
         """
         await self.verify()
+        if self.member is not None:
+            self._permit(method)
         timeout = timeout or self.pool.config.default_timeout
         if bulk and (self.bulk_reachable is not False or asyncio.get_running_loop().time() >= self._bulk_retry_at):
             connection = await self._open_bulk(method, timeout)
@@ -497,6 +507,8 @@ class PeerChannel:
     ) -> bytes:
         """Client-streaming call: many requests, one raw-bytes response."""
         await self.verify()
+        if self.member is not None:
+            self._permit(method)
         stats = self.pool.metrics.method(method)  # metrics (issue #7)
         started, ok = stats.start(), False  # metrics
         try:

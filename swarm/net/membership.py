@@ -16,10 +16,12 @@ PeerID, and the transport already proves PeerIDs: the callee's by TLS, the calle
   callee without a valid one before sending any request.
 
 A verified proof is cached (later calls cost a dict lookup); a refused proof is remembered too,
-so a stranger repeating an attempt costs no second signature check, and an address whose
-attempts were refused `max_refusals` times within `refusal_window` seconds is refused unread
-until the window passes. Refusals are logged with their reason, at most one line per address
-and reason per window.
+so a stranger repeating an attempt costs no second signature check. An address whose attempts
+were refused `max_refusals` times within `refusal_window` seconds is throttled: its next
+refusals cache nothing and log nothing but one line per window, and answer "too many refused
+attempts". A valid proof still passes from a throttled address (at the cost of one signature
+check), so an intruder behind a member's NAT cannot lock the member out. Refusals are logged with
+their reason, at most one line per address and reason per window.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import logging
 import os
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from swarm.core.errors import ConfigError, PermissionDenied
@@ -75,17 +77,27 @@ class GateConfig:
 class MembershipGate:
     """Admits members and refuses everyone else, for both sides of every connection.
 
+    Roles are checked where a method needs one: `caller_roles` maps a method path prefix to the
+    roles of which a caller must hold one (e.g. the averaging service: trainers), `callee_roles`
+    the roles a callee must hold for this peer to call it (e.g. experts: servers).
+
     Args:
         policy: how proofs are made and checked (certificates, or a swarm key).
         config: the gate's limits.
         clock: seconds since the epoch (certificates expire in wall-clock time).
+        caller_roles: method path prefix -> roles, one of which a caller needs.
+        callee_roles: method path prefix -> roles, one of which a callee needs.
     """
 
     def __init__(self, policy: MembershipPolicy, config: GateConfig | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, *,
+                 caller_roles: Mapping[str, frozenset[str]] | None = None,
+                 callee_roles: Mapping[str, frozenset[str]] | None = None) -> None:
         self.policy = policy
         self.config = config or GateConfig()
         self.clock = clock
+        self.caller_roles = tuple((caller_roles or {}).items())
+        self.callee_roles = tuple((callee_roles or {}).items())
         self.metadata: tuple[tuple[str, bytes], ...] = ((METADATA_KEY, policy.proof),)
         """What this peer adds to every call's metadata: its own proof."""
         self.refused: Counter[str] = Counter()
@@ -109,8 +121,10 @@ class MembershipGate:
             return None
         return member
 
-    def admit(self, peer_id: str, metadata: Sequence[tuple[str, str | bytes]] | None, address: str) -> Member:
-        """The caller's membership from its call's metadata; raises `PermissionDenied` otherwise."""
+    def admit(self, peer_id: str, metadata: Sequence[tuple[str, str | bytes]] | None, address: str,
+              method: str = "") -> Member:
+        """The caller's membership from its call's metadata; raises `PermissionDenied` otherwise
+        (also when `method` needs a role the caller lacks)."""
         proof: str | bytes = b""
         for key, value in metadata or ():
             if key == METADATA_KEY:
@@ -119,46 +133,72 @@ class MembershipGate:
         if not isinstance(proof, bytes):
             proof = b""
         member = self._verified.get(proof) if proof else None
-        if member is not None and member.peer_id == peer_id and self.clock() < member.expires_at:
-            return member
-        return self._check(peer_id, proof, address, "caller")
+        if member is None or member.peer_id != peer_id or self.clock() >= member.expires_at:
+            member = self._check(peer_id, proof, address, "caller")
+        if self.caller_roles and method:
+            self._require(member, method, self.caller_roles, "caller")
+        return member
 
-    def still_member(self, peer_id: str) -> Member:
+    def require_callee(self, member: Member, method: str) -> None:
+        """Raises `PermissionDenied` if calling `method` needs a role the callee `member` lacks."""
+        if self.callee_roles:
+            self._require(member, method, self.callee_roles, "callee")
+
+    def _require(self, member: Member, method: str, rules: tuple[tuple[str, frozenset[str]], ...], side: str) -> None:
+        for prefix, roles in rules:
+            if method.startswith(prefix) and not roles & member.roles:
+                self.refused["missing role"] += 1
+                self._log(member.peer_id, "missing role", f"refused {side} {member.peer_id} for {method}: "
+                                                          f"it lacks the role {' or '.join(sorted(roles))}")
+                raise PermissionDenied(f"{member.peer_id} lacks the role {' or '.join(sorted(roles))} that "
+                                       f"{method} needs in this private swarm (its roles: "
+                                       f"{', '.join(sorted(member.roles))})", peer_id=member.peer_id)
+
+    def still_member(self, peer_id: str, method: str = "") -> Member:
         """For calls on a connection whose caller proved membership before (a bulk stream): raises
-        `PermissionDenied` if it no longer holds (expired, or revoked since)."""
+        `PermissionDenied` if it no longer holds (expired, or revoked since), or if `method` needs a
+        role it lacks."""
         member = self.member(peer_id)
         if member is None:
             self.refused["no longer a member"] += 1
             raise PermissionDenied(f"{peer_id} is no longer a member of this private swarm (its certificate "
                                    "expired or was revoked)", peer_id=peer_id)
+        if self.caller_roles and method:
+            self._require(member, method, self.caller_roles, "caller")
         return member
 
     def check_callee(self, peer_id: str, proof: bytes, address: str) -> Member:
         """The callee's membership from its `Membership` answer; raises `PermissionDenied` otherwise."""
+        return self.check_proof(peer_id, proof, address, "callee")
+
+    def check_proof(self, peer_id: str, proof: bytes, address: str, side: str) -> Member:
+        """The membership `proof` gives `peer_id` (whose PeerID the caller of this proved already);
+        raises `PermissionDenied` otherwise. `side` names the peer in the log ("callee", "relay client")."""
         member = self._verified.get(proof) if proof else None
         if member is not None and member.peer_id == peer_id and self.clock() < member.expires_at:
             return member
-        return self._check(peer_id, proof, address, "callee")
+        return self._check(peer_id, proof, address, side)
 
     def _check(self, peer_id: str, proof: bytes, address: str, side: str) -> Member:
         now = self.clock()
         key = (peer_id, proof)
         known = self._rejected.get(key)
-        if known is None and self._throttled(address, now):
-            self.refused[THROTTLED] += 1
-            self._log(address, THROTTLED, f"refused {side} {peer_id} at {address} unread: {THROTTLED} "
-                                          f"from this address within {self.config.refusal_window:g} s")
-            raise PermissionDenied(f"{THROTTLED} from your address: try again later", peer_id=peer_id)
+        throttled = known is None and self._throttled(address, now)
         try:
             if known is not None:
-                raise known
+                raise known.with_traceback(None)
             if len(proof) > MAX_PROOF_BYTES:
                 raise MembershipRefused("malformed", f"a proof of {len(proof)} bytes", peer_id=peer_id)
             member = self.policy.check(peer_id, proof, now)
         except MembershipRefused as e:
+            self._attempt(address, now)
+            if throttled:  # no log line, nothing cached: the address keeps failing
+                self.refused[THROTTLED] += 1
+                self._log(address, THROTTLED, f"refusing {side}s at {address} quietly: {THROTTLED} "
+                                              f"within {self.config.refusal_window:g} s (last: {peer_id}, {e.reason})")
+                raise PermissionDenied(f"{THROTTLED} from your address ({e.reason})", peer_id=peer_id) from None
             self.refused[e.reason] += 1
             self._remember(self._rejected, key, e)
-            self._attempt(address, now)
             self._log(address, e.reason, f"refused {side} {peer_id} at {address}: {e}")
             raise
         self._remember(self._verified, proof, member)

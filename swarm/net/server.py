@@ -280,13 +280,13 @@ class RPCServer:
     def _source(self, context: grpc.aio.ServicerContext) -> str:
         return source_of(context.peer() or "", self.config)
 
-    def _caller(self, context: grpc.aio.ServicerContext, authenticated: bool) -> str:
+    def _caller(self, context: grpc.aio.ServicerContext, authenticated: bool, method: str = "") -> str:
         if not authenticated:
             return ""
         metadata = context.invocation_metadata()
         caller = self.verifier.caller_of(metadata)
         if self.gate is not None:
-            self.gate.admit(caller, metadata, address_of(context.peer() or ""))
+            self.gate.admit(caller, metadata, address_of(context.peer() or ""), method)
         return caller
 
     async def _respond(
@@ -295,7 +295,7 @@ class RPCServer:
     ) -> bytes:
         """One response for one call: authenticate, admit, run the handler, map failures to statuses."""
         try:
-            return await _handle(stats, lambda: CallContext(self._caller(context, authenticated), context,
+            return await _handle(stats, lambda: CallContext(self._caller(context, authenticated, path), context,
                                                             source=self._source(context)), invoke,
                                  self.limiter, limit)
         except grpc.aio.AbortError:
@@ -345,15 +345,15 @@ class RPCServer:
             unary, limiter, gate = self._unary, self.limiter, self.gate
             metadata, address = context.invocation_metadata(), address_of(context.peer() or "")
 
-            def context_for(stream: Any, deadline: float | None, authenticated: bool) -> CallContext:
+            def context_for(path: str, stream: Any, deadline: float | None, authenticated: bool) -> CallContext:
                 if gate is not None:  # each call: a member may have expired or been revoked since the stream opened
-                    gate.admit(caller, metadata, address)
+                    gate.admit(caller, metadata, address, path)
                 return CallContext(caller if authenticated else "", stream, deadline, source=origin)
 
             async def invoke(path: str, payload: bytes, stream: Any, deadline: float | None) -> bytes:
                 handler, request_type, authenticated, stats, method_limit = unary[path]
                 stats.received.value += len(payload)  # metrics
-                return await _handle(stats, lambda: context_for(stream, deadline, authenticated),
+                return await _handle(stats, lambda: context_for(path, stream, deadline, authenticated),
                                      lambda ctx: handler(_decode(request_type, payload), ctx), limiter, method_limit)
 
             await serve_calls(context, invoke, unary.__contains__, self._calls_admission,
@@ -381,7 +381,7 @@ class RPCServer:
         if bulk:
             async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
                 if self.gate is not None:  # its token came from a checked OpenBulk; a kept connection's
-                    self.gate.still_member(ctx.peer_id)  # reopen frame did not: the member may be revoked since
+                    self.gate.still_member(ctx.peer_id, path)  # reopen frame did not: it may be revoked since
                 limiter.admit(limit, ctx.peer_id, ctx.source)
                 started, ok = stats.start(), False  # metrics
                 try:
@@ -400,7 +400,7 @@ class RPCServer:
             started, ok = stats.start(), False  # metrics
             admitted: tuple[str, str] | None = None
             try:
-                caller, origin = self._caller(context, True), self._source(context)
+                caller, origin = self._caller(context, True, path), self._source(context)
                 limiter.admit(limit, caller, origin)
                 admitted = (caller, origin)
                 source = _counted(requests, stats) if request_streaming else _single(requests, stats)
