@@ -44,6 +44,7 @@ from swarm.net.calls import MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
 from swarm.net.errors import from_grpc_error
 from swarm.net.estimates import LinkEstimates
 from swarm.net.membership import MEMBERSHIP, MembershipGate
+from swarm.net.membership import METADATA_KEY as MEMBERSHIP_KEY
 from swarm.net.tls import SERVER_NAME, trust_anchor
 from swarm.net.tls import probe as tls_probe
 from swarm.proto import peer_pb2
@@ -200,8 +201,20 @@ class PeerChannel:
             await self._check_membership(self.pool.gate)
 
     async def _check_membership(self, gate: MembershipGate) -> None:
-        """A private swarm: asks the callee (whose PeerID TLS proved) for its membership proof, and
-        refuses it without a valid one; the call carries this peer's proof, which it checks too."""
+        """A private swarm: learns the callee's membership proof (its PeerID TLS proved already) and
+        refuses it without a valid one. The callee sends its proof with its acceptance of the Calls
+        stream, which the channel opens now for its first calls (so this costs no round trip of its
+        own); where no Calls stream is accepted (refused, disabled), a `Membership` call asks for
+        it. Either carries this peer's proof, which the callee checks first."""
+        if self.calls_supported:
+            calls = self._calls_stream()
+            metadata = await calls.accepted()
+            if metadata is not None:
+                proof = next((v for k, v in metadata if k == MEMBERSHIP_KEY and isinstance(v, bytes)), b"")
+                self.member = gate.check_callee(self.peer_id, proof, self.addr.host)
+                return
+            calls.close()  # refused (not a member?): the call below says why
+            self._calls = None
         try:
             proof = await self._raw_unary(MEMBERSHIP, b"", None, self.pool.config.handshake_timeout, self._metadata())
         except PermissionDenied as e:
@@ -317,10 +330,7 @@ class PeerChannel:
     async def _multiplexed(
         self, method: str, payload: bytes, response_type: type[Message] | None, timeout: float | None,
     ) -> Any:
-        calls = self._calls
-        if calls is None or calls.broken:
-            calls = self._calls = CallStream(self.channel, self._metadata(), self.peer_id,
-                                             self.pool.config.calls_idle_timeout)
+        calls = self._calls_stream()
         stats = self.pool.metrics.method(method)  # metrics (issue #7)
         started, ok = stats.start(), False  # metrics
         stats.sent.value += len(payload)  # metrics
@@ -332,6 +342,14 @@ class PeerChannel:
         finally:
             stats.finish(started, ok)  # metrics
         return self._decode(data, response_type)
+
+    def _calls_stream(self) -> CallStream:
+        """The channel's Calls stream, opened if there is none (or it ended)."""
+        calls = self._calls
+        if calls is None or calls.broken:
+            calls = self._calls = CallStream(self.channel, self._metadata(), self.peer_id,
+                                             self.pool.config.calls_idle_timeout)
+        return calls
 
     async def _raw_unary(
         self, method: str, request: Message | bytes, response_type: type[Message] | None,

@@ -140,7 +140,11 @@ class MembershipGate:
         return member
 
     def require_callee(self, member: Member, method: str) -> None:
-        """Raises `PermissionDenied` if calling `method` needs a role the callee `member` lacks."""
+        """Raises `PermissionDenied` if the callee `member`'s membership expired since its channel
+        checked it, or if calling `method` needs a role it lacks."""
+        if self.clock() >= member.expires_at:
+            self.refused["expired"] += 1
+            raise MembershipRefused("expired", "its certificate expired while connected", peer_id=member.peer_id)
         if self.callee_roles:
             self._require(member, method, self.callee_roles, "callee")
 

@@ -46,6 +46,7 @@ from swarm.net.calls import ACCEPTED, CALLS, Admission, serve_calls
 from swarm.net.errors import to_status
 from swarm.net.limits import CallLimit, CallLimiter
 from swarm.net.membership import MEMBERSHIP, MembershipGate, address_of
+from swarm.net.membership import METADATA_KEY as MEMBERSHIP_KEY
 from swarm.net.tls import PeerCertificate, server_context
 from swarm.proto import peer_pb2
 
@@ -341,7 +342,9 @@ class RPCServer:
                                     f"the server's limit per source address")
             by_source[origin] = opened + 1
         try:
-            await context.send_initial_metadata((ACCEPTED,))  # the caller may write now (swarm.net.calls)
+            # the caller may write now (swarm.net.calls); in a private swarm it checks this peer's proof first
+            await context.send_initial_metadata((ACCEPTED,) if self.gate is None else
+                                                (ACCEPTED, (MEMBERSHIP_KEY, self.gate.policy.proof)))
             unary, limiter, gate = self._unary, self.limiter, self.gate
             metadata, address = context.invocation_metadata(), address_of(context.peer() or "")
 

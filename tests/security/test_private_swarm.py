@@ -158,7 +158,7 @@ def test_each_bad_certificate_is_refused_with_its_reason_on_both_sides(swarm: Sw
         with caplog.at_level(logging.WARNING), pytest.raises(PermissionDenied) as caught:
             member.run(call(), timeout=20)
         assert f"({reason})" in str(caught.value), (reason, caught.value)
-        assert member.gate is not None and member.gate.refused[reason] == 1, (reason, member.gate.refused)
+        assert member.gate is not None and member.gate.refused[reason] >= 1, (reason, member.gate.refused)
         callee_side = [r.message for r in caplog.records if "refused caller" in r.message and f"({reason})" in r.message]
         caller_side = [r.message for r in caplog.records if "refused this peer" in r.message and f"({reason})" in r.message]
         assert callee_side and caller_side, reason
