@@ -2,16 +2,18 @@
 
 The authority's newest revocation list lives under one key, `REVOCATIONS_KEY`, and
 `RevocationValidator` makes every DHT node refuse anything else there: a list not signed by the
-authority, or garbage (a member cannot fill the key with junk).
+authority, garbage (a member cannot fill the key with junk), or one that expires more than
+`REVOCATION_TTL` ahead.
 
 `RevocationWatcher` reads the key every `interval` seconds; a newer list goes to the membership
 policy, the gate checks every cached member again (`MembershipGate.revalidate`), and a revoked
 peer's calls are refused from then on and its channels closed. So a revoked peer is cut off at
 most `interval` plus one DHT lookup after the list was stored. Every member that holds a newer
-list than the DHT's, or one that expires within half of `REVOCATION_TTL`, stores it again with a
-later expiration: the list stays alive while members run, and a member that stores an older
-genuine list (a rollback) is overwritten at the next member's read; no peer ever goes back to
-an older list than one it applied.
+list than the DHT's, or one that expires within half of `REVOCATION_TTL`, stores it again,
+expiring `REVOCATION_TTL` from now: the list stays alive while members run, and an older genuine
+list that a member stores (a rollback, which cannot expire later than `REVOCATION_TTL` from its
+store) is replaced by the next member's read, whose store expires later; no peer ever goes back
+to an older list than one it applied.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 
 from swarm.core.errors import ConfigError, DHTError, RPCError, ValidationError
 from swarm.core.loop import spawn
-from swarm.core.membership import CertificatePolicy, MembershipRefused, RevocationList
+from swarm.core.membership import MAX_CLOCK_SKEW, CertificatePolicy, MembershipRefused, RevocationList
 from swarm.core.serialization import pack, unpack
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import KeyValueStore
@@ -56,6 +58,10 @@ class RevocationValidator(RecordValidator):
             RevocationList.decode(data if isinstance(data, bytes) else b"", self.authority)
         except (ValueError, MembershipRefused) as e:
             raise ValidationError(f"not this swarm's revocation list: {e}") from None
+        if record.expiration_time > get_dht_time() + REVOCATION_TTL + MAX_CLOCK_SKEW:
+            # so that a member's next store of the newest list always expires later than a
+            # rollback stored before it, and replaces it
+            raise ValidationError(f"a revocation list may expire at most {REVOCATION_TTL:g} s ahead")
 
 
 class RevocationWatcher:

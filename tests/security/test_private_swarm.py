@@ -17,9 +17,16 @@ from torch import nn
 
 from swarm.averaging import Averager
 from swarm.averaging.state import State, StateServer
-from swarm.core.errors import ConfigError, DHTError, PermissionDenied
+from swarm.core.errors import ConfigError, DHTError, PermissionDenied, ValidationError
 from swarm.core.identity import Identity
-from swarm.core.membership import Authority, CertificatePolicy, MembershipCertificate, SwarmKey
+from swarm.core.membership import (
+    Authority,
+    CertificatePolicy,
+    MembershipCertificate,
+    RevocationList,
+    SwarmKey,
+)
+from swarm.dht.revocations import REVOCATION_TTL
 from swarm.moe.server.expert_server import ExpertServer
 from swarm.net.channels import ChannelPool
 from swarm.net.membership import METADATA_KEY, MembershipGate
@@ -319,3 +326,31 @@ def test_a_relay_reserves_only_for_members(swarm: Swarm, make_peer: Callable[...
     assert relay_peer.run(reserve(member.identity, member.membership.proof), timeout=20).startswith("OK ")
     # a peer without the relay role runs no relay, and NAT'd members choose relays by role
     assert member.nat is not None and member.nat.relay is None
+
+
+def test_a_list_given_at_start_spreads_and_no_member_goes_back_to_an_older_one(swarm: Swarm) -> None:
+    first = swarm.invite(revocation_interval=0.3)
+    doomed = Identity.generate().peer_id
+    older = swarm.authority.revoke([Identity.generate().peer_id])
+    newer = swarm.authority.revoke([doomed], previous=older)
+    swarm.invite(revocations=newer)  # stores it in the DHT on its first read
+    assert first.revocations is not None
+
+    async def wait_applied() -> None:
+        await asyncio.wait_for(first.revocations.applied.wait(), 20)
+
+    first.run(wait_applied(), timeout=30)
+    assert first.membership is not None and first._certificates is not None
+    assert first._certificates.revocations is not None and first._certificates.revocations.number == 2
+    # a member that stores the older genuine list (a rollback): far ahead, refused by the DHT; within
+    # the limit, stored, then replaced by the next member's read, and applied by nobody
+    assert first.dht is not None
+    with pytest.raises(ValidationError, match="at most"):
+        first.dht.store("_swarm.revocations", older.encode(), time.time() + 3600 * 20)
+    assert first.dht.store("_swarm.revocations", older.encode(), time.time() + REVOCATION_TTL)
+    first.run(first.revocations.refresh(), timeout=20)
+    assert first._certificates.revocations.number == 2
+    found = first.dht.get("_swarm.revocations", latest=True)  # the refresh stored the newest again
+    assert found is not None and RevocationList.decode(found.value, swarm.authority.public_key).number == 2
+    with pytest.raises(ValidationError):  # junk under the key: refused by the DHT's validator
+        first.dht.store("_swarm.revocations", b"junk", time.time() + 3600 * 20)
