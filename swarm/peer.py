@@ -77,7 +77,7 @@ class Peer:
         swarm_key: a pre-shared swarm key file instead (the small-group mode, no roles or revocation).
         revocations: a revocation list to start with (a file, or the object); newer ones spread
             through the DHT and are read every `revocation_interval` seconds.
-        gate: the private swarm gate's limits (refusals per address).
+        gate_config: the private swarm gate's limits (refusals per address).
         start: start serving now; with False, call `await peer.astart()` from an event loop.
     """
 
@@ -104,7 +104,7 @@ class Peer:
         swarm_key: str | os.PathLike[str] | None = None,
         revocations: str | os.PathLike[str] | RevocationList | None = None,
         revocation_interval: float = 10.0,
-        gate: GateConfig | None = None,
+        gate_config: GateConfig | None = None,
     ) -> None:
         self.initial_peers = [Multiaddr.parse(a) for a in initial_peers]
         self.listen = Multiaddr.parse(listen)
@@ -132,7 +132,7 @@ class Peer:
         self._certificates = certificate_policy(self.peer_id, swarm_authority, membership, revocations)
         shared_key = swarm_key_policy(self.peer_id, swarm_key)
         self.membership: MembershipPolicy | None = self._certificates or shared_key
-        self.gate = MembershipGate(self.membership, gate, caller_roles=CALLER_ROLES, callee_roles=CALLEE_ROLES
+        self.gate = MembershipGate(self.membership, gate_config, caller_roles=CALLER_ROLES, callee_roles=CALLEE_ROLES
                                    ) if self.membership is not None else None
         """A private swarm's gate (docs/security.md, "Private swarms"); None in an open swarm."""
         self.revocations: RevocationWatcher | None = None
