@@ -206,17 +206,26 @@ class PeerChannel:
         stream, which the channel opens now for its first calls (so this costs no round trip of its
         own); where no Calls stream is accepted (refused, disabled), a `Membership` call asks for
         it. Either carries this peer's proof, which the callee checks first."""
+        timeout = self.pool.config.handshake_timeout
         if self.calls_supported:
             calls = self._calls_stream()
-            metadata = await calls.accepted()
+            try:
+                metadata = await asyncio.wait_for(calls.accepted(), timeout)
+            except TimeoutError:
+                metadata = None
             if metadata is not None:
                 proof = next((v for k, v in metadata if k == MEMBERSHIP_KEY and isinstance(v, bytes)), b"")
-                self.member = gate.check_callee(self.peer_id, proof, self.addr.host)
-                return
-            calls.close()  # refused (not a member?): the call below says why
+                try:
+                    self.member = gate.check_callee(self.peer_id, proof, self.addr.host)
+                    return
+                except PermissionDenied:
+                    calls.close()  # nothing was sent on it: nothing will be
+                    self._calls = None
+                    raise
+            calls.close()  # refused (not a member?) or silent: the call below says why
             self._calls = None
         try:
-            proof = await self._raw_unary(MEMBERSHIP, b"", None, self.pool.config.handshake_timeout, self._metadata())
+            proof = await self._raw_unary(MEMBERSHIP, b"", None, timeout, self._metadata())
         except PermissionDenied as e:
             gate.refused["refused by the callee"] += 1
             logger.warning("private swarm: %s at %s refused this peer: %s", self.peer_id, self.addr, e)
