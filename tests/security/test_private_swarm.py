@@ -31,6 +31,7 @@ from swarm.moe.server.expert_server import ExpertServer
 from swarm.net.channels import ChannelPool
 from swarm.net.membership import METADATA_KEY, MembershipGate
 from swarm.net.relay import reserve_payload
+from swarm.optim import CollaborationConfig, Optimizer
 from swarm.peer import Peer
 
 DAY = 86400.0
@@ -354,3 +355,30 @@ def test_a_list_given_at_start_spreads_and_no_member_goes_back_to_an_older_one(s
     assert found is not None and RevocationList.decode(found.value, swarm.authority.public_key).number == 2
     with pytest.raises(ValidationError):  # junk under the key: refused by the DHT's validator
         first.dht.store("_swarm.revocations", b"junk", time.time() + 3600 * 20)
+
+
+def test_invited_peers_train_with_the_optimizer_as_before(swarm: Swarm) -> None:
+    config = CollaborationConfig(target_batch_size=32, report_period=0.05, min_refresh_period=0.02,
+                                 max_refresh_period=0.2, averaging_timeout=10.0, max_staleness=0)
+    torch.manual_seed(0)
+    models = [nn.Linear(8, 1) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [Optimizer(swarm.invite(), run_id="private-run", params=m.parameters(),
+                      optimizer=lambda params: torch.optim.SGD(params, lr=0.1), config=config) for m in models]
+    assert all(o.wait_for_peers(2, timeout=20) for o in opts)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+
+    def train(opt: Optimizer, model: nn.Module) -> None:
+        deadline = time.monotonic() + 60
+        while opt.epoch < 3 and time.monotonic() < deadline:
+            torch.nn.functional.mse_loss(model(x[:16]), y[:16]).backward()
+            opt.step(16)
+            opt.zero_grad()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(train, opts, models))
+    assert all(o.epoch >= 3 for o in opts)
+    if opts[0].epoch == opts[1].epoch:  # every round waited for: the members took the same steps
+        assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    for o in opts:
+        o.shutdown()
