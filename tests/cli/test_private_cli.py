@@ -3,6 +3,7 @@ the options come from flags, the environment or a TOML file; an uninvited daemon
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -12,8 +13,10 @@ import pytest
 from procs import PeerProcess
 
 from swarm.cli.config import build_parser, resolve
+from swarm.cli.health import _probe
 from swarm.core.errors import ConfigError
 from swarm.core.membership import MembershipCertificate, RevocationList, parse_authority
+from swarm.core.multiaddr import Multiaddr
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -46,6 +49,15 @@ def test_three_commands_start_a_private_swarm_and_a_stranger_cannot_join(tmp_pat
             with stranger:
                 assert stranger.wait(30) == 2
                 assert "not a member of this private swarm (missing)" in stranger.stderr_text()
+            # `status` asks as a member of its own (an observer), and the health probe of `--self`
+            # counts a member's refusal of an anonymous probe as a live peer
+            assert _cli("invite", "--authority-key", "authority.key", "--identity", "obs.id", "--role", "observer",
+                        "--out", "obs.cert", cwd=tmp_path).returncode == 0
+            status = _cli("status", "--initial-peers", first.addrs[0], "--identity", "obs.id", "--swarm-authority",
+                          public, "--membership", "obs.cert", cwd=tmp_path)
+            assert status.returncode == 0 and second.addrs[0].rsplit("/", 1)[1] in status.stdout, status
+            probe = asyncio.run(_probe(Multiaddr.parse(first.addrs[0]), None, 10.0))
+            assert probe.startswith("ok ") and "private swarm" in probe
             assert second.stop() == 0
         assert first.stop() == 0
         assert "refused caller" in first.stderr_text()
