@@ -77,6 +77,8 @@ class Peer:
         swarm_key: a pre-shared swarm key file instead (the small-group mode, no roles or revocation).
         revocations: a revocation list to start with (a file, or the object); newer ones spread
             through the DHT and are read every `revocation_interval` seconds.
+        revocation_interval: seconds between two reads of the revocation list: with one DHT
+            lookup, the bound within which a revoked peer is cut off.
         gate_config: the private swarm gate's limits (refusals per address).
         start: start serving now; with False, call `await peer.astart()` from an event loop.
     """
