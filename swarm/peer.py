@@ -10,21 +10,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, Self, TypeVar
 
 from swarm.core.errors import ConfigError, MultiaddrError
 from swarm.core.identity import Identity, IdentityFile
-from swarm.core.loop import LoopThread
+from swarm.core.loop import LoopThread, spawn
+from swarm.core.membership import MembershipCertificate, MembershipPolicy, RevocationList
 from swarm.core.multiaddr import Multiaddr
 from swarm.core.services import Component, Services
 from swarm.core.version import __version__
 from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
+from swarm.dht.revocations import RevocationValidator, RevocationWatcher
 from swarm.metrics.registry import Registry
 from swarm.net import sealed
 from swarm.net.channels import ChannelConfig, ChannelPool
+from swarm.net.membership import GateConfig, MembershipGate, certificate_policy, swarm_key_policy
 from swarm.net.nat import NatConfig, NatTraversal, client_direct_paths
 from swarm.net.peer_service import PeerService
 from swarm.net.server import RPCServer, ServerConfig, reachable_addrs
@@ -34,6 +38,12 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
+CALLER_ROLES = {"/swarm.Averaging/": frozenset({"trainer", "archive"})}
+"""In a private swarm, the roles a caller needs: averaging and its state transfer are for trainers
+(and archives, which keep a run's state). The DHT, experts and the rest take any member."""
+CALLEE_ROLES = {"/swarm.moe.Expert/": frozenset({"server"})}
+"""In a private swarm, the roles a callee needs: experts are called only on servers."""
 
 _live: set[int] = set()  # the peers of this process not shut down yet
 _live_lock = threading.Lock()
@@ -59,6 +69,17 @@ class Peer:
             initial peers to dial it back, relays for others when reachable, and holds
             reservations on relays (announcing relayed addresses) when it is not.
         relay: shorthand for `nat.relay` ("auto", "on", "off"; True / False for on / off).
+        swarm_authority: a private swarm's authority public key (`swarm-authority:…`, as
+            `swarm-peer authority init` prints it); with `membership`, this peer presents its
+            certificate to every peer and refuses every peer without a valid one (docs/security.md,
+            "Private swarms"). None: an open swarm.
+        membership: this peer's certificate (a file made by `swarm-peer invite`, or the object).
+        swarm_key: a pre-shared swarm key file instead (the small-group mode, no roles or revocation).
+        revocations: a revocation list to start with (a file, or the object); newer ones spread
+            through the DHT and are read every `revocation_interval` seconds.
+        revocation_interval: seconds between two reads of the revocation list: with one DHT
+            lookup, the bound within which a revoked peer is cut off.
+        gate_config: the private swarm gate's limits (refusals per address).
         start: start serving now; with False, call `await peer.astart()` from an event loop.
     """
 
@@ -80,6 +101,12 @@ class Peer:
         insecure: bool = False,
         nat: NatConfig | None = None,
         relay: str | bool | None = None,
+        swarm_authority: str | None = None,
+        membership: str | os.PathLike[str] | MembershipCertificate | None = None,
+        swarm_key: str | os.PathLike[str] | None = None,
+        revocations: str | os.PathLike[str] | RevocationList | None = None,
+        revocation_interval: float = 10.0,
+        gate_config: GateConfig | None = None,
     ) -> None:
         self.initial_peers = [Multiaddr.parse(a) for a in initial_peers]
         self.listen = Multiaddr.parse(listen)
@@ -102,7 +129,20 @@ class Peer:
             raise ConfigError("server_config.tls and channel_config.tls differ: a peer is TLS or insecure on both")
         self.insecure = not (channel_config or ChannelConfig()).tls
         self._server_config = server_config
-        self.pool = ChannelPool(self.identity, channel_config)
+        if swarm_key is not None and (swarm_authority is not None or membership is not None):
+            raise ConfigError("a private swarm uses certificates (swarm_authority, membership) or a swarm key, not both")
+        self._certificates = certificate_policy(self.peer_id, swarm_authority, membership, revocations)
+        shared_key = swarm_key_policy(self.peer_id, swarm_key)
+        self.membership: MembershipPolicy | None = self._certificates or shared_key
+        self.gate = MembershipGate(self.membership, gate_config, caller_roles=CALLER_ROLES, callee_roles=CALLEE_ROLES
+                                   ) if self.membership is not None else None
+        """A private swarm's gate (docs/security.md, "Private swarms"); None in an open swarm."""
+        self.revocations: RevocationWatcher | None = None
+        self._revocation_interval = revocation_interval
+        if self._certificates is not None:
+            dht_config = dataclasses.replace(dht_config or DHTConfig(), validators=(
+                *(dht_config or DHTConfig()).validators, RevocationValidator(self._certificates.authority)))
+        self.pool = ChannelPool(self.identity, channel_config, gate=self.gate)
         self.server: RPCServer | None = None
         self.dht: DHT | None = None
         self.metrics_registry = Registry()
@@ -134,7 +174,7 @@ class Peer:
         if self.loop.loop is not _running_loop():
             return await self.loop.wrap(self.astart())
         if not self.client_mode:
-            self.server = RPCServer(self.identity, self._server_config)
+            self.server = RPCServer(self.identity, self._server_config, gate=self.gate)
             PeerService(self.server, self.describe)
             port = await self.server.start(self.listen)
             self.addrs = reachable_addrs(self.listen, port, self.peer_id, self.announce)
@@ -149,6 +189,13 @@ class Peer:
     async def _start_dht(self) -> None:
         self.dht = await DHT.create(self, self._dht_config)
         self._components.append(self.dht)
+        if self.gate is not None:
+            self.gate.on_revoked.append(self._cut_off)
+            if self._certificates is not None:
+                self.revocations = RevocationWatcher(self.dht, self._certificates, self.gate,
+                                                     self._revocation_interval)
+                self._components.append(self.revocations)
+                self.revocations.start()
         if self.nat is not None and not self.dht.node.client_mode:
             self.nat.on_addrs_changed.append(self.dht.node.protocol.readdress)  # relays changed (docs/relay.md)
 
@@ -162,6 +209,12 @@ class Peer:
                 except MultiaddrError:
                     continue
         return known
+
+    def _cut_off(self, peer_ids: set[str]) -> None:
+        """Closes the channels to peers a revocation list cut off (their calls are refused already)."""
+        for peer_id in peer_ids:
+            if self.pool.known(peer_id) is not None:
+                spawn(self.pool.forget(peer_id), f"cut-off-{peer_id[-6:]}")
 
     def attach(self, component: Component) -> None:
         """Registers a component to shut down (in reverse order) before the server stops."""

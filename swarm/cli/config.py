@@ -38,6 +38,11 @@ class PeerOptions:
     dashboard_host: str = "127.0.0.1"
     dashboard_run: tuple[str, ...] = ()
     dashboard_experts: tuple[str, ...] = ()
+    # a private swarm (docs/security.md, "Private swarms")
+    swarm_authority: str | None = None
+    membership: str | None = None
+    swarm_key: str | None = None
+    revocations: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,6 +63,10 @@ class PeerOptions:
             raise ConfigError(f"--relay-port must be a TCP port, got {self.relay_port}")
         if self.dashboard_port is not None and not 0 <= self.dashboard_port <= 65535:
             raise ConfigError(f"--dashboard-port must be a TCP port, got {self.dashboard_port}")
+        if (self.swarm_authority is None) != (self.membership is None):
+            raise ConfigError("a private swarm needs both --swarm-authority and --membership")
+        if self.swarm_key is not None and self.swarm_authority is not None:
+            raise ConfigError("--swarm-key or --swarm-authority/--membership, not both")
         if self.client_mode and self.experts:
             raise ConfigError("a client-mode peer cannot serve experts (it accepts no connections)")
 
@@ -92,6 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relay", help="auto (default: relay for peers behind NAT when publicly reachable), on or off")
     parser.add_argument("--relay-port", type=int, help="TCP port of the relay service (default: any free port)")
     parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
+    private = parser.add_argument_group("private swarm (docs/security.md)")
+    private.add_argument("--swarm-authority", help="the authority's public key (swarm-authority:…): talk only to "
+                                                   "peers holding its certificates")
+    private.add_argument("--membership", help="this peer's certificate file (from `swarm-peer invite`)")
+    private.add_argument("--swarm-key", help="a pre-shared swarm key file instead (small groups; no roles, "
+                                             "no revocation)")
+    private.add_argument("--revocations", help="a revocation list file (from `swarm-peer revoke`) to apply "
+                                               "and spread through the DHT")
     add_dashboard_arguments(parser)
 
 

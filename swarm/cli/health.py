@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarm.core.errors import SwarmError
+from swarm.core.errors import PermissionDenied, SwarmError
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
 from swarm.net.channels import ChannelConfig, ChannelPool
@@ -64,7 +64,10 @@ async def _probe(target: Multiaddr, expected_peer_id: str | None, timeout: float
         addr = target.with_peer_id(expected_peer_id) if expected_peer_id else target
         channel = (await asyncio.wait_for(pool.dial_unknown(addr), timeout)) if not expected_peer_id \
             else pool.get(addr)
-        info = await channel.info(timeout)
+        try:
+            info = await channel.info(timeout)
+        except PermissionDenied:  # TLS proved its PeerID; it serves members only, and is up
+            return f"ok {channel.peer_id} (a private swarm's peer: it refused this uninvited probe)"
         return f"ok {info.peer_id} {info.role} {' '.join(info.addrs)}"
     finally:
         await pool.close()

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from swarm.cli.config import PeerOptions, build_parser, resolve
+from swarm.cli.private import COMMANDS as PRIVATE_COMMANDS
+from swarm.cli.private import peer_arguments as private_peer_arguments
 from swarm.core.errors import SwarmError
 from swarm.core.signals import handle_stop_signals
 
@@ -87,6 +89,7 @@ def run_daemon(options: PeerOptions) -> int:
                                    bulk_port=int(options.bulk_port) if options.bulk_port not in (None, "off") else 0),
         insecure=options.insecure,
         nat=NatConfig(reachability=options.reachability, relay=options.relay, relay_port=options.relay_port),
+        **private_peer_arguments(options),
     )
     server = None
     try:
@@ -123,6 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from swarm.cli.dashboard import main as dashboard_main
 
         return dashboard_main(argv[1:])
+    if argv and argv[0] in PRIVATE_COMMANDS:  # a private swarm's authority, invitations, revocations
+        from swarm.cli.private import main as private_main
+
+        return private_main(argv)
     args = build_parser().parse_args(argv)
     try:
         options = resolve(args)

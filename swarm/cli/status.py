@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--insecure", action="store_true", default=_env_flag("SWARM_INSECURE"),
                         help="dial in plaintext, to peers started with --insecure (default: TLS; SWARM_INSECURE)")
+    # flags only, never the daemon's SWARM_* variables: its key file is locked while it runs
+    parser.add_argument("--identity", help="a key file to ask as: a private swarm's member of its own "
+                                           "(not a running daemon's key), with --membership")
+    parser.add_argument("--swarm-authority", help="a private swarm's authority public key (docs/security.md)")
+    parser.add_argument("--membership", help="the certificate of --identity in that private swarm")
     parser.add_argument("--log-level", default=os.environ.get("SWARM_STATUS_LOG_LEVEL", "ERROR"),
                         help="log level (default ERROR)")
     return parser
@@ -253,11 +258,14 @@ def run_status(args: argparse.Namespace) -> int:
 
     addrs = _initial_peers(args)
     dialable = [str(a) for a in addrs if a.peer_id]
+    private = {"identity_path": args.identity, "swarm_authority": args.swarm_authority, "membership": args.membership}
     try:
-        peer = Peer(initial_peers=dialable, client_mode=True, insecure=args.insecure)
+        peer = Peer(initial_peers=dialable, client_mode=True, insecure=args.insecure, **private)
+    except ConfigError:
+        raise
     except SwarmError as e:  # e.g. the DHT could not bootstrap: still ask the peers themselves
         logger.warning("could not join through the initial peers (%s); asking them directly", e)
-        peer = Peer(client_mode=True, insecure=args.insecure)
+        peer = Peer(client_mode=True, insecure=args.insecure, **private)
     try:
         view = peer.run(survey(peer, addrs, args.timeout), timeout=args.timeout * 4 + 10)
         dht = peer.dht

@@ -44,6 +44,11 @@ class Unauthenticated(RPCError):
     """The caller or callee failed to prove the PeerID it claims."""
 
 
+class PermissionDenied(Unauthenticated):
+    """The peer proved who it is, but is not allowed in (not a member of a private swarm, or a
+    member without the role the call needs)."""
+
+
 class InvalidRequest(RPCError):
     """The callee rejected the request as malformed (bad shapes, dtypes, encodings, values)."""
 

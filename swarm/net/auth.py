@@ -45,8 +45,9 @@ def make_ticket(identity: Identity, callee_peer_id: str, lifetime: float = _TICK
 class TicketSigner:
     """Caller side: one ticket per callee, renewed well before it expires."""
 
-    def __init__(self, identity: Identity) -> None:
+    def __init__(self, identity: Identity, extra: tuple[tuple[str, bytes], ...] = ()) -> None:
         self.identity = identity
+        self.extra = extra  # sent beside every ticket: a private swarm's membership proof
         self._tickets: dict[str, tuple[float, tuple[tuple[str, bytes], ...]]] = {}
 
     def metadata_for(self, callee_peer_id: str) -> tuple[tuple[str, bytes], ...]:
@@ -54,7 +55,7 @@ class TicketSigner:
         cached = self._tickets.get(callee_peer_id)
         if cached is None or cached[0] < now:
             ticket = make_ticket(self.identity, callee_peer_id)
-            cached = (now + _TICKET_LIFETIME / 2, ((METADATA_KEY, ticket),))
+            cached = (now + _TICKET_LIFETIME / 2, ((METADATA_KEY, ticket), *self.extra))
             self._tickets[callee_peer_id] = cached
         return cached[1]
 

@@ -168,6 +168,15 @@ class CallStream:
                                ready=self._call.wait_for_connection)
         self._reader = spawn(self._read_responses(), name=f"calls-from-{peer_id[-8:]}")
 
+    async def accepted(self) -> tuple[tuple[str, str | bytes], ...] | None:
+        """The callee's initial metadata once it accepted the stream; None if it refused it."""
+        try:
+            metadata = await self._call.initial_metadata()
+        except grpc.aio.AioRpcError:
+            return None
+        metadata = tuple(metadata or ())
+        return metadata if any(key == ACCEPTED[0] for key, _ in metadata) else None
+
     @property
     def broken(self) -> bool:
         """The stream ended: no call may use it."""

@@ -30,6 +30,7 @@ from swarm.core.errors import (
     InvalidRequest,
     NotFound,
     PeerUnreachable,
+    PermissionDenied,
     RPCError,
     Unauthenticated,
 )
@@ -42,11 +43,14 @@ from swarm.net.auth import TicketSigner, check_handshake
 from swarm.net.calls import MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
 from swarm.net.errors import from_grpc_error
 from swarm.net.estimates import LinkEstimates
+from swarm.net.membership import MEMBERSHIP, MembershipGate
+from swarm.net.membership import METADATA_KEY as MEMBERSHIP_KEY
 from swarm.net.tls import SERVER_NAME, trust_anchor
 from swarm.net.tls import probe as tls_probe
 from swarm.proto import peer_pb2
 
 if TYPE_CHECKING:
+    from swarm.core.membership import Member
     from swarm.net.holepunch import DirectPaths
 
 logger = logging.getLogger(__name__)
@@ -133,6 +137,7 @@ class PeerChannel:
         self.calls_supported = pool.config.multiplex  # False: unary calls of their own (or an older peer)
         self._calls_refused_until = 0.0  # loop time until which calls skip the stream (it was refused)
         self._limits: dict[str, asyncio.Semaphore] = {}
+        self.member: Member | None = None  # in a private swarm: the membership the callee proved
 
     def limit(self, name: str, size: int) -> asyncio.Semaphore:
         """The semaphore `name` of this channel, made with `size` places on first use: how an upper
@@ -191,6 +196,51 @@ class PeerChannel:
         await asyncio.shield(self._verified)
 
     async def _handshake(self) -> None:
+        await self._prove_identity()
+        if self.pool.gate is not None:
+            await self._check_membership(self.pool.gate)
+
+    async def _check_membership(self, gate: MembershipGate) -> None:
+        """A private swarm: learns the callee's membership proof (its PeerID TLS proved already) and
+        refuses it without a valid one. The callee sends its proof with its acceptance of the Calls
+        stream, which the channel opens now for its first calls (so this costs no round trip of its
+        own); where no Calls stream is accepted (refused, disabled), a `Membership` call asks for
+        it. Either carries this peer's proof, which the callee checks first."""
+        timeout = self.pool.config.handshake_timeout
+        if self.calls_supported:
+            calls = self._calls_stream()
+            try:
+                metadata = await asyncio.wait_for(calls.accepted(), timeout)
+            except TimeoutError:
+                metadata = None
+            if metadata is not None:
+                proof = next((v for k, v in metadata if k == MEMBERSHIP_KEY and isinstance(v, bytes)), b"")
+                try:
+                    self.member = gate.check_callee(self.peer_id, proof, self.addr.host)
+                    return
+                except PermissionDenied:
+                    calls.close()  # nothing was sent on it: nothing will be
+                    self._calls = None
+                    raise
+            calls.close()  # refused (not a member?) or silent: the call below says why
+            self._calls = None
+        try:
+            proof = await self._raw_unary(MEMBERSHIP, b"", None, timeout, self._metadata())
+        except PermissionDenied as e:
+            gate.refused["refused by the callee"] += 1
+            logger.warning("private swarm: %s at %s refused this peer: %s", self.peer_id, self.addr, e)
+            raise
+        except NotFound:
+            proof = b""  # an open swarm's peer (no Membership method): it presents nothing
+        self.member = gate.check_callee(self.peer_id, proof, self.addr.host)
+
+    def _permit(self, method: str) -> None:
+        """A private swarm: refuses to call `method` on a callee that lacks the role it needs."""
+        gate = self.pool.gate
+        if gate is not None and self.member is not None:
+            gate.require_callee(self.member, method)
+
+    async def _prove_identity(self) -> None:
         if self.pool.config.tls:
             await self._connect_tls()
             return
@@ -270,6 +320,8 @@ class PeerChannel:
         unary calls of their own; both reach the same handler and fail with the same errors.
         """
         await self.verify()
+        if self.member is not None:
+            self._permit(method)
         payload = request if isinstance(request, bytes) else request.SerializeToString()
         if (self.calls_supported and len(payload) <= MAX_MULTIPLEXED_REQUEST
                 and (not self._calls_refused_until or asyncio.get_running_loop().time() >= self._calls_refused_until)):
@@ -287,10 +339,7 @@ class PeerChannel:
     async def _multiplexed(
         self, method: str, payload: bytes, response_type: type[Message] | None, timeout: float | None,
     ) -> Any:
-        calls = self._calls
-        if calls is None or calls.broken:
-            calls = self._calls = CallStream(self.channel, self._metadata(), self.peer_id,
-                                             self.pool.config.calls_idle_timeout)
+        calls = self._calls_stream()
         stats = self.pool.metrics.method(method)  # metrics
         started, ok = stats.start(), False  # metrics
         stats.sent.value += len(payload)  # metrics
@@ -302,6 +351,14 @@ class PeerChannel:
         finally:
             stats.finish(started, ok)  # metrics
         return self._decode(data, response_type)
+
+    def _calls_stream(self) -> CallStream:
+        """The channel's Calls stream, opened if there is none (or it ended)."""
+        calls = self._calls
+        if calls is None or calls.broken:
+            calls = self._calls = CallStream(self.channel, self._metadata(), self.peer_id,
+                                             self.pool.config.calls_idle_timeout)
+        return calls
 
     async def _raw_unary(
         self, method: str, request: Message | bytes, response_type: type[Message] | None,
@@ -354,6 +411,8 @@ class PeerChannel:
         so received arrives as a `swarm.net.bulk.Sunk`).
         """
         await self.verify()
+        if self.member is not None:
+            self._permit(method)
         timeout = timeout or self.pool.config.default_timeout
         if bulk and (self.bulk_reachable is not False or asyncio.get_running_loop().time() >= self._bulk_retry_at):
             connection = await self._open_bulk(method, timeout)
@@ -475,6 +534,8 @@ class PeerChannel:
     ) -> bytes:
         """Client-streaming call: many requests, one raw-bytes response."""
         await self.verify()
+        if self.member is not None:
+            self._permit(method)
         stats = self.pool.metrics.method(method)  # metrics
         started, ok = stats.start(), False  # metrics
         try:
@@ -514,10 +575,14 @@ def _retrieve(future: asyncio.Future[None]) -> None:
 class ChannelPool:
     """Channels to other peers, one per PeerID (re-dialed when the peer's address changes)."""
 
-    def __init__(self, identity: Identity, config: ChannelConfig | None = None) -> None:
+    def __init__(self, identity: Identity, config: ChannelConfig | None = None, *,
+                 gate: MembershipGate | None = None) -> None:
         self.identity = identity
         self.config = config or ChannelConfig()
-        self.signer = TicketSigner(identity)
+        self.gate = gate
+        """A private swarm's gate (`swarm.net.membership`): callees must prove membership, and every
+        call carries this peer's proof. None: an open swarm."""
+        self.signer = TicketSigner(identity, gate.metadata if gate is not None else ())
         self._channels: dict[str, PeerChannel] = {}
         self.metrics = RPCMetrics("client")  # metrics
         self.estimates = LinkEstimates()  # measured RTT and throughput per peer

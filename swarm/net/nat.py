@@ -133,7 +133,10 @@ class NatTraversal:
         else:
             self.reachability = Reachability(status=cfg.reachability)
         logger.info("reachability: %s", self.reachability.summary())
-        if cfg.relay == "on" or (cfg.relay == "auto" and self.status != PRIVATE):
+        if not self._may_relay():
+            if cfg.relay == "on":
+                logger.warning("not relaying: this peer's membership in its private swarm lacks the relay role")
+        elif cfg.relay == "on" or (cfg.relay == "auto" and self.status != PRIVATE):
             await self._start_relay()
         if self.status == PRIVATE:
             await self._start_reservations()
@@ -144,6 +147,11 @@ class NatTraversal:
         if cfg.reachability == "auto" and cfg.recheck_interval is not None:
             self._watcher = asyncio.ensure_future(self._watch(cfg.recheck_interval))
             self._watcher.set_name("nat-recheck")
+
+    def _may_relay(self) -> bool:
+        """In a private swarm only members with the relay role relay; in an open one, anyone."""
+        gate = self.pool.gate
+        return gate is None or gate.own.has("relay")
 
     def public_ip(self) -> str | None:
         """This peer's IP address as peers elsewhere see it, for a hole punch: what a relay saw a
@@ -180,7 +188,7 @@ class NatTraversal:
                     reservations, self.reservations = self.reservations, None
                     await reservations.close()
                 self._announce(self.direct_addrs)
-                if self.relay is None and cfg.relay == "auto":
+                if self.relay is None and cfg.relay == "auto" and self._may_relay():
                     await self._start_relay()
             return True
 
@@ -197,7 +205,7 @@ class NatTraversal:
             pause = interval if changed else min(2 * pause, self.config.recheck_max)
 
     async def _start_relay(self) -> None:
-        self.relay = Relay(self.server.identity, self.config.relay_limits)
+        self.relay = Relay(self.server.identity, self.config.relay_limits, gate=self.pool.gate)
         host = "0.0.0.0" if self.listen.is_unspecified and self.listen.protocol == "ip4" else self.listen.host
         port = await self.relay.start(host, self.config.relay_port)
         direct = [Multiaddr.parse(a) for a in self.direct_addrs]
@@ -212,8 +220,9 @@ class NatTraversal:
             ports[bulk_port] = bulk_port
         local = self.listen.host if not self.listen.is_unspecified else (
             "127.0.0.1" if self.listen.protocol == "ip4" else "::1")
+        gate = self.pool.gate
         self.reservations = Reservations(self.server.identity, self._find_relays, ports, local, self._relayed,
-                                         self.config.reservations)
+                                         self.config.reservations, proof=gate.policy.proof if gate else b"")
         if self.config.holepunch:
             self.reservations.punch_answer = functools.partial(answer, guard=self.punch_guard)
         self.reservations.start()
@@ -240,6 +249,10 @@ class NatTraversal:
                     found.setdefault(relay.peer_id, relay)
                     if relay not in self.reachability.relays:
                         self.reachability.relays.append(relay)
+        gate = self.pool.gate
+        if gate is not None:  # a private swarm: only members with the relay role relay
+            found = {peer_id: r for peer_id, r in found.items()
+                     if (member := gate.member(peer_id or "")) is not None and member.has("relay")}
         return list(found.values())
 
     def _relayed(self, addresses: list[str]) -> None:

@@ -32,9 +32,10 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from swarm.core.errors import ConfigError, PeerUnreachable
+from swarm.core.errors import ConfigError, PeerUnreachable, PermissionDenied
 from swarm.core.identity import Identity, verify
 from swarm.core.multiaddr import Multiaddr
+from swarm.net.membership import MembershipGate
 from swarm.net.sockets import listening_socket
 
 logger = logging.getLogger(__name__)
@@ -167,10 +168,13 @@ class Relay:
     Args:
         identity: the relay's identity (reservations are signed for its PeerID).
         config: its limits.
+        gate: in a private swarm, reservations only for members (their proof follows the signature).
     """
 
-    def __init__(self, identity: Identity, config: RelayConfig | None = None) -> None:
+    def __init__(self, identity: Identity, config: RelayConfig | None = None, *,
+                 gate: MembershipGate | None = None) -> None:
         self.identity = identity
+        self.gate = gate
         self.config = config or RelayConfig()
         self.port: int | None = None
         self.reservations: dict[str, _Reservation] = {}
@@ -258,15 +262,24 @@ class Relay:
         nonce = os.urandom(16)
         writer.write(b"NONCE " + nonce.hex().encode() + b"\n")
         answer = await asyncio.wait_for(reader.readline(), cfg.handshake_timeout)
-        peer_id, _, signature = answer.decode(errors="replace").strip().partition(" ")
+        peer_id, _, rest = answer.decode(errors="replace").strip().partition(" ")
+        signature, _, proof = rest.partition(" ")  # a member's proof follows in a private swarm
         try:
             valid = verify(peer_id, reserve_payload(nonce, self.identity.peer_id), bytes.fromhex(signature))
+            membership = bytes.fromhex(proof)
         except ValueError:
             valid = False
         if not valid:
             self._refuse("bad signature")
             writer.write(b"NO bad signature\n")
             return
+        if self.gate is not None:
+            try:
+                self.gate.check_proof(peer_id, membership, ip, "relay client")
+            except PermissionDenied as e:
+                self._refuse("not a member")
+                writer.write(f"NO {e}\n".encode())
+                return
         old = self.reservations.get(peer_id)
         per_ip = sum(1 for r in self.reservations.values() if r.ip == ip and r is not old)
         if old is None and len(self.reservations) >= cfg.max_reservations:
@@ -426,7 +439,8 @@ class Reservation:
                 raise OSError(f"not a relay: {line[:40]!r}")
             nonce = bytes.fromhex(line[6:].strip().decode())
             signature = self.owner.identity.sign(reserve_payload(nonce, self.relay.peer_id or ""))
-            stream.write(f"{self.owner.identity.peer_id} {signature.hex()}\n".encode())
+            proof = f" {self.owner.proof.hex()}" if self.owner.proof else ""
+            stream.write(f"{self.owner.identity.peer_id} {signature.hex()}{proof}\n".encode())
             line = await asyncio.wait_for(reader.readline(), cfg.connect_timeout)
             if not line.startswith(b"OK "):
                 raise OSError(f"refused: {line.decode(errors='replace').strip() or 'closed'}")
@@ -531,12 +545,14 @@ class Reservations:
         candidates: returns relays' addresses (ending in /p2p/<relay>) to try, best first.
         ports: the ports a circuit may reach: `{GRPC_PORT: grpc port, bulk port: bulk port}`.
         local_host: where this peer's own servers listen (the circuits' other end).
+        proof: in a private swarm, this peer's membership proof, shown to every relay.
     """
 
     def __init__(self, identity: Identity, candidates: Callable[[], Awaitable[Sequence[Multiaddr]]],
                  ports: dict[int, int], local_host: str, on_change: Callable[[list[str]], None],
-                 config: ReservationsConfig | None = None) -> None:
+                 config: ReservationsConfig | None = None, *, proof: bytes = b"") -> None:
         self.identity = identity
+        self.proof = proof
         self.candidates = candidates
         self.ports = ports
         self.local_host = local_host

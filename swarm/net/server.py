@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from swarm.core.errors import ConfigError, InvalidRequest, SwarmError, Unauthenticated
+from swarm.core.errors import ConfigError, InvalidRequest, NotFound, SwarmError, Unauthenticated
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics
@@ -45,6 +45,8 @@ from swarm.net.bulk import OPEN_BULK, BulkListener
 from swarm.net.calls import ACCEPTED, CALLS, Admission, serve_calls
 from swarm.net.errors import to_status
 from swarm.net.limits import CallLimit, CallLimiter
+from swarm.net.membership import MEMBERSHIP, MembershipGate, address_of
+from swarm.net.membership import METADATA_KEY as MEMBERSHIP_KEY
 from swarm.net.tls import PeerCertificate, server_context
 from swarm.proto import peer_pb2
 
@@ -242,8 +244,11 @@ class RPCServer:
     """One grpc.aio server per peer; `await start(listen)` binds it (port 0 picks a free port)."""
 
     def __init__(self, identity: Identity, config: ServerConfig | None = None, *,
-                 certificate: PeerCertificate | None = None) -> None:
+                 certificate: PeerCertificate | None = None, gate: MembershipGate | None = None) -> None:
         self.identity = identity
+        self.gate = gate
+        """A private swarm's gate (`swarm.net.membership`): every authenticated call's caller must
+        prove membership. None: an open swarm."""
         self.config = config or ServerConfig()
         # the TLS certificate (None with tls=False); `certificate` replaces the one issued here
         self.certificate = certificate if self.config.tls else None
@@ -261,6 +266,8 @@ class RPCServer:
         self._calls_admission = Admission(self.config.max_concurrent_rpcs)
         self._dispatcher.handlers[CALLS] = grpc.stream_stream_rpc_method_handler(self._serve_calls)
         self.add_unary(OPEN_BULK, self._open_bulk, peer_pb2.BulkOpenRequest)
+        if gate is not None:
+            self.add_unary(MEMBERSHIP, self._membership)
 
     # -- registration -------------------------------------------------------------------------
 
@@ -274,10 +281,14 @@ class RPCServer:
     def _source(self, context: grpc.aio.ServicerContext) -> str:
         return source_of(context.peer() or "", self.config)
 
-    def _caller(self, context: grpc.aio.ServicerContext, authenticated: bool) -> str:
+    def _caller(self, context: grpc.aio.ServicerContext, authenticated: bool, method: str = "") -> str:
         if not authenticated:
             return ""
-        return self.verifier.caller_of(context.invocation_metadata())
+        metadata = context.invocation_metadata()
+        caller = self.verifier.caller_of(metadata)
+        if self.gate is not None:
+            self.gate.admit(caller, metadata, address_of(context.peer() or ""), method)
+        return caller
 
     async def _respond(
         self, path: str, stats: Any, context: grpc.aio.ServicerContext, authenticated: bool,
@@ -285,7 +296,7 @@ class RPCServer:
     ) -> bytes:
         """One response for one call: authenticate, admit, run the handler, map failures to statuses."""
         try:
-            return await _handle(stats, lambda: CallContext(self._caller(context, authenticated), context,
+            return await _handle(stats, lambda: CallContext(self._caller(context, authenticated, path), context,
                                                             source=self._source(context)), invoke,
                                  self.limiter, limit)
         except grpc.aio.AbortError:
@@ -316,8 +327,8 @@ class RPCServer:
         """One caller's Calls stream (`swarm.net.calls`): its small unary calls, multiplexed."""
         try:
             caller = self._caller(context, True)
-        except Unauthenticated as e:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        except Unauthenticated as e:  # PermissionDenied too: not a member of a private swarm
+            await context.abort(to_status(e) or grpc.StatusCode.UNAUTHENTICATED, str(e))
         limit = self.config.max_call_streams or max(1, self.config.max_concurrent_rpcs // 2)
         if len(self._call_streams) >= limit:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit} call streams are open already")
@@ -331,14 +342,21 @@ class RPCServer:
                                     f"the server's limit per source address")
             by_source[origin] = opened + 1
         try:
-            await context.send_initial_metadata((ACCEPTED,))  # the caller may write now (swarm.net.calls)
-            unary, limiter = self._unary, self.limiter
+            # the caller may write now (swarm.net.calls); in a private swarm it checks this peer's proof first
+            await context.send_initial_metadata((ACCEPTED,) if self.gate is None else
+                                                (ACCEPTED, (MEMBERSHIP_KEY, self.gate.policy.proof)))
+            unary, limiter, gate = self._unary, self.limiter, self.gate
+            metadata, address = context.invocation_metadata(), address_of(context.peer() or "")
+
+            def context_for(path: str, stream: Any, deadline: float | None, authenticated: bool) -> CallContext:
+                if gate is not None:  # each call: a member may have expired or been revoked since the stream opened
+                    gate.admit(caller, metadata, address, path)
+                return CallContext(caller if authenticated else "", stream, deadline, source=origin)
 
             async def invoke(path: str, payload: bytes, stream: Any, deadline: float | None) -> bytes:
                 handler, request_type, authenticated, stats, method_limit = unary[path]
                 stats.received.value += len(payload)  # metrics
-                return await _handle(stats, lambda: CallContext(caller if authenticated else "", stream, deadline,
-                                                                source=origin),
+                return await _handle(stats, lambda: context_for(path, stream, deadline, authenticated),
                                      lambda ctx: handler(_decode(request_type, payload), ctx), limiter, method_limit)
 
             await serve_calls(context, invoke, unary.__contains__, self._calls_admission,
@@ -365,6 +383,8 @@ class RPCServer:
         limiter = self.limiter
         if bulk:
             async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+                if self.gate is not None:  # its token came from a checked OpenBulk; a kept connection's
+                    self.gate.still_member(ctx.peer_id, path)  # reopen frame did not: it may be revoked since
                 limiter.admit(limit, ctx.peer_id, ctx.source)
                 started, ok = stats.start(), False  # metrics
                 try:
@@ -383,7 +403,7 @@ class RPCServer:
             started, ok = stats.start(), False  # metrics
             admitted: tuple[str, str] | None = None
             try:
-                caller, origin = self._caller(context, True), self._source(context)
+                caller, origin = self._caller(context, True, path), self._source(context)
                 limiter.admit(limit, caller, origin)
                 admitted = (caller, origin)
                 source = _counted(requests, stats) if request_streaming else _single(requests, stats)
@@ -415,6 +435,12 @@ class RPCServer:
                                        limit)
 
         self._dispatcher.handlers[path] = grpc.stream_unary_rpc_method_handler(behavior)
+
+    async def _membership(self, request: bytes, ctx: CallContext) -> bytes:
+        """This peer's membership proof, for a caller whose own proof the gate just accepted."""
+        if self.gate is None:
+            raise NotFound("this peer runs an open swarm")
+        return self.gate.policy.proof
 
     async def _open_bulk(self, request: peer_pb2.BulkOpenRequest, ctx: CallContext) -> peer_pb2.BulkOpenResponse:
         token = self.bulk.issue(ctx.peer_id, request.method, request.timeout)
