@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("swarm.averaging", "swarm.moe"),  # side by side: neither imports the other
     ("swarm.optim",),
     ("swarm.peer",),
-    ("swarm.cli", "swarm.demo"),
+    ("swarm.cli", "swarm.demo", "swarm.integrations"),  # integrations: users' training loops on a Peer
     ("swarm.testing",),  # the network lab starts daemons and demo trainers as processes
     ("swarm", "swarm.__main__"),
 ]
