@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass
 
 from swarm.core.errors import ConfigError, DHTError, SwarmError
@@ -74,6 +75,7 @@ class ModelAdmission:
         self.config = config or AdmissionConfig()
         self.refused: dict[str, str] = {}  # peer ID -> why it was refused (logged once each)
         self._task: asyncio.Task[None] | None = None
+        self._changed = threading.Condition()
 
     def admit(self) -> None:
         """Publishes this peer's fingerprint, then checks the run's; starts the renewals.
@@ -84,23 +86,38 @@ class ModelAdmission:
         self.peer.run(self._publish(), timeout=self.config.timeout + 5)
         mismatches = self.peer.run(self._read(), timeout=self.config.timeout + 5)
         if mismatches:
+            # the record stays, marked refused, so the running peers learn of the refusal too; it does not
+            # turn away the next peer, which may train the run's model
+            self.peer.run(self._publish(refused_by=next(iter(mismatches))), timeout=self.config.timeout + 5)
             raise ModelMismatchError("; ".join(mismatches.values()))
         self.peer.run(self._start())
 
     async def _start(self) -> None:
         self._task = spawn(self._watch(), name=f"model-admission {self.key}")
 
-    async def _publish(self) -> None:
+    async def _publish(self, refused_by: str | None = None) -> None:
         dht = self.peer.dht
         assert dht is not None  # checked at construction
         expiration = get_dht_time() + self.config.expiration
-        stored = await asyncio.wait_for(dht.astore(self.key, self.fingerprint.to_record(), expiration,
+        record = self.fingerprint.to_record() | ({"refused_by": refused_by} if refused_by is not None else {})
+        stored = await asyncio.wait_for(dht.astore(self.key, record, expiration,
                                                    subkey=owner_marker(self.peer.peer_id)), self.config.timeout)
         if not stored:
             logger.debug("no DHT node took this peer's model fingerprint under %s", self.key)
 
-    async def _read(self) -> dict[str, str]:
-        """Peers whose fingerprint differs from this one, each with the message naming the difference."""
+    async def _withdraw(self) -> None:
+        """Replaces this peer's fingerprint with a record that says it left (not a fingerprint)."""
+        dht = self.peer.dht
+        assert dht is not None
+        try:
+            await asyncio.wait_for(dht.astore(self.key, {"left": True}, get_dht_time() + self.config.expiration,
+                                              subkey=owner_marker(self.peer.peer_id)), self.config.timeout)
+        except (TimeoutError, DHTError, SwarmError, OSError) as e:
+            logger.debug("withdrawing this peer's model fingerprint failed: %s", e)
+
+    async def _read(self, refused_too: bool = False) -> dict[str, str]:
+        """Peers whose fingerprint differs from this one, each with the message naming the difference
+        (with `refused_too`, also those another peer refused already)."""
         dht = self.peer.dht
         assert dht is not None
         found = await asyncio.wait_for(dht.aget(self.key, latest=True), self.config.timeout)
@@ -113,6 +130,8 @@ class ModelAdmission:
             if peer_id is None or peer_id == self.peer.peer_id:
                 continue
             theirs = ModelFingerprint.from_record(item.value)
+            if not refused_too and isinstance(item.value, dict) and "refused_by" in item.value:
+                continue
             if theirs is not None and theirs != self.fingerprint:
                 out[peer_id] = mismatch_message(self.fingerprint, theirs, self.peer.peer_id, peer_id)
         return out
@@ -122,18 +141,26 @@ class ModelAdmission:
             await asyncio.sleep(self.config.period)
             try:
                 await self._publish()
-                mismatches = await self._read()
+                mismatches = await self._read(refused_too=True)
             except (TimeoutError, DHTError, SwarmError, OSError) as e:
                 logger.debug("the model check of %s failed this time: %s", self.key, e)
                 continue
             for peer_id, why in mismatches.items():
                 if peer_id not in self.refused:
-                    self.refused[peer_id] = why
                     logger.error("refusing %s", why)
+                    with self._changed:
+                        self.refused[peer_id] = why
+                        self._changed.notify_all()
+
+    def wait_for_refusal(self, peer_id: str, timeout: float) -> bool:
+        """Blocks until this peer has refused `peer_id` (at most `timeout` seconds); True if it has."""
+        with self._changed:
+            return self._changed.wait_for(lambda: peer_id in self.refused, timeout)
 
     async def ashutdown(self) -> None:
-        """Stops the renewals (the record expires on its own)."""
+        """Stops the renewals and withdraws this peer's fingerprint."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+            await self._withdraw()
