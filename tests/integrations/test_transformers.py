@@ -1,0 +1,67 @@
+"""transformers' Trainer in a swarm: three peers train a tiny GPT-2 to identical parameters and a lower loss."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+pytest.importorskip("datasets", reason="the transformers extra is not installed")
+
+from fast import FAST
+from gpt2_common import byte_corpus, held_out_loss, tiny_gpt2
+
+from swarm.integrations.session import SwarmArguments
+from swarm.integrations.transformers import SwarmTrainer
+
+pytestmark = pytest.mark.alone  # several peers average in this process against round deadlines
+
+STEPS = 12
+
+
+def _trainer(peer, model, train, out, run_id="hf") -> SwarmTrainer:
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=STEPS,
+        learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=1.0, logging_steps=4,
+        save_steps=6, report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+    return SwarmTrainer(model=model, args=args, train_dataset=train, peer=peer,
+                        swarm=SwarmArguments(run_id=run_id, target_batch_size=48, collaboration=FAST, min_peers=3,
+                                             peers_timeout=30))
+
+
+def test_three_trainers_reach_identical_parameters_and_a_lower_loss(swarm_peers, tmp_path):
+    train, held_out = byte_corpus(32, limit=150_000)
+    models = [tiny_gpt2(context=32) for _ in range(3)]
+    before = held_out_loss(models[0], held_out)
+    trainers = [_trainer(p, m, train, str(tmp_path / f"p{i}")) for i, (p, m) in enumerate(zip(swarm_peers(3), models))]
+    errors: list[BaseException] = []
+
+    def run(trainer: SwarmTrainer) -> None:
+        try:
+            trainer.train()
+        except Exception as e:  # noqa: BLE001 -- surfaced by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors and not any(t.is_alive() for t in threads)
+    # max_steps counts the swarm's steps: every trainer stopped at the same collective step
+    assert [t.state.global_step for t in trainers] == [STEPS] * 3
+    first = list(models[0].parameters())
+    for other in models[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, other.parameters()))
+    after = held_out_loss(models[0], held_out)
+    assert after < before - 0.5, (before, after)
+    # the schedule stepped with the swarm: linear decay to zero at max_steps
+    logged = [h for h in trainers[0].state.log_history if "learning_rate" in h and "loss" in h]
+    assert logged and logged[-1]["step"] == STEPS and logged[-1]["learning_rate"] == 0.0
+    # checkpoints at save_steps of the swarm's count, each with the swarm's state in optimizer.pt
+    saved = sorted(p.name for p in (tmp_path / "p0").iterdir() if p.name.startswith("checkpoint-"))
+    assert saved == ["checkpoint-12", "checkpoint-6"]
+    state = torch.load(tmp_path / "p0" / "checkpoint-6" / "optimizer.pt", weights_only=True)
+    assert state["swarm_optimizer"]["metadata"]["epoch"] == 6 and state["sampler"]["offset"] > 0
