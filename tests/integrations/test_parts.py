@@ -141,3 +141,13 @@ def test_the_torch_face_steps_the_swarm_and_carries_its_state(swarm_peers):
     with pytest.raises(ConfigError, match="fixed"):
         adapter.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
     session.shutdown()
+
+
+def test_swarm_and_the_shared_parts_import_no_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, swarm; swarm.Optimizer; import swarm.integrations.session, swarm.integrations.data; "
+            "print(sorted(m for m in ('transformers', 'lightning', 'accelerate', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
