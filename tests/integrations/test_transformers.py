@@ -13,8 +13,10 @@ pytest.importorskip("datasets", reason="the transformers extra is not installed"
 from fast import FAST
 from gpt2_common import byte_corpus, held_out_loss, tiny_gpt2
 
+from swarm.compression import CompressionType
 from swarm.integrations.session import SwarmArguments
 from swarm.integrations.transformers import SwarmTrainer
+from swarm.optim import DiLoCoConfig
 
 pytestmark = pytest.mark.alone  # several peers average in this process against round deadlines
 
@@ -65,3 +67,44 @@ def test_three_trainers_reach_identical_parameters_and_a_lower_loss(swarm_peers,
     assert saved == ["checkpoint-12", "checkpoint-6"]
     state = torch.load(tmp_path / "p0" / "checkpoint-6" / "optimizer.pt", weights_only=True)
     assert state["swarm_optimizer"]["metadata"]["epoch"] == 6 and state["sampler"]["offset"] > 0
+
+
+def test_three_trainers_in_diloco_mode_share_the_outer_parameters(swarm_peers, tmp_path):
+    train, held_out = byte_corpus(32, limit=150_000)
+    models = [tiny_gpt2(context=32) for _ in range(3)]
+    before = held_out_loss(models[0], held_out)
+    ends: list[tuple[int, list[torch.Tensor]]] = []
+
+    class KeepShared(transformers.TrainerCallback):
+        def __init__(self, trainer_of) -> None:
+            self.trainer_of = trainer_of
+
+        def on_train_end(self, args, state, control, **kwargs):
+            opt = self.trainer_of().session.optimizer
+            ends.append((opt.epoch, [t.detach().clone() for t in opt.shared_tensors]))
+
+    trainers: list[SwarmTrainer] = []
+    for i, (peer, model) in enumerate(zip(swarm_peers(3), models)):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / f"p{i}"), per_device_train_batch_size=8, max_steps=16, learning_rate=3e-3,
+            save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1000)
+        trainer = SwarmTrainer(model=model, args=args, train_dataset=train, peer=peer, swarm=SwarmArguments(
+            run_id="hf-diloco", diloco=DiLoCoConfig(local_steps=4, compression=CompressionType.NONE),
+            collaboration=FAST, min_peers=3, peers_timeout=30))
+        trainer.add_callback(KeepShared(lambda t=trainer: t))
+        trainers.append(trainer)
+    threads = [threading.Thread(target=t.train) for t in trainers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads) and len(ends) == 3
+    # max_steps counts the swarm's inner steps: 16 inner steps are 4 rounds of 4
+    assert [t.state.global_step for t in trainers] == [16] * 3 and {epoch for epoch, _ in ends} == {4}
+    for _, shared in ends[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ends[0][1], shared))
+    outer = tiny_gpt2(context=32)
+    with torch.no_grad():
+        for p, value in zip(outer.parameters(), ends[0][1]):
+            p.copy_(value)
+    assert held_out_loss(outer, held_out) < before - 0.3
