@@ -89,6 +89,7 @@ class SwarmStrategy(SingleDeviceStrategy):
         self._sampler: PeerShardSampler | None = None
         self._samples = 0
         self._trainer: Any = None
+        self._ended_at = 0
         logger.info("[%s] to train with this peer, run the same script elsewhere with %s=\"%s\"", swarm.run_id,
                     "SWARM_INITIAL_PEERS", " ".join(self.peer.addrs))
 
@@ -156,14 +157,16 @@ class SwarmStrategy(SingleDeviceStrategy):
 
     @property
     def global_step(self) -> int:
-        """The swarm's step count (collective steps; DiLoCo: the swarm's inner steps)."""
-        return self.session.global_step if self.session is not None else 0
+        """The swarm's step count (collective steps; DiLoCo: the swarm's inner steps); after training,
+        the count it ended at."""
+        return self.session.global_step if self.session is not None else self._ended_at
 
     def teardown(self) -> None:
         session, self.session = self.session, None
         try:
             if session is not None:
                 session.shutdown()
+                self._ended_at = session.global_step
         finally:
             super().teardown()
             if self._owns_peer:

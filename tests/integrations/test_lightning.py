@@ -71,3 +71,30 @@ def test_three_lightning_peers_reach_identical_parameters_and_a_lower_loss(swarm
     assert runs[0][3].optimizers[0].param_groups[0]["lr"] == 0.0
     after = held_out_loss(modules[0].model, held_out)
     assert after < before - 0.5, (before, after)
+
+
+def test_a_lightning_checkpoint_resumes_the_swarm_state_and_the_data_position(swarm_peers, tmp_path):
+    train, _ = byte_corpus(32, limit=60_000)
+    (peer,) = swarm_peers(1)
+    args = SwarmArguments(run_id="pl-resume", target_batch_size=8, collaboration=FAST)
+
+    def fit(steps: int, ckpt_path=None):
+        strategy = SwarmStrategy(args, peer=peer, max_collective_steps=steps)
+        loader = DataLoader(train, batch_size=8, sampler=strategy.sampler(len(train)))
+        saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+        trainer = pl.Trainer(strategy=strategy, max_steps=100, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[saver])
+        trainer.fit(CausalLM(), loader, ckpt_path=ckpt_path)
+        return strategy
+
+    fit(6)
+    checkpoints = sorted(tmp_path.glob("*.ckpt"))
+    assert checkpoints, "no checkpoint was written"
+    saved = torch.load(checkpoints[0], weights_only=False)["optimizer_states"][0]
+    assert saved["swarm_optimizer"]["metadata"]["epoch"] == 4 and saved["sampler"]["offset"] >= 4 * 8
+    resumed = fit(8, ckpt_path=str(checkpoints[0]))
+    # it went on from the checkpoint's swarm step (4) to 8, and from the checkpoint's place in the data
+    assert resumed.global_step == 8
+    # (4 batches of 8, and at most two more the loader fetched ahead)
+    assert resumed._sampler is not None
+    assert saved["sampler"]["offset"] + 4 * 8 <= resumed._sampler.position <= saved["sampler"]["offset"] + 6 * 8
