@@ -202,6 +202,8 @@ class SwarmSession:
         try:
             self.optimizer.flush()
             self.optimizer.shutdown()
+            self.peer.run(self.admission.ashutdown(), timeout=self.args.admission.timeout + 5)
+            self.peer.detach(self.admission)
         finally:
             if self._owns_peer:
                 self.peer.shutdown()

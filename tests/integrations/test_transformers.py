@@ -86,7 +86,7 @@ def test_three_trainers_in_diloco_mode_share_the_outer_parameters(swarm_peers, t
     trainers: list[SwarmTrainer] = []
     for i, (peer, model) in enumerate(zip(swarm_peers(3), models)):
         args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / f"p{i}"), per_device_train_batch_size=8, max_steps=16, learning_rate=3e-3,
+            output_dir=str(tmp_path / f"p{i}"), per_device_train_batch_size=8, max_steps=16, learning_rate=3e-3, bf16=True,
             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1000)
         trainer = SwarmTrainer(model=model, args=args, train_dataset=train, peer=peer, swarm=SwarmArguments(
             run_id="hf-diloco", diloco=DiLoCoConfig(local_steps=4, compression=CompressionType.NONE),
