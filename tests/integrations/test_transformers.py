@@ -108,3 +108,36 @@ def test_three_trainers_in_diloco_mode_share_the_outer_parameters(swarm_peers, t
         for p, value in zip(outer.parameters(), ends[0][1]):
             p.copy_(value)
     assert held_out_loss(outer, held_out) < before - 0.3
+
+
+def test_a_trainer_with_another_vocabulary_is_refused_before_it_trains(swarm_peers, tmp_path):
+    from swarm.integrations.fingerprint import ModelMismatchError
+    from swarm.integrations.session import SwarmSession
+    from swarm.integrations.transformers import fingerprint_of
+
+    train, _ = byte_corpus(32, limit=20_000)
+    running_peer, newcomer_peer = swarm_peers(2)
+    model = tiny_gpt2(context=32)
+    swarm = SwarmArguments(run_id="hf-door", target_batch_size=16, collaboration=FAST)
+    running = SwarmSession(swarm, model, torch.optim.AdamW(model.parameters()), peer=running_peer,
+                           fingerprint=fingerprint_of(model))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=4,
+                                          save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    other = tiny_gpt2(context=32, vocab=300)
+    newcomer = SwarmTrainer(model=other, args=args, train_dataset=train, swarm=swarm, peer=newcomer_peer)
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(ModelMismatchError, match="vocab_size 300 here vs 256 there"):
+        newcomer.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # it took no step
+    assert running.optimizer.progress.num_peers == 1  # and never reported progress to the run
+    running.shutdown()
+
+
+def test_epochs_count_passes_of_the_whole_swarm_over_the_data(tmp_path):
+    train, _ = byte_corpus(32, limit=20_000)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=3,
+                                          report_to=[], use_cpu=True)
+    trainer = SwarmTrainer(model=tiny_gpt2(context=32), args=args, train_dataset=train,
+                           swarm=SwarmArguments(run_id="epochs", target_batch_size=48))
+    # 3 passes of the swarm over len(train) samples, 48 per collective step
+    assert trainer._collective_max_steps(args) == -(-3 * len(train) // 48)
