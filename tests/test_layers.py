@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("swarm.optim",),
     ("swarm.peer",),
     ("swarm.dashboard",),  # the swarm's live page, served by a daemon or its own client process
-    ("swarm.cli", "swarm.demo"),
+    ("swarm.cli", "swarm.demo", "swarm.integrations"),  # integrations: users' training loops on a Peer
     ("swarm.testing",),  # the network lab starts daemons and demo trainers as processes
     ("swarm", "swarm.__main__"),
 ]
