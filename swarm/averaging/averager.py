@@ -37,7 +37,7 @@ from swarm.averaging.reputation import Reputation, ReputationConfig
 from swarm.averaging.robust import MIN_CONTRIBUTORS
 from swarm.averaging.service import REPORT, VERIFY, AveragingService, RoundEntry
 from swarm.averaging.timing import clamp
-from swarm.averaging.verification import Verdict
+from swarm.averaging.verification import ReducerLied, Verdict
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
 from swarm.core.faults import FaultInjected, FaultPlan
@@ -368,8 +368,12 @@ class Averager:
             except FaultInjected as e:
                 AVERAGING_ROUNDS.labels(outcome="failed").inc()
                 raise AveragingError(f"averaging step failed: {e}") from None
-            except AveragingError:
+            except AveragingError as e:
                 AVERAGING_ROUNDS.labels(outcome="failed").inc()
+                if isinstance(e, ReducerLied) and self.reputation.observe_lie(e):
+                    logger.warning("averager %s: excluding %s from the groups it leads for %.0f s (caught lying "
+                                   "by this peer's checks in %d rounds)", self.prefix, e.peer_id,
+                                   self.config.reputation.exclusion, self.config.reputation.lies)
                 raise
             finally:
                 self._formed = None
