@@ -323,7 +323,7 @@ def attack(name: str, p: Part, gen: torch.Generator, check: Check, with_distance
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4,
+def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4, by_codec: bool = False,
         out: Callable[[str], None] = print) -> dict[str, Any]:
     torch.set_num_threads(1)
     old = load_baseline(baseline) if baseline else None
@@ -374,6 +374,7 @@ def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4
     for name in ATTACKS:
         caught_new = caught_old = applied = 0
         tried = 0
+        per_codec: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
         while applied < trials and tried < 20 * trials:
             tried += 1
             p = make_part(agen, 10 ** 6 + tried)
@@ -385,14 +386,21 @@ def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4
                 continue
             applied += 1
             caught_new += got_new
+            per_codec[p.codec][0] += 1
+            per_codec[p.codec][1] += got_new
             if old is not None and name not in NEW_FIELDS:
                 agen.set_state(state)  # the same lie, drawn from the same state
-                caught_old += bool(attack(name, p, agen, lambda q, i, **kw: check_old(old, q, i, **kw), False))
+                got_old = bool(attack(name, p, agen, lambda q, i, **kw: check_old(old, q, i, **kw), False))
+                caught_old += got_old
+                per_codec[p.codec][2] += got_old
         line = f"attack {name}: caught {caught_new}/{applied} ({100 * caught_new / max(1, applied):.1f}%)"
         if old is not None:
             line += (" baseline n/a (no such field)" if name in NEW_FIELDS
                      else f", baseline {caught_old}/{applied} ({100 * caught_old / max(1, applied):.1f}%)")
         out(line)
+        if by_codec:
+            out("  by codec (caught, baseline, of): " + ", ".join(
+                f"{c}: {v[1]}, {v[2]}, {v[0]}" for c, v in sorted(per_codec.items())))
         results["detected"][name] = (caught_new, caught_old, applied)
     out(f"total {time.perf_counter() - t0:.0f} s")
     return results
@@ -404,9 +412,10 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=2000, help="parts per lie")
     ap.add_argument("--signs", type=int, default=4, help="honest parts per draw of inputs (each under its own sign vectors)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--by-codec", action="store_true", help="detection rates per codec too")
     ap.add_argument("--baseline", default=BASELINE, help="git revision whose checks run beside ('' for none)")
     args = ap.parse_args()
-    run(args.parts, args.trials, args.seed, args.baseline or None, args.signs)
+    run(args.parts, args.trials, args.seed, args.baseline or None, args.signs, args.by_codec)
 
 
 if __name__ == "__main__":
