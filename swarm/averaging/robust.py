@@ -31,7 +31,11 @@ converged): each byzantine input, clipped to norm `tau` around the centre, moves
 most its weight share of `tau`, whatever it sends (docs/architecture.md, "Robust averaging").
 
 `tau`: an absolute radius, or (None) `tau_scale` times the median distance of the inputs from
-the starting centre; the median of distances cannot be inflated by a minority of inputs.
+the starting centre; the median of distances cannot be inflated by a minority of inputs. An
+automatic radius is kept within `RADIUS_BOUND * tau_scale` times the median distance of the
+inputs from the result, which members can check from the distances a reducer publishes
+(`verification`; docs/security.md): where it is not (uneven weights placing the medoid far from
+most inputs), the radius shrinks to that bound and CenteredClip runs again.
 `coordinate_median` is kept as a robust reference for tests and benchmarks.
 
 Fewer than `MIN_CONTRIBUTORS` inputs have no robust aggregate: of two, no rule that treats its

@@ -14,13 +14,17 @@ its `ResultHeader`:
   It can retry: a lie that moves mass between two coordinates passes a sign vector when its two
   signs agree, so one try in 2**SKETCHES (256) passes all of them; each try costs it a digest
   and the sketches of every input, and a round's deadline bounds the tries.
+- `distances`: per contributor, the distance of its input from the part as sent.
 
 A member that holds part j checks (`check_part`, no networking): the values match the digest;
-its own input's sketches match what the reducer claims it received; `<r_l, result>` equals
-`sum_i a_i t_il`; its own clip scale is no smaller than its distance from the result allows; in
-absolute-tau mode the radius is the agreed one; and no contributor (the reducer's own input
-included, which nobody else can see) pulls the result further than the radius allows, estimated
-from the sketches (Johnson-Lindenstrauss). Then every member sends the leader the digests it
+its own input's sketches and distance match what the reducer claims it received; `<r_l, result>`
+equals `sum_i a_i t_il` up to the codec's rounding and the float32 sums; its own clip scale is no
+smaller than its distance from the result allows; the radius is the agreed one, or (automatic)
+at most `robust.RADIUS_BOUND * tau_scale` times the median published distance; no published
+distance is much less than the sketches' estimate of it (Johnson-Lindenstrauss); and no
+contributor (the reducer's own input included, which nobody else can see) pulls the result
+further than the radius allows. Each check fails an honest reducer with odds below 1e-9 per
+part (docs/security.md, "How often a check fails an honest reducer"). Then every member sends the leader the digests it
 holds and what its checks caught (`VerifyReport`); the leader answers every member with one
 verdict (`Verdict`): digests that differ between members (equivocation) or a caught check fail
 the round for everyone, naming the reducer. Limits: docs/architecture.md, "Robust averaging".
