@@ -326,6 +326,7 @@ def attack(name: str, p: Part, gen: torch.Generator, check: Check, with_distance
 def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4, by_codec: bool = False,
         out: Callable[[str], None] = print) -> dict[str, Any]:
     torch.set_num_threads(1)
+    torch.manual_seed(seed)  # the heavy tails' chi-square draws
     old = load_baseline(baseline) if baseline else None
     gen = torch.Generator().manual_seed(seed)
     results: dict[str, Any] = {"parts": 0, "skipped": 0, "false_new": collections.Counter(),
@@ -415,7 +416,8 @@ def main() -> None:
     ap.add_argument("--by-codec", action="store_true", help="detection rates per codec too")
     ap.add_argument("--baseline", default=BASELINE, help="git revision whose checks run beside ('' for none)")
     args = ap.parse_args()
-    run(args.parts, args.trials, args.seed, args.baseline or None, args.signs, args.by_codec)
+    run(args.parts, args.trials, args.seed, args.baseline or None, args.signs, args.by_codec,
+        lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":
