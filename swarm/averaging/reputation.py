@@ -41,7 +41,8 @@ class ReputationConfig:
         window: rounds remembered per contributor.
         exclusion: seconds it stays excluded.
         lies: lies caught by this peer's own checks, within `window` rounds, that exclude a
-            reducer; 0 turns it off, else at least 2 (one false accusation never excludes).
+            reducer; 0 turns it off, else at least 2 (one false accusation never excludes; more
+            than `window` never excludes).
     """
 
     clip_threshold: float = 0.5
@@ -55,8 +56,8 @@ class ReputationConfig:
             raise ConfigError("clip_threshold must be within (0, 1]")
         if not 0 <= self.strikes <= self.window or self.window < 1:
             raise ConfigError("need 0 <= strikes <= window and window >= 1")
-        if self.lies == 1 or not 0 <= self.lies <= self.window:
-            raise ConfigError("lies must be 0 (off) or within [2, window]: one false accusation must never exclude")
+        if self.lies == 1 or self.lies < 0:
+            raise ConfigError("lies must be 0 (off) or at least 2: one false accusation must never exclude")
         if not (math.isfinite(self.exclusion) and self.exclusion >= 0):
             raise ConfigError("exclusion must be a finite number of seconds >= 0")
 
