@@ -32,6 +32,7 @@ import argparse
 import collections
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -323,6 +324,11 @@ def attack(name: str, p: Part, gen: torch.Generator, check: Check, with_distance
 # -- the run ---------------------------------------------------------------------------------------
 
 
+def _kind(reason: str) -> str:
+    """A failure's reason without its numbers, to count alike ones together."""
+    return re.sub(r"[-+]?\d[\d.]*(e[-+]?\d+)?", "#", reason.split(" (")[0])
+
+
 def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4, by_codec: bool = False,
         out: Callable[[str], None] = print) -> dict[str, Any]:
     torch.set_num_threads(1)
@@ -348,14 +354,15 @@ def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4
         me = (p.reducer + 1 + int(torch.randint(len(p.inputs) - 1, (1,), generator=gen))) % len(p.inputs)
         reason = check_new(p, me)
         if reason:
-            results["false_new"][reason.split(" (")[0][:60]] += 1
+            results["false_new"][_kind(reason)] += 1
         if old is not None:
             reason = check_old(old, p, me)
             if reason:
-                results["false_old"][reason.split(" (")[0][:60]] += 1
+                results["false_old"][_kind(reason)] += 1
         active = sorted(d for d, w in zip(p.distances, p.weights) if w > 0)
         if p.tau is None and len(active) > 2 and p.outcome.tau != 1.0 and results["parts"] % signs == 1:
-            median = active[(len(active) - 1) // 2]
+            # what the check allows: the median distance plus the codec's rounding
+            median = active[(len(active) - 1) // 2] + new.rounding_bound(p.values, p.codec, p.chunk_numel)
             results["ratios"].append(p.outcome.tau / p.tau_scale / median if median > 0 else math.inf)
     honest_seconds = time.perf_counter() - t0
     n_old = sum(results["false_old"].values())
@@ -368,7 +375,7 @@ def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4
             out(f"  {label}: {count} x {reason}")
     ratios = sorted(results["ratios"])
     if ratios:
-        out(f"honest automatic radius / median distance from the part: median {ratios[len(ratios) // 2]:.3f}, "
+        out(f"honest automatic radius / (median distance from the part + rounding): median {ratios[len(ratios) // 2]:.3f}, "
             f"max {ratios[-1]:.3f} over {len(ratios)} parts (allowed: {RADIUS_BOUND})")
     results["max_ratio"] = ratios[-1] if ratios else 0.0
     agen = torch.Generator().manual_seed(seed + 1)
