@@ -119,8 +119,9 @@ class AveragerConfig:
         matchmaking: group sizes and waits.
         compression: wire codec for the tensors (a `swarm.compression.CompressionType`).
         bandwidth: this peer's relative bandwidth; parts are sized in proportion to it.
-        reputation: in robust mode, when a contributor clipped hard is kept out of the groups
-            this peer leads (`swarm.averaging.reputation`).
+        reputation: in robust mode, when a contributor clipped hard, or a reducer this peer's
+            own checks caught lying, is kept out of the groups this peer leads
+            (`swarm.averaging.reputation`).
     """
 
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
