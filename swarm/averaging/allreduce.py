@@ -633,4 +633,4 @@ def claim_fields_of(header: averaging_pb2.ResultHeader | None) -> dict[str, Any]
     if header is None:
         return {}
     return {"clip_scales": list(header.clip_scales), "clip_tau": header.clip_tau, "clip_step": header.clip_step,
-            "digest": header.digest, "sketches": list(header.sketches)}
+            "digest": header.digest, "sketches": list(header.sketches), "distances": list(header.distances)}

@@ -59,7 +59,7 @@ def check_parts(ar: ButterflyAllReduce, decision: Decision) -> tuple[list[bytes]
             own = _as_sent(ar, ar.flat.read(p.start, p.start + p.size)).clone()
         reason = check_part(claim, p.values, own, ar.my_index, contributors, decision.weights,
                             ar.group.round_id, p.index, robust, ar.config.clip_tau, int(ar.codec.kind),
-                            ar.config.clip_tau_scale)
+                            ar.config.clip_tau_scale, ar.chunk_numel)
         if reason:
             accused.append(p.reducer)
             reasons.append(f"part {p.index}: {reason}")

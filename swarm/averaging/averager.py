@@ -32,6 +32,7 @@ from swarm.averaging.reputation import Reputation, ReputationConfig
 from swarm.averaging.robust import MIN_CONTRIBUTORS
 from swarm.averaging.round import AveragingResult, AveragingRound, RoundTimeline
 from swarm.averaging.service import AveragingService
+from swarm.averaging.verification import ReducerLied
 from swarm.compression import CompressionType
 from swarm.core.errors import AveragingError, ConfigError
 from swarm.core.faults import FaultInjected, FaultPlan
@@ -52,8 +53,9 @@ class AveragerConfig:
         matchmaking: group sizes and waits.
         compression: wire codec for the tensors (a `swarm.compression.CompressionType`).
         bandwidth: this peer's relative bandwidth; parts are sized in proportion to it.
-        reputation: in robust mode, when a contributor clipped hard is kept out of the groups
-            this peer leads (`swarm.averaging.reputation`).
+        reputation: in robust mode, when a contributor clipped hard, or a reducer this peer's
+            own checks caught lying, is kept out of the groups this peer leads
+            (`swarm.averaging.reputation`).
     """
 
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
@@ -303,8 +305,12 @@ class Averager:
             except FaultInjected as e:
                 AVERAGING_ROUNDS.labels(outcome="failed").inc()
                 raise AveragingError(f"averaging step failed: {e}") from None
-            except AveragingError:
+            except AveragingError as e:
                 AVERAGING_ROUNDS.labels(outcome="failed").inc()
+                if isinstance(e, ReducerLied) and self.reputation.observe_lie(e):
+                    logger.warning("averager %s: excluding %s from the groups it leads for %.0f s (caught lying "
+                                   "by this peer's checks in %d rounds)", self.prefix, e.peer_id,
+                                   self.config.reputation.exclusion, self.config.reputation.lies)
                 raise
             finally:
                 self._formed = None

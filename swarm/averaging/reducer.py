@@ -34,7 +34,7 @@ from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import FlatTensors, chunk_bounds
 from swarm.averaging.robust import ClipOutcome, centered_clip, too_few
-from swarm.averaging.verification import part_digest, sketch
+from swarm.averaging.verification import input_distances, part_digest, sketch
 from swarm.compression import Codec, CompressionError, has_nonfinite
 from swarm.compression.base import HEADER_SIZE, read_header
 from swarm.core.errors import InvalidRequest
@@ -326,7 +326,7 @@ class PartReducer(PartCollector):
                          t0, timeout)
         self._report = report
         self.clip: ClipOutcome | None = None                  # robust mode: CenteredClip's outcome
-        self.claim: tuple[bytes, list[float]] | None = None   # verified rounds: digest, input sketches
+        self.claim: tuple[bytes, list[float], list[float]] | None = None  # verified: digest, input sketches, distances
         self.sent_chunks = 0
         self.decision: Decision | None = None
         self.abort_reason = ""
@@ -468,7 +468,7 @@ class PartReducer(PartCollector):
         if self.clip is not None:
             fields.update(clip_scales=self.clip.scales, clip_tau=self.clip.tau, clip_step=self.clip.step)
         if self.claim is not None:
-            fields.update(digest=self.claim[0], sketches=self.claim[1])
+            fields.update(digest=self.claim[0], sketches=self.claim[1], distances=self.claim[2])
         return fields
 
     def stream_tasks(self) -> list[asyncio.Task[None]]:
@@ -584,9 +584,10 @@ def combine_robust(reducer: PartReducer, decision: Decision) -> ClipOutcome:
     )
 
 
-def publish_claim(reducer: PartReducer, decision: Decision) -> tuple[bytes, list[float]]:
-    """The digest of the part's result and the sketches of each contributor's input as received."""
+def publish_claim(reducer: PartReducer, decision: Decision) -> tuple[bytes, list[float], list[float]]:
+    """The digest of the part's result (as sent), the sketches of each contributor's input as
+    received, and each input's distance from the result as sent."""
     digest = part_digest(reducer.sum)
     inputs = [reducer._data_of(reducer.senders[i]) for i in decision.contributors]
     sketches = sketch(inputs, reducer.group.round_id, reducer.part, digest)
-    return digest, sketches.view(-1).tolist()
+    return digest, sketches.view(-1).tolist(), input_distances(inputs, reducer.sum)

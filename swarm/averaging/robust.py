@@ -31,7 +31,11 @@ converged): each byzantine input, clipped to norm `tau` around the centre, moves
 most its weight share of `tau`, whatever it sends (docs/architecture.md, "Robust averaging").
 
 `tau`: an absolute radius, or (None) `tau_scale` times the median distance of the inputs from
-the starting centre; the median of distances cannot be inflated by a minority of inputs.
+the starting centre; the median of distances cannot be inflated by a minority of inputs. An
+automatic radius is kept within `RADIUS_BOUND * tau_scale` times the median distance of the
+inputs from the result, which members can check from the distances a reducer publishes
+(`verification`; docs/security.md): where it is not (uneven weights placing the medoid far from
+most inputs), the radius shrinks to that bound and CenteredClip runs again.
 `coordinate_median` is kept as a robust reference for tests and benchmarks.
 
 Fewer than `MIN_CONTRIBUTORS` inputs have no robust aggregate: of two, no rule that treats its
@@ -52,6 +56,8 @@ import torch
 
 MIN_CONTRIBUTORS = 3  # fewest contributors a robust round aggregates (see above)
 MEDIAN_COLUMNS = 1 << 15  # columns of the coordinate median computed at once (bounds its memory)
+RADIUS_BOUND = 2.0  # an automatic radius is at most this times tau_scale times the median distance from the result
+RADIUS_ROUNDS = 4   # CenteredClip runs again at most this many times to meet that bound
 
 
 @dataclass(frozen=True)
@@ -162,12 +168,42 @@ def centered_clip(
     xs = [inputs[i] for i in active]
     ws = [weights[i] for i in active]
     tmp = torch.empty(size, dtype=torch.float32)
-    centre = torch.empty(size, dtype=torch.float32)
-    centre.copy_(xs[_medoid(xs, ws, tmp)])
+    start = torch.empty(size, dtype=torch.float32)
+    start.copy_(xs[_medoid(xs, ws, tmp)])
+    if tau is not None:
+        return _clip(inputs, active, xs, ws, total, start, tau, out, tmp, max_iterations, tolerance)
+    spread = sorted(_distances(xs, start, tmp))[(len(xs) - 1) // 2]
+    tau = tau_scale * spread if spread > 0 else 1.0  # a median's worth of inputs are one: any radius clips none
+    outcome = _clip(inputs, active, xs, ws, total, start, tau, out, tmp, max_iterations, tolerance)
+    if spread == 0:
+        return outcome
+    # The radius members can check (verification.py): at most RADIUS_BOUND * tau_scale times the
+    # median distance of the inputs from the result. The medoid's median distance exceeds it only
+    # where uneven weights put the medoid far from most inputs; then the radius shrinks to the
+    # bound and CenteredClip runs again, a few times at most (the result moves towards most
+    # inputs, so their distances shrink with the radius), and last with the bound as it stands.
+    for attempt in range(RADIUS_ROUNDS):
+        bound = RADIUS_BOUND * tau_scale * sorted(result_distances(xs, out))[(len(xs) - 1) // 2]
+        if outcome.tau <= bound or bound <= 0:
+            break
+        outcome = _clip(inputs, active, xs, ws, total, start, bound * (1 - 1e-3), out, tmp, max_iterations, tolerance)
+    return outcome
+
+
+def result_distances(inputs: Sequence[torch.Tensor], result: torch.Tensor) -> list[float]:
+    """Per input, its L2 distance from `result` (float32 differences summed in float64): the
+    distances a reducer publishes and a member recomputes for its own input (`verification`)."""
+    return [float(torch.linalg.vector_norm(torch.sub(x, result).double())) for x in inputs]
+
+
+def _clip(
+    inputs: Sequence[torch.Tensor], active: list[int], xs: list[torch.Tensor], ws: list[float], total: float,
+    start: torch.Tensor, tau: float, out: torch.Tensor, tmp: torch.Tensor, max_iterations: int, tolerance: float,
+) -> ClipOutcome:
+    """CenteredClip from `start` with radius `tau` into `out` (see `centered_clip`)."""
+    size = out.numel()
+    centre = start.clone()
     distances = _distances(xs, centre, tmp)
-    if tau is None:
-        spread = sorted(distances)[(len(distances) - 1) // 2]
-        tau = tau_scale * spread if spread > 0 else 1.0  # all inputs equal: any radius clips none
     iterations, converged = 0, False
     following = torch.empty(size, dtype=torch.float32)
     while iterations < max_iterations and size:

@@ -14,13 +14,17 @@ its `ResultHeader`:
   It can retry: a lie that moves mass between two coordinates passes a sign vector when its two
   signs agree, so one try in 2**SKETCHES (256) passes all of them; each try costs it a digest
   and the sketches of every input, and a round's deadline bounds the tries.
+- `distances`: per contributor, the distance of its input from the part as sent.
 
 A member that holds part j checks (`check_part`, no networking): the values match the digest;
-its own input's sketches match what the reducer claims it received; `<r_l, result>` equals
-`sum_i a_i t_il`; its own clip scale is no smaller than its distance from the result allows; in
-absolute-tau mode the radius is the agreed one; and no contributor (the reducer's own input
-included, which nobody else can see) pulls the result further than the radius allows, estimated
-from the sketches (Johnson-Lindenstrauss). Then every member sends the leader the digests it
+its own input's sketches and distance match what the reducer claims it received; `<r_l, result>`
+equals `sum_i a_i t_il` up to the codec's rounding and the float32 sums; its own clip scale is no
+smaller than its distance from the result allows; the radius is the agreed one, or (automatic)
+at most `robust.RADIUS_BOUND * tau_scale` times the median published distance; no published
+distance is much less than the sketches' estimate of it (Johnson-Lindenstrauss); and no
+contributor (the reducer's own input included, which nobody else can see) pulls the result
+further than the radius allows. Each check fails an honest reducer with odds below 1e-9 per
+part (docs/security.md, "How often a check fails an honest reducer"). Then every member sends the leader the digests it
 holds and what its checks caught (`VerifyReport`); the leader answers every member with one
 verdict (`Verdict`): digests that differ between members (equivocation) or a caught check fail
 the round for everyone, naming the reducer. Limits: docs/architecture.md, "Robust averaging".
@@ -38,23 +42,24 @@ import torch
 
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.parts import RoundFailed
+from swarm.averaging.robust import RADIUS_BOUND, result_distances
+from swarm.compression.quantile import BLOCK_NUMEL as QUANTILE_BLOCK
+from swarm.compression.uniform4 import BLOCK as UNIFORM4_BLOCK
 from swarm.proto import averaging_pb2
 
 SKETCHES = 8                 # projections per input: one random byte per coordinate gives its sign in each
 DIGEST_BYTES = 16
-SKETCH_RTOL = 1e-4           # float32 reorderings stay far below; a lie must hide under it in every sketch
-PULL_SLACK = 3.0             # allowed |c_i| * estimated distance, in units of (tau + step)
-# automatic radius: tau may be at most this times tau_scale times the median estimated distance
-# of the inputs from the result. The honest tau is measured from the medoid (an input: about
-# sqrt(2) times farther from the others than the result is, for inputs scattered alike), and an
-# 8-projection estimate of a distance falls below half the true one with a chance of about 1%.
-TAU_SLACK = 4.0
-# A lossy codec sends the part as the codec rounds it, so the combination check allows the
-# codec's own error, relative to the part's scale (the codecs' bounds on values of order 1): a
-# lie within it passes, as the codec's rounding does.
-# UNIFORM_4BIT (5): its relative L2 error is 0.07-0.11 on uniform and normal values and 0.25 on
-# heavy-tailed ones, against 0.004-0.01 (0.04) for UNIFORM_8BIT, whose entry is about 3x its error.
-CODEC_RTOL = {0: SKETCH_RTOL, 1: 2e-3, 2: 2e-3, 3: 0.03, 4: 0.25, 5: 0.35}
+# Every check below fails an honest reducer with probability at most 1e-9 per part; the
+# derivation of each allowance is in docs/security.md, "How often a check fails an honest reducer".
+U32 = 2.0 ** -24             # float32 unit roundoff
+SKETCH_RTOL = 1e-4           # own input: the same float32 values projected twice, in float64
+DISTANCE_RTOL = 1e-7         # own distance: the same float32 values, a float64 norm summed in another order
+CLIP_RTOL = 1e-4             # CenteredClip's float32 distances (robust.py) against the member's float64 ones
+Z_SIGNS = 7.0                # |<r, e>| <= Z_SIGNS ||e|| for all SKETCHES sign vectors but with odds 16 exp(-24.5) < 1e-9
+PULL_SLACK = 3.2             # an input's estimated distance may exceed its claimed one this many times: odds < 1e-11
+# automatic radius: tau may be at most robust.RADIUS_BOUND times tau_scale times the (lower)
+# median of the contributors' distances from the part, as published (each member checks its own
+# exactly); CenteredClip keeps its automatic radius within that bound by construction.
 
 
 class ReducerLied(RoundFailed):
@@ -114,6 +119,78 @@ def sketch(inputs: Sequence[torch.Tensor], round_id: bytes, part: int, digest: b
     return sums @ _SIGNS
 
 
+def input_distances(inputs: Sequence[torch.Tensor], values: torch.Tensor) -> list[float]:
+    """Per input, its L2 distance from `values` (float32 differences, summed in float64): what a
+    reducer publishes (`ResultHeader.distances`) and what each member recomputes for its own input."""
+    return result_distances(inputs, values)
+
+
+def _ulp(magnitude: float) -> float:
+    return math.ldexp(1.0, math.frexp(magnitude)[1] - 23) if magnitude > 0 else 0.0
+
+
+def _uniform_bound(v: torch.Tensor, levels: int) -> float:
+    """Squared bound on a uniform codec's rounding of one block: each element within half a step
+    of its value, the step recovered from the block's decoded extremes (codes 0 and `levels`), plus
+    a few float32 ulps of the decoding arithmetic."""
+    high, low = float(v.max()), float(v.min())
+    step = 1.01 * (high - low) / levels
+    slack = 4 * _ulp(max(abs(high), abs(low)))
+    return v.numel() * (step / 2 + slack) ** 2
+
+
+def _quantile_bound(v: torch.Tensor) -> float:
+    """Squared bound on QUANTILE_8BIT's rounding of one block. An element decodes to its bucket's
+    mean, and buckets are value intervals: an element of an inner level lies between the levels
+    either side; one of the lowest (highest) level lies below (above) the next level, and the
+    level is the mean of its elements, so their squared errors add up to at most n (n - 1) gap**2."""
+    levels, counts = torch.unique(v.double(), sorted=True, return_counts=True)
+    k = levels.numel()
+    slack = 4 * _ulp(float(levels.abs().max()))
+    if k == 1:
+        return v.numel() * slack ** 2
+    gaps = levels[1:] - levels[:-1]
+    inner = torch.maximum(gaps[:-1], gaps[1:]) + slack if k > 2 else torch.zeros(0, dtype=torch.float64)
+    total = float((counts[1:-1].double() * inner ** 2).sum())
+    for n, gap in ((int(counts[0]), float(gaps[0])), (int(counts[-1]), float(gaps[-1]))):
+        total += n * (n - 1) * (gap + slack) ** 2 + n * slack ** 2
+    return total
+
+
+def rounding_bound(values: torch.Tensor, codec: int, chunk_numel: int) -> float:
+    """An upper bound on the L2 distance between a part's values as held (the wire codec's
+    decoding) and the float32 result its reducer encoded, computed from the values alone.
+
+    Args:
+        values: the part as decoded.
+        codec: the round's `CompressionType` value (0: raw float32, exact).
+        chunk_numel: elements per encoded chunk (each chunk has its own range or codebook).
+    """
+    n = values.numel()
+    if codec == 0 or not n:
+        return 0.0
+    v = values.double()
+    if codec == 1:  # FLOAT16: 2**-11 relative in the normal range, 2**-25 absolute below it
+        return 2.0 ** -11 * 1.001 * float(torch.linalg.vector_norm(v)) + 2.0 ** -25 * math.sqrt(n)
+    total = 0.0
+    for a in range(0, n, max(1, chunk_numel)):
+        chunk = v[a:a + chunk_numel]
+        if codec == 2:  # SCALED_FLOAT16: 2**-11 relative, M * 2**-39 absolute (M: the chunk's largest magnitude)
+            m = float(chunk.abs().max()) * 1.001
+            total += (2.0 ** -11 * 1.001 * float(torch.linalg.vector_norm(chunk)) + 2.0 ** -39 * m * math.sqrt(chunk.numel())) ** 2
+        elif codec == 3:  # UNIFORM_8BIT: one range per chunk
+            total += _uniform_bound(chunk, 255)
+        elif codec == 5:  # UNIFORM_4BIT: one range per block of UNIFORM4_BLOCK elements of the chunk
+            for b in range(0, chunk.numel(), UNIFORM4_BLOCK):
+                total += _uniform_bound(chunk[b:b + UNIFORM4_BLOCK], 15)
+        elif codec == 4:  # QUANTILE_8BIT: one codebook per block of QUANTILE_BLOCK elements of the chunk
+            for b in range(0, chunk.numel(), QUANTILE_BLOCK):
+                total += _quantile_bound(chunk[b:b + QUANTILE_BLOCK])
+        else:
+            return math.inf  # an unknown codec: nothing can be bounded
+    return math.sqrt(total)
+
+
 @dataclass(frozen=True)
 class PartClaim:
     """What a part's reducer published with it (`ResultHeader`), decoded."""
@@ -123,6 +200,7 @@ class PartClaim:
     tau: float
     step: float
     sketches: torch.Tensor  # (contributors, SKETCHES)
+    distances: tuple[float, ...] = ()  # per contributor, its input's distance from the part (`input_distances`)
 
     @classmethod
     def from_header(cls, header: averaging_pb2.ResultHeader, contributors: int) -> PartClaim:
@@ -132,36 +210,43 @@ class PartClaim:
         scales = tuple(header.clip_scales) or (1.0,) * contributors
         if len(scales) != contributors:
             raise ValueError(f"{len(scales)} clip scales for {contributors} contributors")
+        distances = tuple(header.distances)
+        if len(distances) != contributors:
+            raise ValueError(f"{len(distances)} distances for {contributors} contributors")
         return cls(header.digest, scales, header.clip_tau, header.clip_step,
-                   torch.tensor(values, dtype=torch.float64).view(contributors, SKETCHES))
+                   torch.tensor(values, dtype=torch.float64).view(contributors, SKETCHES), distances)
 
 
 def check_part(
     claim: PartClaim, values: torch.Tensor, own: torch.Tensor | None, me: int, contributors: Sequence[int],
     weights: Sequence[float], round_id: bytes, part: int, robust: bool, tau: float | None, codec: int = 0,
-    tau_scale: float = 1.0,
+    tau_scale: float = 1.0, chunk_numel: int = 1 << 18,
 ) -> str:
     """A member's checks of one part it holds; returns why it fails ("" when it passes).
 
     Args:
         claim: what the reducer published.
         values: the part as this member holds it.
-        own: this member's own input to the part (None if it is not a contributor).
+        own: this member's own input to the part as its reducer decoded it (None if it is not a contributor).
         me: this member's index; `contributors` and `weights` as in the decision.
         round_id, part: which part.
         robust: robust mode (clip scales published) or the plain mean.
         tau: the agreed absolute radius, or None (automatic: `tau_scale` times the median
-            distance of the inputs from their medoid, bounded here from the sketches).
+            distance of the inputs from their medoid, bounded here from the published distances).
         codec: the round's wire codec (`CompressionType` value): how much rounding to allow.
         tau_scale: the agreed `AllReduceConfig.clip_tau_scale` (automatic radius).
+        chunk_numel: elements per chunk of the round's codec (where its ranges restart).
     """
     if part_digest(values) != claim.digest:
         return "the values differ from the digest published with them"
     scales = claim.scales
     if any(not (math.isfinite(c) and 0 <= c <= 1) for c in scales):
         return "clip scales outside [0, 1]"
+    distances = claim.distances
+    if len(distances) != len(scales) or any(not (math.isfinite(d) and d >= 0) for d in distances):
+        return "invalid distances of the inputs"
     if robust:
-        if not (math.isfinite(claim.tau) and claim.tau > 0 and math.isfinite(claim.step) and 0 <= claim.step <= claim.tau):
+        if not (math.isfinite(claim.tau) and claim.tau > 0 and math.isfinite(claim.step) and claim.step >= 0):
             return "invalid clipping radius or step"
         if tau is not None and not math.isclose(claim.tau, tau, rel_tol=1e-9):
             return f"clipping radius {claim.tau} instead of the agreed {tau}"
@@ -170,6 +255,17 @@ def check_part(
     if not total > 0:
         return "every contributor clipped to nothing"
     coefficients = [p / total for p in pulls]
+    eps = rounding_bound(values, codec, chunk_numel)
+    # what separates the part from the published combination honestly, besides the codec's
+    # rounding (eps): the float32 sums, at most 2n+4 roundings of each term
+    size = float(torch.linalg.vector_norm(values.double()))
+    float32_error = (2 * len(coefficients) + 4) * U32 * (size + 2 * eps + sum(a * d for a, d in zip(coefficients, distances)))
+    if robust:
+        # the result lies within tau * W / P of CenteredClip's last centre (each input pulls by at
+        # most tau), up to float32 rounding: a larger step would loosen the pull check below
+        most = claim.tau * sum(w for w in weights if w > 0) / total * (1 + CLIP_RTOL) + float32_error
+        if claim.step > most:
+            return f"step {claim.step:.4g} beyond what the radius allows ({most:.4g})"
     mine = sketch([values] + ([own] if own is not None else []), round_id, part, claim.digest)
     result_sketch = mine[0]
     if own is not None:
@@ -177,49 +273,66 @@ def check_part(
         allowed = SKETCH_RTOL * float(mine[1].norm()) + 1e-30
         if float((claim.sketches[k] - mine[1]).abs().max()) > allowed:
             return "the input it claims to have received from this member is not what this member sent"
+        exact = input_distances([own], values)[0]
+        if abs(distances[k] - exact) > DISTANCE_RTOL * exact + 1e-30:
+            return f"this member's distance from the part published as {distances[k]:.6g}, it is {exact:.6g}"
         if robust:
-            d = float(torch.linalg.vector_norm(own - values)) + claim.step
-            if codec:  # the values held are the codec's rounding of the result
-                d += CODEC_RTOL.get(codec, 1.0) * float(torch.linalg.vector_norm(values))
+            d = exact + claim.step + eps  # >= its distance from CenteredClip's last centre
             least = 1.0 if d <= claim.tau else claim.tau / d
-            if scales[k] < least * (1 - 1e-6):
+            if scales[k] < least * (1 - CLIP_RTOL):
                 return f"this member's input clipped to {scales[k]:.3g}, its distance allows {least:.3g}"
+    # an input's distance as published against the sketches' estimate of it: the estimate exceeds
+    # PULL_SLACK times the true distance with odds below 1e-11 (docs/security.md)
+    for i, d in enumerate(distances):
+        estimate = float((claim.sketches[i] - result_sketch).norm()) / math.sqrt(SKETCHES)
+        noise = 1e-9 * (float(claim.sketches[i].norm()) + float(result_sketch.norm()))
+        if estimate > PULL_SLACK * d + noise:
+            return f"member {contributors[i]}'s input is farther from the part than published ({estimate:.3g} > {d:.3g})"
+    # the part against the published combination of the inputs
+    error = eps + float32_error
     combined = sum(a * claim.sketches[i] for i, a in enumerate(coefficients))
     scale = sum(a * float(claim.sketches[i].norm()) for i, a in enumerate(coefficients)) + float(result_sketch.norm())
-    if float((combined - result_sketch).abs().max()) > CODEC_RTOL.get(codec, 1.0) * scale + 1e-30:
+    if float((combined - result_sketch).abs().max()) > Z_SIGNS * error + 1e-12 * scale + 1e-30:
         return "the part is not the published combination of the inputs received"
+    if robust:
+        # no input pulls the part further than the radius allows: c_i |x_i - v| <= tau + step (+ rounding)
+        limit = (claim.tau + claim.step + eps) * (1 + CLIP_RTOL)
+        for i, (c, d, w) in enumerate(zip(scales, distances, weights)):
+            if w > 0 and c * d > limit:
+                return f"member {contributors[i]}'s input pulls the part {c * d:.3g} > {limit:.3g}"
     if robust and tau is None:
-        reason = _check_auto_tau(claim, result_sketch, weights, tau_scale)
+        reason = _check_auto_tau(claim, weights, tau_scale, eps)
         if reason:
             return reason
-    if robust:
-        limit = PULL_SLACK * (claim.tau + claim.step)
-        for i, c in enumerate(scales):
-            estimate = float((claim.sketches[i] - result_sketch).norm()) / math.sqrt(SKETCHES)
-            if c * estimate > limit:
-                return f"member {contributors[i]}'s input pulls the part {c * estimate:.3g} > {limit:.3g}"
     return ""
 
 
-def _check_auto_tau(claim: PartClaim, result_sketch: torch.Tensor, weights: Sequence[float], tau_scale: float) -> str:
-    """An automatic radius no larger than the inputs' spread allows (a reducer that inflates it
-    would leave its accomplices' inputs unclipped): `TAU_SLACK * tau_scale` times the (lower)
-    median of the contributors' estimated distances from the result."""
-    distances = sorted(float((claim.sketches[i] - result_sketch).norm()) / math.sqrt(SKETCHES)
-                       for i, w in enumerate(weights) if w > 0)
-    if not distances:
-        return ""
-    spread = distances[(len(distances) - 1) // 2]
-    size = float(result_sketch.norm()) / math.sqrt(SKETCHES)
-    if len(distances) <= 2 or spread <= 1e-6 * size:
-        # the radius robust.py falls back to: the median distance from the medoid of one or two
-        # inputs is the medoid's own 0, as it is when most inputs equal the result
-        limit = 1.0
+def _check_auto_tau(claim: PartClaim, weights: Sequence[float], tau_scale: float, eps: float) -> str:
+    """An automatic radius no larger than CenteredClip lets it be (a reducer that inflates it would
+    leave its accomplices' inputs unclipped): `RADIUS_BOUND * tau_scale` times the (lower) median
+    of the contributors' published distances from the part (plus the codec's rounding `eps`), or
+    robust.py's fallback of 1 when a median's worth of inputs are one (identical sketches)."""
+    active = [i for i, w in enumerate(weights) if w > 0]
+    if len(active) <= 2:
+        limit = 1.0  # the median distance from the medoid of one or two inputs is the medoid's own 0
     else:
-        limit = TAU_SLACK * tau_scale * spread
-    if claim.tau > limit * (1 + 1e-9):
+        k = (len(active) - 1) // 2
+        spread = sorted(claim.distances[i] for i in active)[k]
+        limit = RADIUS_BOUND * tau_scale * (spread + eps) * (1 + CLIP_RTOL)
+        if claim.tau == 1.0 and _a_median_are_one(claim.sketches[active], k + 1):
+            limit = max(limit, 1.0)  # robust.py's radius when the median distance from the medoid is 0
+    if claim.tau > limit:
         return f"clipping radius {claim.tau:.4g} exceeds what the inputs' spread allows ({limit:.4g})"
     return ""
+
+
+def _a_median_are_one(sketches: torch.Tensor, count: int) -> bool:
+    """Whether at least `count` of the inputs have the same sketches (to float64 rounding)."""
+    for row in sketches:
+        same = ((sketches - row).abs().amax(dim=1) <= 1e-12 * float(row.abs().max()) + 1e-300).sum()
+        if int(same) >= count:
+            return True
+    return False
 
 
 @dataclass
@@ -287,4 +400,5 @@ class Verdict:
         return averaging_pb2.VerifyVerdict(ok=True)
 
 
-__all__ = ["SKETCHES", "PartClaim", "ReducerLied", "Verdict", "check_part", "part_digest", "sketch"]
+__all__ = ["SKETCHES", "PartClaim", "ReducerLied", "Verdict", "check_part", "input_distances", "part_digest",
+           "rounding_bound", "sketch"]

@@ -130,7 +130,7 @@ class Decision(_message.Message):
     def __init__(self, round_id: _Optional[bytes] = ..., abort: bool = ..., reason: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[int]] = ..., excluded_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("abort", "reason", "decision", "part", "compression", "clip_scales", "clip_tau", "clip_step", "digest", "sketches")
+    __slots__ = ("abort", "reason", "decision", "part", "compression", "clip_scales", "clip_tau", "clip_step", "digest", "sketches", "distances")
     ABORT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class ResultHeader(_message.Message):
     CLIP_STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SKETCHES_FIELD_NUMBER: _ClassVar[int]
+    DISTANCES_FIELD_NUMBER: _ClassVar[int]
     abort: bool
     reason: str
     decision: bytes
@@ -151,7 +152,8 @@ class ResultHeader(_message.Message):
     clip_step: float
     digest: bytes
     sketches: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, abort: bool = ..., reason: _Optional[str] = ..., decision: _Optional[bytes] = ..., part: _Optional[int] = ..., compression: _Optional[int] = ..., clip_scales: _Optional[_Iterable[float]] = ..., clip_tau: _Optional[float] = ..., clip_step: _Optional[float] = ..., digest: _Optional[bytes] = ..., sketches: _Optional[_Iterable[float]] = ...) -> None: ...
+    distances: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, abort: bool = ..., reason: _Optional[str] = ..., decision: _Optional[bytes] = ..., part: _Optional[int] = ..., compression: _Optional[int] = ..., clip_scales: _Optional[_Iterable[float]] = ..., clip_tau: _Optional[float] = ..., clip_step: _Optional[float] = ..., digest: _Optional[bytes] = ..., sketches: _Optional[_Iterable[float]] = ..., distances: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyReport(_message.Message):
     __slots__ = ("prefix", "round_id", "member", "digests", "accused", "reasons")

@@ -29,6 +29,7 @@ from swarm.averaging import (
 from swarm.averaging.reputation import Reputation, ReputationConfig
 from swarm.averaging.verification import ReducerLied
 from swarm.compression import CompressionType
+from swarm.core.errors import ConfigError
 from swarm.peer import Peer
 
 N = 8
@@ -311,3 +312,24 @@ def test_robust_mode_with_a_lossy_codec_and_a_client_mode_member_passes_its_chec
     finally:
         for p in peers:
             p.shutdown()
+
+
+def test_one_caught_lie_never_excludes_a_reducer_two_of_this_peers_own_do_and_relayed_ones_never():
+    now = [0.0]
+    rep = Reputation("me", ReputationConfig(lies=2, window=4, exclusion=60.0), lambda: now[0])
+    caught_here = ReducerLied(b"r" * 16, "reducer", "me", "part 1: the part is not the published combination")
+    relayed = ReducerLied(b"r" * 16, "other", "someone", "part 2: the part is not the published combination")
+    assert rep.observe_lie(caught_here) is False and not rep.excluded("reducer")  # one false accusation: no harm
+    for _ in range(5):
+        assert rep.observe_lie(relayed) is False  # another member's word (or a lying leader's) never counts
+    assert not rep.excluded("other")
+    assert rep.observe_lie(caught_here) is True and rep.refusal("reducer") is not None
+    now[0] = 61.0
+    assert rep.refusal("reducer") is None
+    # a strike ages out: two lies further apart than `window` observed rounds do not exclude
+    assert rep.observe_lie(caught_here) is False
+    for _ in range(4):
+        rep.observe({"reducer": 0.0})
+    assert rep.observe_lie(caught_here) is False and not rep.excluded("reducer")
+    with pytest.raises(ConfigError):
+        ReputationConfig(lies=1)

@@ -8,7 +8,7 @@ import torch
 
 from swarm.averaging.group import GroupInfo, MemberInfo
 from swarm.averaging.robust import centered_clip
-from swarm.averaging.verification import PartClaim, Verdict, check_part, part_digest, sketch
+from swarm.averaging.verification import PartClaim, Verdict, check_part, input_distances, part_digest, sketch
 from swarm.proto import averaging_pb2
 
 ROUND = b"r" * 16
@@ -27,7 +27,7 @@ def _honest_claim(xs, weights, result=None, part=0):
     outcome = centered_clip(xs, weights, out)
     values = out if result is None else result
     digest = part_digest(values)
-    return PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, part, digest)), values
+    return PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, part, digest), input_distances(xs, values)), values
 
 
 def _check(claim, values, xs, me, weights, tau=None):
@@ -46,7 +46,7 @@ def test_a_shifted_result_fails_the_linear_check():
     claim, values = _honest_claim(xs, w)
     lie = values + 0.01
     digest = part_digest(lie)
-    forged = PartClaim(digest, claim.scales, claim.tau, claim.step, sketch(xs, ROUND, 0, digest))
+    forged = PartClaim(digest, claim.scales, claim.tau, claim.step, sketch(xs, ROUND, 0, digest), input_distances(xs, lie))
     assert "not the published combination" in _check(forged, lie, xs, 0, w)
     assert "digest" in _check(claim, lie, xs, 0, w)  # the old digest with new values
 
@@ -65,7 +65,7 @@ def test_over_clipping_an_honest_member_is_caught_by_it():
     claim, values = _honest_claim(xs, w)
     scales = list(claim.scales)
     scales[2] = 0.1
-    forged = PartClaim(claim.digest, tuple(scales), claim.tau, claim.step, claim.sketches)
+    forged = PartClaim(claim.digest, tuple(scales), claim.tau, claim.step, claim.sketches, claim.distances)
     reason = _check(forged, values, xs, 2, w)
     assert "clipped to 0.1" in reason or "not the published combination" in reason
 
@@ -78,7 +78,7 @@ def test_a_reducer_that_leaves_its_own_outlier_unclipped_is_caught():
     pulls = torch.tensor(scales, dtype=torch.float64)
     result = sum(float(p) * x for p, x in zip(pulls / pulls.sum(), xs)).float()
     digest = part_digest(result)
-    forged = PartClaim(digest, tuple(scales), claim.tau, claim.step, sketch(xs, ROUND, 0, digest))
+    forged = PartClaim(digest, tuple(scales), claim.tau, claim.step, sketch(xs, ROUND, 0, digest), input_distances(xs, result))
     assert "input pulls the part" in _check(forged, result, xs, 0, w)
 
 
@@ -87,7 +87,7 @@ def test_an_absolute_radius_must_be_the_agreed_one():
     out = torch.empty_like(xs[0])
     outcome = centered_clip(xs, w, out, tau=5.0)
     digest = part_digest(out)
-    claim = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest))
+    claim = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest), input_distances(xs, out))
     assert _check(claim, out, xs, 0, w, tau=5.0) == ""
     assert "instead of the agreed" in _check(claim, out, xs, 0, w, tau=4.0)
 
@@ -168,7 +168,7 @@ def test_a_reducer_grinding_a_two_coordinate_lie_through_the_sketches_rarely_suc
         lie[7] += shift
         lie[2024] -= shift
         digest = part_digest(lie)
-        forged = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest))
+        forged = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest), input_distances(xs, lie))
         passed += _check(forged, lie, xs, 0, w) == ""
     assert passed <= 3, f"{passed} of 128 forged parts passed"
 
@@ -188,7 +188,7 @@ def test_an_inflated_automatic_radius_is_caught_and_an_honest_one_passes_across_
     out = torch.empty_like(xs[0])
     inflated = centered_clip(xs, w, out, tau=10 * honest.tau)
     digest = part_digest(out)
-    forged = PartClaim(digest, inflated.scales, inflated.tau, inflated.step, sketch(xs, ROUND, 0, digest))
+    forged = PartClaim(digest, inflated.scales, inflated.tau, inflated.step, sketch(xs, ROUND, 0, digest), input_distances(xs, out))
     for me in range(4):  # every honest member catches it (the attacker, member 4, is unclipped now)
         assert "exceeds what the inputs' spread allows" in _check(forged, out, xs, me, w), me
 
@@ -202,3 +202,47 @@ def test_the_automatic_radius_of_two_small_inputs_is_the_fallback_and_passes():
     assert claim.tau == 1.0
     for me in range(2):
         assert _check(claim, values, xs, me, [1.0, 1.0]) == ""
+
+
+def test_the_own_distance_and_a_distance_understated_for_the_pull_check_are_caught():
+    xs, w = _inputs(), [1.0] * 5
+    claim, values = _honest_claim(xs, w)
+    distances = list(claim.distances)
+    distances[1] *= 1.01  # the reducer misstates what member 1's input is from the part
+    forged = PartClaim(claim.digest, claim.scales, claim.tau, claim.step, claim.sketches, tuple(distances))
+    assert "distance from the part published" in _check(forged, values, xs, 1, w)
+    # its own x1000 input, unclipped, with its distance understated to pass the pull bound
+    scales = list(claim.scales)
+    scales[4] = 1.0
+    pulls = torch.tensor(scales, dtype=torch.float64)
+    result = sum(float(p) * x for p, x in zip(pulls / pulls.sum(), xs)).float()
+    digest = part_digest(result)
+    distances = input_distances(xs, result)
+    distances[4] = distances[0]
+    forged = PartClaim(digest, tuple(scales), claim.tau, claim.step, sketch(xs, ROUND, 0, digest), tuple(distances))
+    assert "farther from the part than published" in _check(forged, result, xs, 0, w)
+
+
+def test_a_radius_inflated_by_overstating_honest_distances_is_caught_by_their_owners():
+    xs, w = _inputs(), [1.0] * 5
+    claim, values = _honest_claim(xs, w)
+    distances = tuple(d * (1 if i == 4 else 4) for i, d in enumerate(claim.distances))
+    forged = PartClaim(claim.digest, claim.scales, 4 * claim.tau, claim.step, claim.sketches, distances)
+    for me in range(4):
+        assert "distance from the part published" in _check(forged, values, xs, me, w)
+
+
+def test_a_majority_of_identical_inputs_allows_the_fallback_radius_and_nothing_else_does():
+    # robust.py's radius is 1 when the median distance from the medoid is 0: a median's worth
+    # of inputs are one. Members see it in the sketches; a radius of 1 over spread inputs fails.
+    gen = torch.Generator().manual_seed(2)
+    base = 1e-3 * torch.randn(3000, generator=gen)
+    xs = [base.clone() for _ in range(3)] + [base + 1e-3 * torch.randn(3000, generator=gen) for _ in range(2)]
+    w = [1.0] * 5
+    claim, values = _honest_claim(xs, w)
+    assert claim.tau == 1.0
+    assert all(_check(claim, values, xs, me, w) == "" for me in range(5))
+    spread = [base + 1e-3 * torch.randn(3000, generator=gen) for _ in range(5)]
+    honest, values = _honest_claim(spread, w)
+    forged = PartClaim(honest.digest, honest.scales, 1.0, honest.step, honest.sketches, honest.distances)
+    assert "exceeds what the inputs' spread allows" in _check(forged, values, spread, 0, w)
