@@ -48,6 +48,9 @@ class DemoConfig:
         model: model sizes (the expert server is started to match).
         aggregation: how the trainers average ("mean" or "centered_clip").
         byzantine: how many trainers attack (the first ones), with `attack` (`swarm.demo.byzantine`).
+        hostile_experts: split the grid over two expert servers, the second (the last row of the
+            grid's first dimension) hostile in this way (`swarm.moe.server.hostile`); None: one honest
+            server holds the whole grid.
     """
 
     trainers: int = 3
@@ -62,6 +65,7 @@ class DemoConfig:
     aggregation: str = "mean"
     byzantine: int = 0
     attack: str = "sign_flip"
+    hostile_experts: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.trainers <= 16:
@@ -70,6 +74,8 @@ class DemoConfig:
             raise ConfigError("--byzantine must be within 0..trainers")
         if self.duration <= 0:
             raise ConfigError("--duration must be positive")
+        if self.hostile_experts is not None and self.model.grid_size[0] < 2:
+            raise ConfigError("--hostile-experts needs a grid of at least two rows")
 
 
 def run_mode(c: DemoConfig) -> str:
@@ -140,6 +146,7 @@ class Launcher:
         self.names = [f"trainer-{i}" for i in range(config.trainers)]
         self.board = Board(self.names, config.duration, plain_interval=5.0)
         self.server: Child | None = None
+        self.hostile_server: Child | None = None
         self.trainers: list[Child] = []
         self.curves: dict[str, list[tuple[float, float]]] = {n: [] for n in self.names}
         self.evals: list[tuple[float, float]] = []
@@ -152,14 +159,26 @@ class Launcher:
     # -- processes ----------------------------------------------------------------------------
 
     def start_server(self) -> str:
-        m = self.config.model
-        argv = [sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--experts", m.expert_pattern,
-                "--expert-cls", "ffn", "--hidden-dim", str(m.hidden_dim), "--log-level", "WARNING"]
-        self.server = Child("expert-server", argv, self.log_dir)
+        m, hostile = self.config.model, self.config.hostile_experts
+        pattern = m.expert_pattern
+        if hostile is not None:  # the last row of the grid goes to a hostile server
+            rows, rest = m.grid_size[0], "".join(f".[0:{n}]" for n in m.grid_size[1:])
+            pattern, lies = f"{m.uid_prefix}[0:{rows - 1}]{rest}", f"{m.uid_prefix}[{rows - 1}:{rows}]{rest}"
+        def argv(experts: str) -> list[str]:
+            return [sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--experts", experts,
+                    "--expert-cls", "ffn", "--hidden-dim", str(m.hidden_dim), "--log-level", "WARNING"]
+
+        self.server = Child("expert-server", argv(pattern), self.log_dir)
         line = self.server.stdout.readline().strip()
         if not line.startswith("/"):
             raise RuntimeError(f"the expert server did not start:\n{self.server.log_tail()}")
-        self.board.notice(f"expert server: experts {m.expert_pattern} (ffn, hidden {m.hidden_dim}) at {line}")
+        self.board.notice(f"expert server: experts {pattern} (ffn, hidden {m.hidden_dim}) at {line}")
+        if hostile is not None:
+            self.hostile_server = Child("hostile-expert-server", [*argv(lies), "--initial-peers", line,
+                                                                  "--expert-hostile", hostile], self.log_dir)
+            if not self.hostile_server.stdout.readline().strip().startswith("/"):
+                raise RuntimeError(f"the hostile expert server did not start:\n{self.hostile_server.log_tail()}")
+            self.board.notice(f"HOSTILE expert server ({hostile}): experts {lies}")
         return line
 
     def start_trainers(self, initial_peer: str) -> None:
@@ -183,7 +202,7 @@ class Launcher:
     def on_signal(self, signum: int, _frame: object) -> None:
         self._signals += 1
         if self._signals > 1:
-            for child in [*self.trainers, *([self.server] if self.server else [])]:
+            for child in [*self.trainers, *self.servers()]:
                 child.kill()
             os._exit(128 + signum)
         self.stopping = True
@@ -258,16 +277,19 @@ class Launcher:
                 child.proc.wait(60)
             except subprocess.TimeoutExpired:
                 child.kill()
-        if self.server is not None:
-            self.server.interrupt()
+        for server in self.servers():
+            server.interrupt()
             try:
-                code = self.server.proc.wait(30)
+                code = server.proc.wait(30)
                 if code != 0:
-                    self.board.notice(f"the expert server exited with status {code}:\n{self.server.log_tail()}")
+                    self.board.notice(f"{server.name} exited with status {code}:\n{server.log_tail()}")
             except subprocess.TimeoutExpired:
-                self.server.kill()
-        for child in [*self.trainers, *([self.server] if self.server else [])]:
+                server.kill()
+        for child in [*self.trainers, *self.servers()]:
             child.close()
+
+    def servers(self) -> list[Child]:
+        return [s for s in (self.server, self.hostile_server) if s is not None]
 
     # -- the report ---------------------------------------------------------------------------
 
@@ -335,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--byzantine", type=int, default=0, help="how many trainers attack (default 0)")
     parser.add_argument("--attack", default=d.attack, choices=["x1000", "sign_flip", "random", "constant"],
                         help="what the byzantine trainers do to their gradients (default sign_flip)")
+    parser.add_argument("--hostile-experts", default=None, choices=["x1e6", "nan", "shape", "sometimes"],
+                        help="serve the grid's last row from a second, hostile expert server that lies this way "
+                             "(default: one honest server holds every expert)")
     return parser
 
 
@@ -344,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = DemoConfig(trainers=args.trainers, duration=args.duration, batch_size=args.batch_size,
                             target_batch_size=args.target_batch_size, diloco_steps=args.diloco_steps,
                             max_staleness=args.max_staleness, sample_length=args.sample_length, out_dir=args.out_dir, model=ModelConfig(hidden_dim=args.hidden_dim),
-                            aggregation=args.aggregation, byzantine=args.byzantine, attack=args.attack)
+                            aggregation=args.aggregation, byzantine=args.byzantine, attack=args.attack,
+                            hostile_experts=args.hostile_experts)
     except ValueError as e:
         print(f"swarm demo: error: {e}", file=sys.stderr)
         return 2
