@@ -111,3 +111,19 @@ def test_a_hostile_client_sending_huge_gradients_cannot_wreck_an_honest_expert(m
     assert server.experts["ffn.0"].gradient_bound.clipped_rows >= 5 * 32
     more, _, _ = train(moe, 10)  # the honest client goes on training
     assert all(torch.isfinite(torch.tensor(more))) and more[-1] < 2 * losses[-1] + 0.1
+
+
+@pytest.mark.parametrize("honest_and_hostile", ["nan"], indirect=True)
+def test_samples_routed_only_to_a_liar_are_rerouted_in_the_same_forward(honest_and_hostile) -> None:
+    client, source, honest, hostile = honest_and_hostile
+    moe = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(2,), uid_prefix="ffn.", k_best=1, k_min=1,
+                                 source=source)
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.bias.copy_(torch.tensor([0.0, 10.0]))  # every sample prefers ffn.1, the liar
+    x = torch.randn(8, HID)
+    with torch.no_grad():
+        expected = honest(x)
+        y = moe(x)  # the liar's answer is rejected; the same call searches again and asks ffn.0
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+    assert moe.caller.misbehaviours == 1 and moe.searcher.avoided_servers() == [hostile.peer.addrs[0]]

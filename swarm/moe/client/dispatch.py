@@ -212,6 +212,8 @@ class MixtureCaller:
         self.output_dtype = torch.float32
         self.failures = 0
         """Expert calls that failed or came too late so far (each one skipped for its batch)."""
+        self.misbehaviours = 0
+        """Answers rejected by the checks so far, forward and backward (each also counts in `failures`)."""
 
     def _failed(self, job: ExpertJob, error: BaseException) -> None:
         if isinstance(error, MisbehavingExpert):
@@ -224,6 +226,7 @@ class MixtureCaller:
 
     def _rejected(self, direction: str, reason: str, job: ExpertJob, what: str) -> MisbehavingExpert:
         _count("rejected", direction, reason)
+        self.misbehaviours += 1
         return MisbehavingExpert(f"expert {job.uid} at {job.addr}: {what}", reason)
 
     @staticmethod

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from swarm.core.errors import ConfigError
+from swarm.core.errors import ConfigError, MoEError
 from swarm.dht.handle import PeerHandle
 from swarm.moe.client.answer_checks import AnswerChecks, MisbehavingExpert
 from swarm.moe.client.beam_search import ExpertChoice, MoEBeamSearcher
@@ -150,8 +150,17 @@ class RemoteMixtureOfExperts(nn.Module):
             chosen experts, their outputs ``(batch, k, *out)`` and which slots answered.
         """
         grid_scores = list(self.gate(x).split(list(self.config.grid_size), dim=-1))
+        misbehaviours = self.caller.misbehaviours
         choice = self.choose_experts(grid_scores)
-        outputs, answered = MixtureCall.apply(_DUMMY, self.caller, choice, x, torch.is_grad_enabled())
+        try:
+            outputs, answered = MixtureCall.apply(_DUMMY, self.caller, choice, x, torch.is_grad_enabled())
+        except MoEError:
+            if self.caller.misbehaviours == misbehaviours:
+                raise
+            # answers failed the checks and left samples short of k_min: their servers are avoided
+            # now, so one more search routes those samples to other experts
+            choice = self.choose_experts(grid_scores)
+            outputs, answered = MixtureCall.apply(_DUMMY, self.caller, choice, x, torch.is_grad_enabled())
         return grid_scores, choice, outputs, answered
 
     def gate_weights(
