@@ -25,10 +25,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HELD_OUT = re.compile(r"held-out loss\s+([0-9.]+) -> ([0-9.]+)")
+CHECKS = re.compile(r"expert answers: (\d+) rejected, (\d+) of (\d+) rows clipped")
 
 
-def run_demo(args: argparse.Namespace, hostile: str | None, out_dir: Path) -> tuple[float, float, int, int]:
-    """(held-out loss before, after, skipped batches, answers rejected) of one demo run."""
+def run_demo(args: argparse.Namespace, hostile: str | None, out_dir: Path) -> tuple[float, float, int, str]:
+    """(held-out loss before, after, skipped batches, what the answer checks did) of one demo run."""
     argv = [sys.executable, "-m", "swarm.demo", "--duration", str(args.duration), "--trainers", str(args.trainers),
             "--out-dir", str(out_dir)]
     if hostile is not None:
@@ -40,7 +41,10 @@ def run_demo(args: argparse.Namespace, hostile: str | None, out_dir: Path) -> tu
         raise RuntimeError(f"the demo printed no held-out loss (status {done.returncode}):\n{done.stdout[-3000:]}"
                            f"\n{done.stderr[-3000:]}")
     logs = "".join(p.read_text(errors="replace") for p in out_dir.rglob("trainer-*.log"))
-    return float(match.group(1)), float(match.group(2)), logs.count("skipping a batch"), logs.count("misbehaved")
+    counts = [tuple(int(v) for v in m.groups()) for m in CHECKS.finditer(done.stdout)]
+    rejected, clipped, rows = (sum(c[i] for c in counts) for i in range(3))
+    checks = f"{rejected} answers rejected, {clipped} of {rows} rows clipped ({len(counts)} trainers reporting)"
+    return float(match.group(1)), float(match.group(2)), logs.count("skipping a batch"), checks
 
 
 def main() -> None:
@@ -52,12 +56,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp:
         honest = run_demo(args, None, Path(tmp) / "honest")
         print(f"demo {args.trainers} trainers {args.duration:.0f} s, all honest: held-out loss {honest[0]:.3f} -> "
-              f"{honest[1]:.3f}, {honest[2]} batches skipped", flush=True)
+              f"{honest[1]:.3f}, {honest[2]} batches skipped, {honest[3]}", flush=True)
         for mode in args.modes.split(","):
-            before, after, skipped, rejected = run_demo(args, mode, Path(tmp) / mode)
+            before, after, skipped, checks = run_demo(args, mode, Path(tmp) / mode)
             print(f"demo {args.trainers} trainers {args.duration:.0f} s, hostile server {mode}: held-out loss "
-                  f"{before:.3f} -> {after:.3f}, {skipped} batches skipped, {rejected} answers rejected "
-                  f"(logged); final loss {after / honest[1]:.3f}x the honest run's", flush=True)
+                  f"{before:.3f} -> {after:.3f}, {skipped} batches skipped, {checks}; final loss "
+                  f"{after / honest[1]:.3f}x the honest run's", flush=True)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,8 @@ class AnswerGuard:
         """Answers rejected so far."""
         self.clipped_rows = 0
         """Rows scaled down so far (outputs and gradients)."""
+        self.checked_rows = 0
+        """Rows accepted and held against the clipping bound so far (outputs and gradients)."""
 
     def judge(
         self, answers: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], reference: NormReference
@@ -143,6 +145,7 @@ class AnswerGuard:
     def clip_scales(self, norms: torch.Tensor, scales: torch.Tensor, reference: float | None) -> torch.Tensor | None:
         """Per row, the factor (<= 1) that brings its gain (`norms` over `scales`) within
         ``clip_ratio x reference``; None when no row needs it."""
+        self.checked_rows += norms.numel()
         if reference is None or reference <= self.checks.min_reference:
             return None
         limit = self.checks.clip_ratio * reference * scales

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import swarm.moe.rows as row_ops
-from swarm.core.errors import ConfigError, InvalidRequest, MoEError, RPCError
+from swarm.core.errors import ConfigError, MoEError, RPCError
 from swarm.dht.handle import PeerHandle
 from swarm.moe.client.answer_checks import AnswerChecks, AnswerGuard, MisbehavingExpert
 from swarm.moe.client.beam_search import ExpertChoice
@@ -217,8 +217,7 @@ class MixtureCaller:
 
     def _failed(self, job: ExpertJob, error: BaseException) -> None:
         if isinstance(error, MisbehavingExpert):
-            logger.warning("expert %s at %s misbehaved, skipped for this batch and avoided for %.0f s: %s",
-                           job.uid, job.addr, self.checks.avoid_for, error)
+            logger.warning("%s: skipped for this batch, its server avoided for %.0f s", error, self.checks.avoid_for)
         else:
             logger.debug("expert %s at %s failed for this batch: %s", job.uid, job.addr, error)
         self.failures += 1
@@ -348,8 +347,10 @@ class MixtureCaller:
                 timeout=policy.backward_timeout,
             )
             if answered:
-                if len(summed) != 1 or summed[0].shape != x_share.shape:
-                    raise InvalidRequest(f"malformed gradients from {share.addr}")
+                if len(summed) != 1 or summed[0].shape != x_share.shape or summed[0].dtype != x_share.dtype:
+                    first = jobs[share.jobs[0]]
+                    raise self._rejected("backward", "shape", first, f"answered gradients of another shape "
+                                         f"(its server's share: {len(share.jobs)} experts)")
                 sums[s] = summed[0]
             for i in answered:
                 taken[s].append(share.jobs[i])
