@@ -245,7 +245,10 @@ def bench_checks(args: argparse.Namespace, client_factory) -> None:
     from swarm.moe import AnswerChecks, RemoteMixtureOfExperts
 
     hid, batch = args.hidden_dim, args.batch
-    x, grad = torch.randn(batch, hid), torch.randn(batch, hid)
+    # fresh batches each step: one batch and gradient repeated push the experts' Adam steps one way
+    # until their outputs grow by orders of magnitude (unlike training), and the checks then judge that
+    batches = [(torch.randn(batch, hid), torch.randn(batch, hid)) for _ in range(8)]
+    steps = iter(range(1 << 30))
     threads = max(args.server_threads)
     torch.set_num_threads(threads)
     with Server("ffn.[0:2].[0:2]", hid, threads, insecure=args.insecure) as server:
@@ -259,6 +262,7 @@ def bench_checks(args: argparse.Namespace, client_factory) -> None:
         mixtures[True].gate.load_state_dict(mixtures[False].gate.state_dict())
 
         def step(enabled: bool) -> None:
+            x, grad = batches[next(steps) % len(batches)]
             mixtures[enabled](x.detach().requires_grad_()).backward(grad)
 
         off, on, ratio = paired(lambda: step(False), lambda: step(True), args.pairs, args.settle_ms / 1e3)
@@ -269,7 +273,8 @@ def bench_checks(args: argparse.Namespace, client_factory) -> None:
         print(f"[{args.mode}] (d) WARNING: {failures} expert calls failed or were late; the figure below is not comparable")
     print(f"[{args.mode}] (d) answer checks, RemoteMixtureOfExperts 2x2 k_best=4 batch {batch} hidden {hid} fwd+bwd: "
           f"on {batch / on:.0f} samples/s, off {batch / off:.0f} samples/s: on/off time {ratio:.3f}x (goal <= 1.03x), "
-          f"{clipped} honest rows clipped", flush=True)
+          f"{clipped} of {mixtures[True].caller.guard.checked_rows} honest rows clipped, "
+          f"{mixtures[True].caller.misbehaviours} answers rejected", flush=True)
 
 
 def main() -> None:

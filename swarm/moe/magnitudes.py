@@ -17,16 +17,28 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 __all__ = ["NormReference", "row_norms", "typical_norm"]
 
 
 def row_norms(t: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of each row (first dimension) of `t`, in float32; NaN/Inf propagate."""
-    if t.shape[0] == 0:
+    """The L2 norm of each row (first dimension) of `t`, in float32, in one pass over it.
+
+    A row holding NaN or Inf has a NaN or Inf norm (so one pass also checks finiteness), and so has
+    a float32 row whose norm overflows (over ~1.8e19). Float CPU tensors go through numpy on the
+    calling thread: torch's thread pool, on a machine whose cores the servers share, cost the
+    mixture more in spinning threads than the sums themselves (as for `swarm.moe.rows`).
+    """
+    if t.dim() == 0 or t.shape[0] == 0:
         return torch.zeros(0)
-    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1).float(), dim=1)
+    flat = t.detach().reshape(t.shape[0], -1)
+    if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
+        a = flat.numpy()
+        with np.errstate(over="ignore", invalid="ignore"):
+            return torch.from_numpy(np.sqrt(np.einsum("ij,ij->i", a, a)).astype(np.float32, copy=False))
+    return torch.linalg.vector_norm(flat.float(), dim=1).cpu()
 
 
 def typical_norm(norms: torch.Tensor) -> float:

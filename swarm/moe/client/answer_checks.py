@@ -64,8 +64,8 @@ class AnswerChecks:
     """
 
     enabled: bool = True
-    reject_ratio: float = 10.0
-    clip_ratio: float = 8.0
+    reject_ratio: float = 100.0
+    clip_ratio: float = 20.0
     window: int = 128
     avoid_for: float = 60.0
     min_reference: float = 1e-12
@@ -86,10 +86,12 @@ class Verdict:
     Attributes:
         rejected: per answer, why it was rejected (None: accepted).
         reference: the magnitude they were judged against (None: nothing known yet).
+        norms: per answer, its row norms.
     """
 
     rejected: list[str | None]
     reference: float | None
+    norms: list[torch.Tensor]
 
 
 class AnswerGuard:
@@ -122,12 +124,15 @@ class AnswerGuard:
             reference: `outputs` or `grads`.
         """
         typicals: list[float | None] = []
+        all_norms = []
         for t, scale in zip(answers, scales):
-            if not bool(torch.isfinite(t).all()):
+            norms = row_norms(t)  # NaN/Inf anywhere in a row makes its norm so
+            all_norms.append(norms)
+            if not bool(torch.isfinite(norms).all()):
                 typicals.append(None)
                 continue
             measured = scale > 0
-            typicals.append(typical_norm(row_norms(t)[measured] / scale[measured]))
+            typicals.append(typical_norm(norms[measured] / scale[measured]))
         ref = reference.reference(v for v in typicals if v is not None)
         judged = ref is not None and ref > self.checks.min_reference
         rejected: list[str | None] = []
@@ -140,7 +145,7 @@ class AnswerGuard:
                 rejected.append(None)
                 reference.add(typical)
         self.rejected += sum(r is not None for r in rejected)
-        return Verdict(rejected, ref)
+        return Verdict(rejected, ref, all_norms)
 
     def clip_scales(self, norms: torch.Tensor, scales: torch.Tensor, reference: float | None) -> torch.Tensor | None:
         """Per row, the factor (<= 1) that brings its gain (`norms` over `scales`) within

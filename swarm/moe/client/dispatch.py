@@ -270,8 +270,11 @@ class MixtureCaller:
             verdict = self.guard.judge([results[i][0] for i in formed],  # type: ignore[index]
                                        [x_scale[jobs[i].rows] for i in formed], self.guard.outputs)
             reference = verdict.reference
-            for i, reason in zip(formed, verdict.rejected):
-                if reason is not None:
+            slot_norms = torch.zeros(batch, k)
+            for i, reason, norms in zip(formed, verdict.rejected, verdict.norms):
+                if reason is None:
+                    slot_norms[jobs[i].rows, jobs[i].slots] = norms
+                else:
                     what = "answered NaN/Inf" if reason == "not_finite" else (
                         f"answered outputs over {self.checks.reject_ratio:g}x the layer's reference {verdict.reference:.3g}")
                     self._failed(jobs[i], self._rejected("forward", reason, jobs[i], what))
@@ -286,8 +289,7 @@ class MixtureCaller:
                 answered[job.rows, job.slots] = True
         scales = None
         if self.checks.enabled:
-            norms = _slot_norms(outputs)
-            scales = self.guard.clip_scales(norms, x_scale.unsqueeze(1).expand(batch, k), reference)
+            scales = self.guard.clip_scales(slot_norms, x_scale.unsqueeze(1).expand(batch, k), reference)
             if scales is not None:
                 _count("clipped", "forward", rows=int((scales < 1).sum()))
                 outputs.mul_(scales.view(batch, k, *([1] * (outputs.dim() - 2))).to(outputs.dtype))
@@ -390,7 +392,7 @@ class MixtureCaller:
             return
         sent = [_sent_norms(job_grads, shares[s], taken[s], sums[s].shape[0]) for s in answered]  # type: ignore[union-attr]
         verdict = self.guard.judge([sums[s] for s in answered], sent, self.guard.grads)  # type: ignore[misc]
-        for s, sent_norms, reason in zip(answered, sent, verdict.rejected):
+        for s, sent_norms, reason, norms in zip(answered, sent, verdict.rejected, verdict.norms):
             summed = sums[s]
             if summed is None:
                 continue
@@ -402,7 +404,7 @@ class MixtureCaller:
                         f"{verdict.reference:.3g}")
                     answers.retract(j, self._rejected("backward", reason, jobs[j], what))
                 continue
-            scales = self.guard.clip_scales(row_norms(summed), sent_norms, verdict.reference)
+            scales = self.guard.clip_scales(norms, sent_norms, verdict.reference)
             if scales is not None:
                 _count("clipped", "backward", rows=int((scales < 1).sum()))
                 sums[s] = summed * scales.view(-1, *([1] * (summed.dim() - 1))).to(summed.dtype)
@@ -426,12 +428,6 @@ def _input_scale(x: torch.Tensor) -> torch.Tensor:
     batch's median (so that a zero row cannot make a gain infinite)."""
     norms = row_norms(x)
     return norms.clamp_min(max(typical_norm(norms), 1e-12))
-
-
-def _slot_norms(outputs: torch.Tensor) -> torch.Tensor:
-    """``(batch, k)`` norms of each (sample, slot) output of ``(batch, k, *out)``."""
-    batch, k = outputs.shape[:2]
-    return row_norms(outputs.reshape(batch * k, -1)).view(batch, k)
 
 
 def _count(what: str, direction: str, reason: str = "", rows: int = 1) -> None:
