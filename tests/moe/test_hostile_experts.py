@@ -76,8 +76,7 @@ def test_a_hostile_expert_server_cannot_poison_or_stall_a_mixture(honest_and_hos
     # answers set (inputs of norm ~4, honest outputs of the same order)
     assert max(out_norms) < 100 and max(grad_norms) < 100, (out_norms, grad_norms)
     # the liar was caught, counted, and its server avoided
-    assert moe.caller.guard.rejected + (hostile.config.hostile == "shape") >= 1
-    assert moe.caller.failures >= 1
+    assert moe.caller.misbehaviours >= 1 and moe.caller.failures >= moe.caller.misbehaviours
     assert moe.searcher.avoided_servers() == [hostile.peer.addrs[0]], "the hostile server is avoided for a while"
     end = torch.cat([p.detach().flatten() for p in honest.parameters()]).norm()
     assert torch.isfinite(end) and float(end) < 2 * float(start) + 1
@@ -109,8 +108,8 @@ def test_a_hostile_client_sending_huge_gradients_cannot_wreck_an_honest_expert(m
     assert torch.isfinite(after) and float(after) < 3 * float(before), (before, after)
     assert server.experts["ffn.0"].gradient_bound is not None
     assert server.experts["ffn.0"].gradient_bound.clipped_rows >= 5 * 32
-    more, _, _ = train(moe, 10)  # the honest client goes on training
-    assert all(torch.isfinite(torch.tensor(more))) and more[-1] < 2 * losses[-1] + 0.1
+    more, _, _ = train(moe, 10)  # the honest client goes on training, its loss below where it began
+    assert all(torch.isfinite(torch.tensor(more))) and sum(more[-3:]) < 0.8 * sum(losses[:3]), (losses, more)
 
 
 @pytest.mark.parametrize("honest_and_hostile", ["nan"], indirect=True)
