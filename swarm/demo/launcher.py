@@ -4,7 +4,9 @@ It starts, as separate processes on loopback, one expert server holding the grid
 the model's mixture layer (`python -m swarm --experts 'ffn.[0:2].[0:2]' ...`) and a few trainers
 (`python -m swarm.demo.trainer`), shows a live line per trainer, and at the end prints a summary
 (held-out loss before and after, samples, collective steps, bytes sent, text samples) and saves
-the loss curve as a PNG. Ctrl+C stops the whole swarm cleanly: each child gets one SIGINT,
+the loss curve as a PNG. With `--hostile-experts MODE` the grid's last row is served instead by a
+second expert server that lies in every answer (`swarm.moe.server.hostile`), to show the trainers'
+mixtures catching it and training on. Ctrl+C stops the whole swarm cleanly: each child gets one SIGINT,
 finishes what it is doing and exits 0; a second Ctrl+C kills them at once.
 """
 
