@@ -97,7 +97,7 @@ def test_imports_point_down_the_layers() -> None:
 
 
 MOE_LAYERS: list[tuple[str, ...]] = [
-    ("swarm.moe.uids", "swarm.moe.schema", "swarm.moe.rows"),  # expert names, tensor schemas, row maps
+    ("swarm.moe.uids", "swarm.moe.schema", "swarm.moe.rows", "swarm.moe.magnitudes"),  # names, schemas, row maps, norms
     ("swarm.moe.protocol", "swarm.moe.dht_declare", "swarm.moe.sources"),  # calls, DHT records, expert sources
     ("swarm.moe.group_calls",),  # several experts of one server on one stream, both sides
     ("swarm.moe.client", "swarm.moe.server"),  # side by side: neither imports the other

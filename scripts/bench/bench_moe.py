@@ -7,7 +7,10 @@
       compute of the same four experts and gate; goals: >= 10x hivemind's ~60 samples/s,
       <= 1.3x local compute;
   (c) 8 concurrent clients (each its own peer) against one server, small batches: throughput
-      with batching vs without (max_batch_tasks=1).
+      with batching vs without (max_batch_tasks=1);
+  (d) the answer checks' cost (`swarm.moe.client.answer_checks`): the mixture of (b), forward and
+      backward, with the checks on vs off (`AnswerChecks(enabled=False)`), two mixtures over the same
+      server alternating pair by pair; goal: on/off time <= 1.03x. Not in the default `--only`.
 
 Each figure is measured over TLS (the default) and plaintext (`--insecure` on server and clients)
 in the same run (--modes), lines prefixed [tls] / [plaintext].
@@ -24,6 +27,7 @@ threads and the servers' optimizer (`swarm.moe.server.experts.default_optimizer`
 Usage: .venv/bin/python scripts/bench/bench_moe.py [--hidden-dim 1024] [--batch 256] [--pairs 12]
          [--server-threads 1,2] [--clients 8] [--client-batch 32] [--seconds 8] [--only abc]
          [--settle-ms 50] [--modes tls,plaintext]
+       .venv/bin/python scripts/bench/bench_moe.py --only d --modes plaintext [--pairs 40]
 """
 
 from __future__ import annotations
@@ -235,6 +239,44 @@ def run_clients(experts: list, batch: int, hid: int, seconds: float) -> tuple[in
     return sum(done), time.perf_counter() - began
 
 
+def bench_checks(args: argparse.Namespace, client_factory) -> None:
+    import torch
+
+    from swarm.moe import AnswerChecks, RemoteMixtureOfExperts
+
+    hid, batch = args.hidden_dim, args.batch
+    # fresh batches each step: one batch and gradient repeated push the experts' Adam steps one way
+    # until their outputs grow by orders of magnitude (unlike training), and the checks then judge that
+    batches = [(torch.randn(batch, hid), torch.randn(batch, hid)) for _ in range(8)]
+    steps = iter(range(1 << 30))
+    threads = max(args.server_threads)
+    torch.set_num_threads(threads)
+    with Server("ffn.[0:2].[0:2]", hid, threads, insecure=args.insecure) as server:
+        client = client_factory(server.addr)
+        mixtures = {
+            enabled: RemoteMixtureOfExperts(client, in_features=hid, grid_size=(2, 2), uid_prefix="ffn.", k_best=4,
+                                            forward_timeout=120, backward_timeout=120, cache_ttl=60,
+                                            checks=AnswerChecks(enabled=enabled))
+            for enabled in (False, True)
+        }
+        mixtures[True].gate.load_state_dict(mixtures[False].gate.state_dict())
+
+        def step(enabled: bool) -> None:
+            x, grad = batches[next(steps) % len(batches)]
+            mixtures[enabled](x.detach().requires_grad_()).backward(grad)
+
+        off, on, ratio = paired(lambda: step(False), lambda: step(True), args.pairs, args.settle_ms / 1e3)
+        failures = sum(m.caller.failures for m in mixtures.values())
+        clipped = mixtures[True].caller.guard.clipped_rows
+        client.shutdown()
+    if failures:
+        print(f"[{args.mode}] (d) WARNING: {failures} expert calls failed or were late; the figure below is not comparable")
+    print(f"[{args.mode}] (d) answer checks, RemoteMixtureOfExperts 2x2 k_best=4 batch {batch} hidden {hid} fwd+bwd: "
+          f"on {batch / on:.0f} samples/s, off {batch / off:.0f} samples/s: on/off time {ratio:.3f}x (goal <= 1.03x), "
+          f"{clipped} of {mixtures[True].caller.guard.checked_rows} honest rows clipped, "
+          f"{mixtures[True].caller.misbehaviours} answers rejected", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", default="main")
@@ -274,6 +316,8 @@ def main() -> None:
                 bench_mixture(args, client_factory)
             if "c" in args.only:
                 bench_concurrent(args, client_factory)
+            if "d" in args.only:
+                bench_checks(args, client_factory)
         finally:
             client.shutdown()
 

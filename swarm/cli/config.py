@@ -26,6 +26,7 @@ class PeerOptions:
     expert_cls: str = "ffn"
     hidden_dim: int = 1024
     checkpoint_dir: str | None = None
+    expert_hostile: str | None = None
     metrics_port: int | None = None
     bulk_port: str | None = None
     insecure: bool = False
@@ -90,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-cls", help="expert class (ffn, transformer, nop, or a registered one)")
     parser.add_argument("--hidden-dim", type=int, help="hidden size of served experts (default 1024)")
     parser.add_argument("--checkpoint-dir", help="where experts are saved periodically and at shutdown")
+    parser.add_argument("--expert-hostile", help="a FAULT for tests and demos: the served experts lie in every answer "
+                                                 "(x1e6, nan, shape or sometimes; docs/threat-model.md)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--bulk-port", help="TCP port of the side channel that carries tensors (default: any free "
                                             "port; 'off': tensors over the gRPC port only, slower)")

@@ -4,7 +4,9 @@ It starts, as separate processes on loopback, one expert server holding the grid
 the model's mixture layer (`python -m swarm --experts 'ffn.[0:2].[0:2]' ...`) and a few trainers
 (`python -m swarm.demo.trainer`), shows a live line per trainer, and at the end prints a summary
 (held-out loss before and after, samples, collective steps, bytes sent, text samples) and saves
-the loss curve as a PNG. Ctrl+C stops the whole swarm cleanly: each child gets one SIGINT,
+the loss curve as a PNG. With `--hostile-experts MODE` the grid's last row is served instead by a
+second expert server that lies in every answer (`swarm.moe.server.hostile`), to show the trainers'
+mixtures catching it and training on. Ctrl+C stops the whole swarm cleanly: each child gets one SIGINT,
 finishes what it is doing and exits 0; a second Ctrl+C kills them at once.
 """
 
@@ -53,6 +55,9 @@ class DemoConfig:
         attack: the attack those trainers make (one of `swarm.demo.byzantine.ATTACKS`).
         dashboard_port: the expert server serves the swarm's live page on this port of 127.0.0.1
             (0: any free one; None: no page).
+        hostile_experts: split the grid over two expert servers, the second (the last row of the
+            grid's first dimension) hostile in this way (`swarm.moe.server.hostile`); None: one honest
+            server holds the whole grid.
     """
 
     trainers: int = 3
@@ -68,6 +73,7 @@ class DemoConfig:
     byzantine: int = 0
     attack: str = "sign_flip"
     dashboard_port: int | None = 0
+    hostile_experts: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.trainers <= 16:
@@ -78,6 +84,8 @@ class DemoConfig:
             raise ConfigError("--duration must be positive")
         if self.dashboard_port is not None and not 0 <= self.dashboard_port <= 65535:
             raise ConfigError("--dashboard-port must be a TCP port")
+        if self.hostile_experts is not None and self.model.grid_size[0] < 2:
+            raise ConfigError("--hostile-experts needs a grid of at least two rows")
 
 
 def run_mode(c: DemoConfig) -> str:
@@ -148,6 +156,7 @@ class Launcher:
         self.names = [f"trainer-{i}" for i in range(config.trainers)]
         self.board = Board(self.names, config.duration, plain_interval=5.0)
         self.server: Child | None = None
+        self.hostile_server: Child | None = None
         self.trainers: list[Child] = []
         self.curves: dict[str, list[tuple[float, float]]] = {n: [] for n in self.names}
         self.evals: list[tuple[float, float]] = []
@@ -160,19 +169,33 @@ class Launcher:
     # -- processes ----------------------------------------------------------------------------
 
     def start_server(self) -> str:
-        m = self.config.model
-        argv = [sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--experts", m.expert_pattern,
-                "--expert-cls", "ffn", "--hidden-dim", str(m.hidden_dim), "--log-level", "WARNING"]
+        m, hostile = self.config.model, self.config.hostile_experts
+        pattern = m.expert_pattern
+        if hostile is not None:  # the last row of the grid goes to a hostile server
+            rows, rest = m.grid_size[0], "".join(f".[0:{n}]" for n in m.grid_size[1:])
+            pattern, lies = f"{m.uid_prefix}[0:{rows - 1}]{rest}", f"{m.uid_prefix}[{rows - 1}:{rows}]{rest}"
+
+        def argv(experts: str) -> list[str]:
+            return [sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--experts", experts,
+                    "--expert-cls", "ffn", "--hidden-dim", str(m.hidden_dim), "--log-level", "WARNING"]
+
+        served = argv(pattern)
         dashboard = self.dashboard_url()
         if dashboard is not None:  # the page shows the trainers' run (their default run id)
-            argv += ["--dashboard-port", dashboard.rsplit(":", 1)[1].strip("/"), "--dashboard-run", "swarm-demo"]
-        self.server = Child("expert-server", argv, self.log_dir)
+            served += ["--dashboard-port", dashboard.rsplit(":", 1)[1].strip("/"), "--dashboard-run", "swarm-demo"]
+        self.server = Child("expert-server", served, self.log_dir)
         line = self.server.stdout.readline().strip()
         if not line.startswith("/"):
             raise RuntimeError(f"the expert server did not start:\n{self.server.log_tail()}")
-        self.board.notice(f"expert server: experts {m.expert_pattern} (ffn, hidden {m.hidden_dim}) at {line}")
+        self.board.notice(f"expert server: experts {pattern} (ffn, hidden {m.hidden_dim}) at {line}")
         if dashboard is not None:
             self.board.notice(f"dashboard: {dashboard}  (the swarm live in a browser, served by the expert server)")
+        if hostile is not None:
+            self.hostile_server = Child("hostile-expert-server", [*argv(lies), "--initial-peers", line,
+                                                                  "--expert-hostile", hostile], self.log_dir)
+            if not self.hostile_server.stdout.readline().strip().startswith("/"):
+                raise RuntimeError(f"the hostile expert server did not start:\n{self.hostile_server.log_tail()}")
+            self.board.notice(f"HOSTILE expert server ({hostile}): experts {lies}")
         return line
 
     def dashboard_url(self) -> str | None:
@@ -210,7 +233,7 @@ class Launcher:
     def on_signal(self, signum: int, _frame: object) -> None:
         self._signals += 1
         if self._signals > 1:
-            for child in [*self.trainers, *([self.server] if self.server else [])]:
+            for child in [*self.trainers, *self.servers()]:
                 child.kill()
             os._exit(128 + signum)
         self.stopping = True
@@ -285,16 +308,19 @@ class Launcher:
                 child.proc.wait(60)
             except subprocess.TimeoutExpired:
                 child.kill()
-        if self.server is not None:
-            self.server.interrupt()
+        for server in self.servers():
+            server.interrupt()
             try:
-                code = self.server.proc.wait(30)
+                code = server.proc.wait(30)
                 if code != 0:
-                    self.board.notice(f"the expert server exited with status {code}:\n{self.server.log_tail()}")
+                    self.board.notice(f"{server.name} exited with status {code}:\n{server.log_tail()}")
             except subprocess.TimeoutExpired:
-                self.server.kill()
-        for child in [*self.trainers, *([self.server] if self.server else [])]:
+                server.kill()
+        for child in [*self.trainers, *self.servers()]:
             child.close()
+
+    def servers(self) -> list[Child]:
+        return [s for s in (self.server, self.hostile_server) if s is not None]
 
     # -- the report ---------------------------------------------------------------------------
 
@@ -365,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dashboard-port", type=int, default=0,
                         help="port of the swarm's live page on 127.0.0.1 (default: any free one)")
     parser.add_argument("--no-dashboard", action="store_true", help="serve no live page")
+    parser.add_argument("--hostile-experts", default=None, choices=["x1e6", "nan", "shape", "sometimes"],
+                        help="serve the grid's last row from a second, hostile expert server that lies this way "
+                             "(default: one honest server holds every expert)")
     return parser
 
 
@@ -375,7 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             target_batch_size=args.target_batch_size, diloco_steps=args.diloco_steps,
                             max_staleness=args.max_staleness, sample_length=args.sample_length, out_dir=args.out_dir, model=ModelConfig(hidden_dim=args.hidden_dim),
                             aggregation=args.aggregation, byzantine=args.byzantine, attack=args.attack,
-                            dashboard_port=None if args.no_dashboard else args.dashboard_port)
+                            dashboard_port=None if args.no_dashboard else args.dashboard_port,
+                            hostile_experts=args.hostile_experts)
     except ValueError as e:
         print(f"swarm demo: error: {e}", file=sys.stderr)
         return 2

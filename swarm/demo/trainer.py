@@ -345,6 +345,12 @@ class Trainer:
                 next_report = now + cfg.report_every
         now = time.monotonic()
         self.report_evaluation(now - self.started)
+        from swarm.moe.client.mixture import RemoteMixtureOfExperts
+
+        if isinstance(self.model.mixture, RemoteMixtureOfExperts):
+            guard = self.model.mixture.caller.guard  # what the checks of the experts' answers did
+            self.emit(Notice(cfg.name, f"expert answers: {guard.rejected} rejected, {guard.clipped_rows} of "
+                                       f"{guard.checked_rows} rows clipped"))
         progress = opt.progress
         self.emit(Progress(cfg.name, now - self.started, step, smoothed, throughput, progress.num_peers, opt.epoch,
                            samples, opt.bytes_sent, self.expert_bytes))

@@ -17,6 +17,9 @@ What a peer's scrape shows (`swarm.cli.metrics`, served by `swarm-peer --metrics
 - ``swarm_averaging_rounds_total{outcome="succeeded"|"failed"}``,
   ``swarm_expert_batches_total{expert}``, ``swarm_expert_queue_depth{expert}``: declared here,
   updated by `swarm.averaging` and `swarm.moe` (see below);
+- ``swarm_moe_rejected_answers_total{direction,reason}``, ``swarm_moe_clipped_rows_total{direction}``
+  (a mixture's checks of its experts' answers, `swarm.moe.client.answer_checks`) and
+  ``swarm_expert_clipped_grad_rows_total{expert}`` (an expert's bound on its callers' gradients);
 - ``process_*`` (CPU seconds, resident memory, open files, start time): prometheus_client's
   `ProcessCollector`, in the process-wide registry.
 
@@ -60,8 +63,9 @@ from swarm.metrics.registry import DEFAULT_BUCKETS, Registry
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics
 
 __all__ = [
-    "AVERAGING_ROUNDS", "BULK_CONNECTIONS", "DEFAULT_BUCKETS", "EXPERT_BATCHES", "EXPERT_QUEUE_DEPTH", "REGISTRY", "Counter",
-    "Gauge", "Histogram", "MethodMetrics", "RPCMetrics", "Registry",
+    "AVERAGING_ROUNDS", "BULK_CONNECTIONS", "DEFAULT_BUCKETS", "EXPERT_BATCHES", "EXPERT_CLIPPED_GRAD_ROWS",
+    "EXPERT_QUEUE_DEPTH", "MOE_CLIPPED_ROWS", "MOE_REJECTED_ANSWERS", "REGISTRY", "Counter", "Gauge", "Histogram",
+    "MethodMetrics", "RPCMetrics", "Registry",
 ]
 
 
@@ -102,6 +106,14 @@ _FAMILIES = {
         "swarm_expert_batches_total", "Batches an expert processed (forward or backward)", ("expert",)),
     "EXPERT_QUEUE_DEPTH": lambda: REGISTRY.gauge(
         "swarm_expert_queue_depth", "Tasks waiting in an expert's queue", ("expert",)),
+    "MOE_REJECTED_ANSWERS": lambda: REGISTRY.counter(
+        "swarm_moe_rejected_answers_total", "Expert answers a mixture rejected (the expert failed for the batch), "
+        "by direction and reason (not_finite, shape, magnitude)", ("direction", "reason")),
+    "MOE_CLIPPED_ROWS": lambda: REGISTRY.counter(
+        "swarm_moe_clipped_rows_total", "Rows of expert answers a mixture scaled down to its bound", ("direction",)),
+    "EXPERT_CLIPPED_GRAD_ROWS": lambda: REGISTRY.counter(
+        "swarm_expert_clipped_grad_rows_total", "Gradient rows callers sent that an expert scaled down to its bound "
+        "before training on them", ("expert",)),
 }
 
 

@@ -15,6 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from swarm.moe.client.answer_checks import AnswerChecks
     from swarm.moe.client.expert import RemoteExpert
     from swarm.moe.client.mixture import RemoteMixtureOfExperts
     from swarm.moe.client.switch import RemoteSwitchMixtureOfExperts
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from swarm.moe.sources import ExpertSource, StaticExpertSource
 
 _EXPORTS = {
+    "AnswerChecks": "swarm.moe.client.answer_checks",
     "ExpertServer": "swarm.moe.server.expert_server",
     "ExpertServerConfig": "swarm.moe.server.config",
     "ExpertSource": "swarm.moe.sources",
@@ -33,6 +35,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AnswerChecks",
     "ExpertServer",
     "ExpertServerConfig",
     "ExpertSource",

@@ -79,12 +79,22 @@ class MoEBeamSearcher:
         self.cache_ttl = cache_ttl
         self._cache: dict[str, tuple[float, Successors]] = {}
         self._excluded: dict[str, float] = {}
+        self._avoided_servers: dict[str, float] = {}
         self.source_reads = 0
         """Prefixes read from the source so far (cache misses)."""
 
     def exclude(self, uid: str, seconds: float) -> None:
         """Does not choose expert `uid` for the next `seconds` (it just failed)."""
         self._excluded[uid] = time.monotonic() + seconds
+
+    def avoid_server(self, addr: str, seconds: float) -> None:
+        """Chooses none of the experts of the server at `addr` for the next `seconds` (it misbehaved)."""
+        self._avoided_servers[addr] = time.monotonic() + seconds
+
+    def avoided_servers(self) -> list[str]:
+        """The servers avoided now (`avoid_server`)."""
+        now = time.monotonic()
+        return [addr for addr, until in self._avoided_servers.items() if until > now]
 
     def invalidate(self) -> None:
         """Forgets cached answers, so the next search asks the source again."""
@@ -132,6 +142,7 @@ class MoEBeamSearcher:
         batch = grid_scores[0].shape[0]
         now = time.monotonic()
         self._excluded = {u: t for u, t in self._excluded.items() if t > now}
+        self._avoided_servers = {a: t for a, t in self._avoided_servers.items() if t > now}
         codes = torch.zeros(batch, 1, dtype=torch.long)
         scores = torch.zeros(batch, 1)
         valid = torch.ones(batch, 1, dtype=torch.bool)
@@ -150,7 +161,7 @@ class MoEBeamSearcher:
             alive = torch.zeros(len(prefixes), g, dtype=torch.bool)
             for row, prefix in enumerate(prefixes):
                 for coord, (uid, addr) in successors.get(prefix, {}).items():
-                    if not 0 <= coord < g or (last and uid in self._excluded):
+                    if not 0 <= coord < g or (last and (uid in self._excluded or addr in self._avoided_servers)):
                         continue
                     alive[row, coord] = True
                     if last:

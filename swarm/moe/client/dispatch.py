@@ -13,6 +13,12 @@ gradients under the same policy, and gets back the input gradients summed per se
 Row gathers and scatters run with numpy on the calling thread (`swarm.moe.rows`): torch's thread
 pool, on a 2-core machine shared with the servers, made them cost milliseconds each.
 
+Every answer is checked before it is used, forward and backward (`swarm.moe.client.answer_checks`):
+an answer of another shape, with NaN/Inf, or far larger than the layer's other answers fails its
+expert for the batch like a timeout, and its server is avoided for a while; what is accepted is
+clipped row by row to a bound learned from the answers, so that no expert weighs more than that in
+the combination.
+
 `MixtureCall` ties this to autograd: its forward returns the experts' outputs per (sample, slot)
 and which slots answered; its backward returns the gradient w.r.t. the mixture's input.
 """
@@ -28,12 +34,14 @@ from typing import Any
 import torch
 
 import swarm.moe.rows as row_ops
-from swarm.core.errors import ConfigError, InvalidRequest, MoEError, RPCError
+from swarm.core.errors import ConfigError, MoEError, RPCError
 from swarm.dht.handle import PeerHandle
+from swarm.moe.client.answer_checks import AnswerChecks, AnswerGuard, MisbehavingExpert
 from swarm.moe.client.beam_search import ExpertChoice
 from swarm.moe.client.expert import as_payload
 from swarm.moe.client.jobs import ExpertJob, ServerShare, plan_jobs, plan_shares
 from swarm.moe.group_calls import GroupMember, call_backward_group, call_forward_group
+from swarm.moe.magnitudes import row_norms, typical_norm
 
 __all__ = ["DispatchPolicy", "MixtureCall"]
 
@@ -104,6 +112,13 @@ class _Answers:
             self.on_failure(self.jobs[j], error)
             self._changed.set()
 
+    def retract(self, j: int, error: BaseException) -> None:
+        """An answer taken with `ok` turned out bad (after the calls): the job failed after all."""
+        if self.results[j] is not None:
+            self.results[j] = None
+            self.answered[self.jobs[j].rows] -= 1
+            self.on_failure(self.jobs[j], error)
+
     async def gather(
         self, calls: Sequence[Coroutine[Any, Any, None]], shares: Sequence[ServerShare], timeout: float,
         after_k_min: float | None,
@@ -156,8 +171,9 @@ class MixtureCall(torch.autograd.Function):
         ctx: Any, dummy: torch.Tensor, caller: MixtureCaller, choice: ExpertChoice, x: torch.Tensor, keep_graphs: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         jobs = plan_jobs(choice, keep_graphs)
-        outputs, answered, results = caller.forward(jobs, x, choice)
+        outputs, answered, results, scales = caller.forward(jobs, x, choice)
         ctx.caller, ctx.jobs = caller, [job for job, result in zip(jobs, results) if result is not None]
+        ctx.scales = scales
         ctx.forward_answers = answered.sum(dim=1)
         ctx.save_for_backward(x)
         ctx.mark_non_differentiable(answered)
@@ -166,6 +182,9 @@ class MixtureCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_outputs: torch.Tensor, _grad_answered: Any) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
+        if ctx.scales is not None:  # a clipped output row passes its gradient on scaled alike
+            grad_outputs = grad_outputs * ctx.scales.to(grad_outputs.device).view(
+                *ctx.scales.shape, *([1] * (grad_outputs.dim() - 2)))
         grad_x = ctx.caller.backward(ctx.jobs, x, grad_outputs, ctx.forward_answers)
         return None, None, None, grad_x, None
 
@@ -177,22 +196,37 @@ class MixtureCaller:
         peer: the calling peer.
         policy: k_min and timeouts.
         on_failure: told about each expert that failed (the mixture excludes it for a while).
+        checks: how answers are checked and clipped (default: `AnswerChecks()`).
     """
 
-    def __init__(self, peer: PeerHandle, policy: DispatchPolicy, on_failure: OnFailure) -> None:
+    def __init__(
+        self, peer: PeerHandle, policy: DispatchPolicy, on_failure: OnFailure, checks: AnswerChecks | None = None
+    ) -> None:
         self.peer = peer
         self.policy = policy
         self.on_failure = on_failure
+        self.checks = checks or AnswerChecks()
+        self.guard = AnswerGuard(self.checks)
         self.output_shape: tuple[int, ...] | None = None
         """Shape of one sample's expert output, learned from the first answer."""
         self.output_dtype = torch.float32
         self.failures = 0
         """Expert calls that failed or came too late so far (each one skipped for its batch)."""
+        self.misbehaviours = 0
+        """Answers rejected by the checks so far, forward and backward (each also counts in `failures`)."""
 
     def _failed(self, job: ExpertJob, error: BaseException) -> None:
-        logger.debug("expert %s at %s failed for this batch: %s", job.uid, job.addr, error)
+        if isinstance(error, MisbehavingExpert):
+            logger.warning("%s: skipped for this batch, its server avoided for %.0f s", error, self.checks.avoid_for)
+        else:
+            logger.debug("expert %s at %s failed for this batch: %s", job.uid, job.addr, error)
         self.failures += 1
         self.on_failure(job, error)
+
+    def _rejected(self, direction: str, reason: str, job: ExpertJob, what: str) -> MisbehavingExpert:
+        _count("rejected", direction, reason)
+        self.misbehaviours += 1
+        return MisbehavingExpert(f"expert {job.uid} at {job.addr}: {what}", reason)
 
     @staticmethod
     def _members(jobs: Sequence[ExpertJob], share: ServerShare) -> list[GroupMember]:
@@ -200,7 +234,7 @@ class MixtureCaller:
 
     def forward(
         self, jobs: list[ExpertJob], x: torch.Tensor, choice: ExpertChoice
-    ) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor] | None]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor] | None], torch.Tensor | None]:
         policy = self.policy
         batch, k = choice.codes.shape
         payload = as_payload(x)
@@ -224,10 +258,27 @@ class MixtureCaller:
 
         self.peer.run(run(), policy.forward_timeout + 5.0)
         results = answers.results
+        self._learn_output_shape(results, tuple(x.shape[1:]))
         for i, (job, result) in enumerate(zip(jobs, results)):
             if result is not None and not self._well_formed(result, job):
-                self._failed(job, MoEError(f"expert {job.uid} answered with malformed outputs"))
+                self._failed(job, self._rejected("forward", "shape", job, "answered outputs of another shape"))
                 results[i] = None
+        reference = None
+        if self.checks.enabled:
+            x_scale = _input_scale(payload)
+            formed = [i for i, r in enumerate(results) if r is not None]
+            verdict = self.guard.judge([results[i][0] for i in formed],  # type: ignore[index]
+                                       [x_scale[jobs[i].rows] for i in formed], self.guard.outputs)
+            reference = verdict.reference
+            slot_norms = torch.zeros(batch, k)
+            for i, reason, norms in zip(formed, verdict.rejected, verdict.norms):
+                if reason is None:
+                    slot_norms[jobs[i].rows, jobs[i].slots] = norms
+                else:
+                    what = "answered NaN/Inf" if reason == "not_finite" else (
+                        f"answered outputs over {self.checks.reject_ratio:g}x the layer's reference {verdict.reference:.3g}")
+                    self._failed(jobs[i], self._rejected("forward", reason, jobs[i], what))
+                    results[i] = None
         if self.output_shape is None:
             raise MoEError(f"none of the {len(jobs)} chosen experts answered, and none ever has")
         answered = torch.zeros(batch, k, dtype=torch.bool)
@@ -236,6 +287,12 @@ class MixtureCaller:
             if result is not None:
                 row_ops.put_pairs_(outputs, job.rows, job.slots, result[0])
                 answered[job.rows, job.slots] = True
+        scales = None
+        if self.checks.enabled:
+            scales = self.guard.clip_scales(slot_norms, x_scale.unsqueeze(1).expand(batch, k), reference)
+            if scales is not None:
+                _count("clipped", "forward", rows=int((scales < 1).sum()))
+                outputs.mul_(scales.view(batch, k, *([1] * (outputs.dim() - 2))).to(outputs.dtype))
         counts = answered.sum(dim=1)
         short = counts < policy.k_min
         if bool(short.any()) and not (policy.allow_zero_outputs and bool((counts[short] == 0).all())):
@@ -245,7 +302,21 @@ class MixtureCaller:
                 f"({sum(r is not None for r in results)} of {len(jobs)} experts answered; "
                 f"{int(choice.valid.sum(dim=1).min())} live experts found for the worst sample)"
             )
-        return outputs.to(x.device), answered.to(x.device), results
+        return outputs.to(x.device), answered.to(x.device), results, scales
+
+    def _learn_output_shape(self, results: Sequence[list[torch.Tensor] | None], input_shape: tuple[int, ...]) -> None:
+        """Takes the layer's output shape from its first answers: the most common one (a tie goes to
+        the input's shape, then to the first), so that a lone liar answering first cannot set it."""
+        if self.output_shape is not None:
+            return
+        votes: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+        for result in results:
+            if result is not None and len(result) == 1 and result[0].dim() >= 1 and result[0].is_floating_point():
+                key = (tuple(result[0].shape[1:]), result[0].dtype)
+                votes[key] = votes.get(key, 0) + 1
+        if votes:
+            best = max(votes.items(), key=lambda kv: (kv[1], kv[0][0] == input_shape))[0]
+            self.output_shape, self.output_dtype = best
 
     def _well_formed(self, result: list[torch.Tensor], job: ExpertJob) -> bool:
         if len(result) != 1 or result[0].dim() < 1 or result[0].shape[0] != job.rows.numel():
@@ -269,6 +340,7 @@ class MixtureCaller:
         needed = torch.clamp(forward_answers, max=policy.backward_k_min)
         answers = _Answers(jobs, batch, needed, self._failed)
         sums: list[torch.Tensor | None] = [None] * len(shares)
+        taken: list[list[int]] = [[] for _ in shares]
 
         async def call(s: int, share: ServerShare, x_share: torch.Tensor) -> None:
             answered, summed = await call_backward_group(
@@ -277,10 +349,13 @@ class MixtureCaller:
                 timeout=policy.backward_timeout,
             )
             if answered:
-                if len(summed) != 1 or summed[0].shape != x_share.shape:
-                    raise InvalidRequest(f"malformed gradients from {share.addr}")
+                if len(summed) != 1 or summed[0].shape != x_share.shape or summed[0].dtype != x_share.dtype:
+                    first = jobs[share.jobs[0]]
+                    raise self._rejected("backward", "shape", first, f"answered gradients of another shape "
+                                         f"(its server's share: {len(share.jobs)} experts)")
                 sums[s] = summed[0]
             for i in answered:
+                taken[s].append(share.jobs[i])
                 answers.ok(share.jobs[i], [])
 
         async def run() -> None:
@@ -288,6 +363,8 @@ class MixtureCaller:
                                  policy.backward_timeout, policy.timeout_after_k_min)
 
         self.peer.run(run(), policy.backward_timeout + 5.0)
+        if self.checks.enabled:
+            self._check_gradients(jobs, job_grads, shares, sums, taken, answers)
         grad_x = row_ops.zeros(tuple(payload.shape), payload.dtype)
         for share, summed in zip(shares, sums):
             if summed is not None:
@@ -303,3 +380,61 @@ class MixtureCaller:
                 f"{len(jobs)} experts answered)"
             )
         return grad_x.to(x.device)
+
+    def _check_gradients(
+        self, jobs: Sequence[ExpertJob], job_grads: Sequence[torch.Tensor], shares: Sequence[ServerShare],
+        sums: list[torch.Tensor | None], taken: Sequence[Sequence[int]], answers: _Answers,
+    ) -> None:
+        """Judges each server's summed input gradients (as gains over the output gradients it was
+        sent), drops the rejected ones and clips the rows of the others, in place."""
+        answered = [s for s, summed in enumerate(sums) if summed is not None]
+        if not answered:
+            return
+        sent = [_sent_norms(job_grads, shares[s], taken[s], sums[s].shape[0]) for s in answered]  # type: ignore[union-attr]
+        verdict = self.guard.judge([sums[s] for s in answered], sent, self.guard.grads)  # type: ignore[misc]
+        for s, sent_norms, reason, norms in zip(answered, sent, verdict.rejected, verdict.norms):
+            summed = sums[s]
+            if summed is None:
+                continue
+            if reason is not None:
+                sums[s] = None
+                for j in taken[s]:
+                    what = "answered NaN/Inf gradients" if reason == "not_finite" else (
+                        f"answered gradients over {self.checks.reject_ratio:g}x the layer's reference "
+                        f"{verdict.reference:.3g}")
+                    answers.retract(j, self._rejected("backward", reason, jobs[j], what))
+                continue
+            scales = self.guard.clip_scales(norms, sent_norms, verdict.reference)
+            if scales is not None:
+                _count("clipped", "backward", rows=int((scales < 1).sum()))
+                sums[s] = summed * scales.view(-1, *([1] * (summed.dim() - 1))).to(summed.dtype)
+
+
+def _sent_norms(job_grads: Sequence[torch.Tensor], share: ServerShare, taken: Sequence[int], rows: int) -> torch.Tensor:
+    """Per row of a server's share, the summed norms of the output gradients sent to its answered experts."""
+    sums = torch.zeros(rows)
+    member_rows = dict(zip(share.jobs, share.member_rows))
+    for j in taken:
+        norms, index = row_norms(job_grads[j]), member_rows[j]
+        if index is None:
+            sums += norms
+        else:
+            sums.index_add_(0, index, norms)
+    return sums
+
+
+def _input_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per sample, what its expert outputs are measured against: its input row's norm, floored at the
+    batch's median (so that a zero row cannot make a gain infinite)."""
+    norms = row_norms(x)
+    return norms.clamp_min(max(typical_norm(norms), 1e-12))
+
+
+def _count(what: str, direction: str, reason: str = "", rows: int = 1) -> None:
+    """Updates the mixture metrics (prometheus_client is loaded at the first event, not at import)."""
+    from swarm.metrics import MOE_CLIPPED_ROWS, MOE_REJECTED_ANSWERS
+
+    if what == "rejected":
+        MOE_REJECTED_ANSWERS.labels(direction=direction, reason=reason).inc()
+    else:
+        MOE_CLIPPED_ROWS.labels(direction=direction).inc(rows)

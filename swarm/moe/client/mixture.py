@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from swarm.core.errors import ConfigError
+from swarm.core.errors import ConfigError, MoEError
 from swarm.dht.handle import PeerHandle
+from swarm.moe.client.answer_checks import AnswerChecks, MisbehavingExpert
 from swarm.moe.client.beam_search import ExpertChoice, MoEBeamSearcher
 from swarm.moe.client.dispatch import DispatchPolicy, MixtureCall, MixtureCaller
 from swarm.moe.client.jobs import ExpertJob
@@ -43,6 +44,7 @@ class MixtureConfig:
         beam_size: prefixes kept per sample during the search (default: k_best).
         cache_ttl: seconds the search reuses what the DHT said about a prefix.
         policy: k_min, timeouts and what to do with failed experts.
+        checks: how the experts' answers are checked and clipped (`swarm.moe.client.answer_checks`).
     """
 
     in_features: int
@@ -52,6 +54,7 @@ class MixtureConfig:
     beam_size: int | None = None
     cache_ttl: float = 2.0
     policy: DispatchPolicy = field(default_factory=DispatchPolicy)
+    checks: AnswerChecks = field(default_factory=AnswerChecks)
 
     def __post_init__(self) -> None:
         if self.in_features < 1:
@@ -83,6 +86,8 @@ class RemoteMixtureOfExperts(nn.Module):
         cache_ttl: seconds the beam search reuses what it read about a prefix.
         beam_size: prefixes kept per sample during the search (default: k_best).
         exclude_failed_for: seconds a failed expert is not chosen again.
+        checks: how answers are checked and clipped (default `AnswerChecks()`: on); a server whose
+            answer fails them is not chosen again for `checks.avoid_for` seconds.
 
     Input ``(..., in_features)``; output ``(..., *expert output shape)``.
     """
@@ -105,11 +110,13 @@ class RemoteMixtureOfExperts(nn.Module):
         cache_ttl: float = 2.0,
         beam_size: int | None = None,
         exclude_failed_for: float = 5.0,
+        checks: AnswerChecks | None = None,
     ) -> None:
         super().__init__()
         policy = DispatchPolicy(k_min, forward_timeout, timeout_after_k_min, backward_k_min, backward_timeout,
                                 allow_zero_outputs, exclude_failed_for)
-        self.config = MixtureConfig(in_features, tuple(grid_size), uid_prefix, k_best, beam_size, cache_ttl, policy)
+        self.config = MixtureConfig(in_features, tuple(grid_size), uid_prefix, k_best, beam_size, cache_ttl, policy,
+                                    checks or AnswerChecks())
         if source is None:
             from swarm.moe.dht_declare import DHTExpertSource
 
@@ -118,11 +125,13 @@ class RemoteMixtureOfExperts(nn.Module):
             source = DHTExpertSource(peer.dht)
         self.peer = peer
         self.searcher = MoEBeamSearcher(source, uid_prefix, self.config.grid_size, cache_ttl)
-        self.caller = MixtureCaller(peer, policy, self._on_failure)
+        self.caller = MixtureCaller(peer, policy, self._on_failure, self.config.checks)
         self.gate = nn.Linear(in_features, sum(self.config.grid_size))
 
     def _on_failure(self, job: ExpertJob, error: BaseException) -> None:
         # runs on the peer's loop, like every use of the searcher's state
+        if isinstance(error, MisbehavingExpert):
+            self.searcher.avoid_server(job.addr, self.config.checks.avoid_for)
         self.searcher.exclude(job.uid, self.config.policy.exclude_failed_for)
 
     def choose_experts(self, grid_scores: Sequence[torch.Tensor]) -> ExpertChoice:
@@ -141,8 +150,17 @@ class RemoteMixtureOfExperts(nn.Module):
             chosen experts, their outputs ``(batch, k, *out)`` and which slots answered.
         """
         grid_scores = list(self.gate(x).split(list(self.config.grid_size), dim=-1))
+        misbehaviours = self.caller.misbehaviours
         choice = self.choose_experts(grid_scores)
-        outputs, answered = MixtureCall.apply(_DUMMY, self.caller, choice, x, torch.is_grad_enabled())
+        try:
+            outputs, answered = MixtureCall.apply(_DUMMY, self.caller, choice, x, torch.is_grad_enabled())
+        except MoEError:
+            if self.caller.misbehaviours == misbehaviours:
+                raise
+            # answers failed the checks and left samples short of k_min: their servers are avoided
+            # now, so one more search routes those samples to other experts
+            choice = self.choose_experts(grid_scores)
+            outputs, answered = MixtureCall.apply(_DUMMY, self.caller, choice, x, torch.is_grad_enabled())
         return grid_scores, choice, outputs, answered
 
     def gate_weights(

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from swarm.dht.handle import PeerHandle
+from swarm.moe.client.answer_checks import AnswerChecks
 from swarm.moe.client.beam_search import ExpertChoice
 from swarm.moe.client.mixture import RemoteMixtureOfExperts
 from swarm.moe.sources import ExpertSource
@@ -49,12 +50,13 @@ class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
         cache_ttl: float = 2.0,
         beam_size: int | None = None,
         exclude_failed_for: float = 5.0,
+        checks: AnswerChecks | None = None,
     ) -> None:
         super().__init__(
             peer, in_features=in_features, grid_size=grid_size, uid_prefix=uid_prefix, k_best=k_best, k_min=k_min,
             forward_timeout=forward_timeout, timeout_after_k_min=timeout_after_k_min, backward_k_min=backward_k_min,
             backward_timeout=backward_timeout, allow_zero_outputs=allow_zero_outputs, source=source,
-            cache_ttl=cache_ttl, beam_size=beam_size, exclude_failed_for=exclude_failed_for,
+            cache_ttl=cache_ttl, beam_size=beam_size, exclude_failed_for=exclude_failed_for, checks=checks,
         )
 
     def gate_weights(

@@ -21,7 +21,8 @@ def serve_experts(peer: PeerHandle, options: Any) -> ExpertServer:
     Args:
         peer: the daemon's `swarm.Peer`.
         options: has ``experts`` (a pattern such as ``"ffn.[0:4].[0:4]"``), ``expert_cls``,
-            ``hidden_dim`` and ``checkpoint_dir`` (None: no checkpoints).
+            ``hidden_dim``, ``checkpoint_dir`` (None: no checkpoints) and ``expert_hostile`` (None: an
+            honest server; else a fault for tests and demos, `swarm.moe.server.hostile`).
 
     Returns:
         The running server (attached to `peer`).
@@ -34,11 +35,18 @@ def serve_experts(peer: PeerHandle, options: Any) -> ExpertServer:
         expand_pattern(options.experts)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--experts: {e}") from None
+    from swarm.moe.server.hostile import HOSTILE_MODES
+
+    hostile = options.expert_hostile
+    if hostile is not None and hostile not in HOSTILE_MODES:
+        raise ConfigError(f"--expert-hostile must be one of {', '.join(HOSTILE_MODES)}, got {hostile!r}")
+    from swarm.moe.server.config import ExpertServerConfig
     from swarm.moe.server.expert_server import ExpertServer
 
     try:
         return ExpertServer.from_pattern(
-            peer, options.experts, options.expert_cls, options.hidden_dim, checkpoint_dir=options.checkpoint_dir
+            peer, options.experts, options.expert_cls, options.hidden_dim, checkpoint_dir=options.checkpoint_dir,
+            config=ExpertServerConfig(hostile=hostile),
         )
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--experts {options.experts!r} --expert-cls {options.expert_cls!r}: {e}") from None

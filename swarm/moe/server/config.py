@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from swarm.core.errors import ConfigError
 from swarm.moe.server.hosted import BatchingConfig
+from swarm.moe.server.hostile import HOSTILE_MODES
 
 __all__ = ["ExpertServerConfig"]
 
@@ -51,6 +52,12 @@ class ExpertServerConfig:
             caller sees the refusal's status; a caller that sends more sees a broken call.
         max_drain_seconds: how long, at most, a refused request is read before the refusal is
             sent anyway (a caller that sends nothing more is answered at once).
+        grad_clip_ratio: each row of the output gradients a caller sends is scaled down to at most
+            this many times the expert's running reference before the expert trains on it
+            (`swarm.moe.server.gradient_bounds`); None: no bound.
+        grad_clip_window: batches that reference is taken over.
+        hostile: a FAULT for tests and demos: the server's experts lie in every answer
+            (`swarm.moe.server.hostile`: ``x1e6``, ``nan``, ``shape``, ``sometimes``). None: honest.
     """
 
     max_batch_size: int = 4096
@@ -71,6 +78,9 @@ class ExpertServerConfig:
     runtime_shutdown_timeout: float = 5.0
     max_drain_bytes: int = 128 << 20
     max_drain_seconds: float = 1.0
+    grad_clip_ratio: float | None = 10.0
+    grad_clip_window: int = 128
+    hostile: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_inflight_requests < 1 or self.max_inflight_bytes < 1:
@@ -88,3 +98,9 @@ class ExpertServerConfig:
             raise ConfigError("compute_threads must be positive or None")
         if self.compute_workers is not None and self.compute_workers < 1:
             raise ConfigError("compute_workers must be positive or None")
+        if self.grad_clip_ratio is not None and not self.grad_clip_ratio > 1:
+            raise ConfigError("grad_clip_ratio must be greater than 1 or None")
+        if self.grad_clip_window < 1:
+            raise ConfigError("grad_clip_window must be positive")
+        if self.hostile is not None and self.hostile not in HOSTILE_MODES:
+            raise ConfigError(f"hostile must be one of {HOSTILE_MODES} or None, got {self.hostile!r}")

@@ -34,6 +34,7 @@ from swarm.moe.server.backend import ExpertBackend
 from swarm.moe.server.checkpoints import CheckpointSaver
 from swarm.moe.server.config import ExpertServerConfig
 from swarm.moe.server.experts import OptimizerFactory, backend_for_module, default_optimizer, make_backend
+from swarm.moe.server.gradient_bounds import GradientBound
 from swarm.moe.server.group_serving import GroupCallHandlers
 from swarm.moe.server.hosted import GraphGone, HostedExpert
 from swarm.moe.server.runtime import Runtime
@@ -109,7 +110,18 @@ class ExpertServer(GroupCallHandlers):
             self.checkpoints.check_writable()  # a read-only directory fails now, not at the first save
         self.restored: list[str] = self.checkpoints.load() if self.checkpoints is not None else []
         """UIDs restored from checkpoints at start."""
-        self.experts = {uid: HostedExpert(b, self.config.batching) for uid, b in self.backends.items()}
+        cfg = self.config
+        self.experts = {
+            uid: HostedExpert(
+                b, cfg.batching,
+                GradientBound(cfg.grad_clip_ratio, cfg.grad_clip_window) if cfg.grad_clip_ratio is not None else None,
+                cfg.hostile,
+            )
+            for uid, b in self.backends.items()
+        }
+        if cfg.hostile is not None:
+            logger.warning("this expert server is HOSTILE (a fault for tests and demos): its experts answer %s",
+                           cfg.hostile)
         threads = self.config.compute_threads or torch.get_num_threads()
         self.runtime = Runtime(
             [pool for hosted in self.experts.values() for pool in hosted.pools], threads,

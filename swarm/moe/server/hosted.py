@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from swarm.core.errors import ConfigError, InvalidRequest, MoEError
-from swarm.metrics import EXPERT_BATCHES, EXPERT_QUEUE_DEPTH
+from swarm.metrics import EXPERT_BATCHES, EXPERT_CLIPPED_GRAD_ROWS, EXPERT_QUEUE_DEPTH
 from swarm.moe.server.backend import ExpertBackend
+from swarm.moe.server.gradient_bounds import GradientBound
+from swarm.moe.server.hostile import HostileAnswers
 from swarm.moe.server.saved_graphs import SavedForward, SavedGraphs
 from swarm.moe.server.task_pool import TaskPool
 
@@ -74,10 +76,19 @@ class HostedExpert:
     Args:
         backend: the expert.
         config: batching and graph-keeping settings.
+        gradient_bound: bounds the output gradients callers send before the expert trains on them.
+        hostile: a fault for tests and demos (`swarm.moe.server.hostile`): lie in every answer this way.
     """
 
-    def __init__(self, backend: ExpertBackend, config: BatchingConfig) -> None:
+    def __init__(
+        self, backend: ExpertBackend, config: BatchingConfig, gradient_bound: GradientBound | None = None,
+        hostile: str | None = None,
+    ) -> None:
         self.backend = backend
+        self.gradient_bound = gradient_bound
+        self._hostile_forward = HostileAnswers(hostile) if hostile is not None else None
+        self._hostile_backward = HostileAnswers(hostile) if hostile is not None else None
+        self._clipped_metric = EXPERT_CLIPPED_GRAD_ROWS.labels(expert=backend.name)
         self.saved = SavedGraphs(min(config.saved_graph_rows, backend.max_batch_size), config.saved_graph_ttl)
         self.forward_pool = self._pool(self._forward_batch, "forward", config)
         self.backward_pool = self._pool(self._backward_batch, "backward", config)
@@ -142,14 +153,29 @@ class HostedExpert:
         rows = inputs[0].shape[0]
         key = tags[0] if len(tags) == 1 else None
         if key is None or not self.saved.accepts(rows):
-            return (*backend.forward(*inputs), torch.zeros(rows, dtype=torch.bool))
+            return (*self._answer(backend.forward(*inputs), self._hostile_forward), torch.zeros(rows, dtype=torch.bool))
         leaves, outputs = backend.forward_with_graph(*inputs)
         self.saved.put(key, SavedForward(leaves, outputs, backend.updates, rows, time.monotonic()))
         # Tell the caller it may leave the inputs out of its backward only while no other work waits
         # for this expert: another caller's backward would take a step first and void the graph, and
         # the backward would then travel twice (BENCHMARKS.md, "Measurements behind design choices").
         alone = not any(pool.stats().queued_tasks for pool in self.pools)
-        return (*(o.detach() for o in outputs), torch.full((rows,), alone, dtype=torch.bool))
+        answer = self._answer(tuple(o.detach() for o in outputs), self._hostile_forward)
+        return (*answer, torch.full((rows,), alone, dtype=torch.bool))
+
+    @staticmethod
+    def _answer(tensors: tuple[torch.Tensor, ...], hostile: HostileAnswers | None) -> tuple[torch.Tensor, ...]:
+        return tensors if hostile is None else hostile.corrupt(tensors)
+
+    def _bounded(self, grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The output gradients a caller sent, rows over the expert's bound scaled down."""
+        if self.gradient_bound is None:
+            return tuple(grads)
+        before = self.gradient_bound.clipped_rows
+        bounded = self.gradient_bound.clip(grads)
+        if self.gradient_bound.clipped_rows > before:
+            self._clipped_metric.inc(self.gradient_bound.clipped_rows - before)
+        return bounded
 
     def _backward_batch(self, *inputs_and_grads: torch.Tensor, tags: list[Hashable | None]) -> tuple[torch.Tensor, ...]:
         backend = self.backend
@@ -164,13 +190,14 @@ class HostedExpert:
             if saved is None:
                 self.saved.misses += 1
         if saved is None:
-            grads = backend.backward(*inputs_and_grads)
+            backend.validate_backward_inputs(inputs_and_grads, check_finite=False)
+            grads = backend.backward(*inputs_and_grads[:num_inputs], *self._bounded(inputs_and_grads[num_inputs:]))
         else:
             self.saved.hits += 1
             backend.validate_backward_inputs(inputs_and_grads, check_finite=False)
-            grads = backend.backward_through(saved.inputs, saved.outputs, inputs_and_grads[num_inputs:])
+            grads = backend.backward_through(saved.inputs, saved.outputs, self._bounded(inputs_and_grads[num_inputs:]))
         self.saved.invalidate_before(backend.updates)  # graphs from before this step can never be used
-        return grads
+        return self._answer(grads, self._hostile_backward)
 
     def _kept_backward_batch(self, *grad_outputs: torch.Tensor, tags: list[Hashable | None]) -> tuple[torch.Tensor, ...]:
         backend = self.backend
@@ -184,6 +211,6 @@ class HostedExpert:
             )
         self.saved.hits += 1
         backend.validate_grad_outputs(grad_outputs, check_finite=False)
-        grads = backend.backward_through(saved.inputs, saved.outputs, grad_outputs)
+        grads = backend.backward_through(saved.inputs, saved.outputs, self._bounded(grad_outputs))
         self.saved.invalidate_before(backend.updates)
-        return grads
+        return self._answer(grads, self._hostile_backward)

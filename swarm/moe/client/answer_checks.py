@@ -1,0 +1,161 @@
+"""Checks of every expert answer a mixture receives, forward and backward, and the bound on each one's weight.
+
+Experts are served by strangers (docs/threat-model.md, "Hostile experts"). Before a mixture uses an
+answer it checks, per answer (one expert's outputs, or one server's summed input gradients):
+
+1. the shape: the expert's outputs have the batch's rows and the shape every other expert of the
+   layer answers with (`swarm.moe.client.dispatch`);
+2. finiteness: any NaN or Inf rejects the answer;
+3. magnitude, as a gain: each row's norm over the norm of what it answers (forward: the sample's
+   input row, floored at the batch's median input row, so that a zero input cannot make a gain
+   infinite; backward: the sum of the output-gradient row norms the server was sent for that
+   sample). An answer's typical gain (the lower median over its rows) must be at most
+   `AnswerChecks.reject_ratio` times the layer's reference, the lower median of the typical gains of
+   the answers accepted before (`swarm.moe.magnitudes.NormReference`), kept apart for outputs and
+   for gradients. Gains, unlike norms, do not care that some samples weigh a thousand times more
+   than others: an honest expert maps them alike.
+
+A rejected answer counts as that expert failing for the batch (like a timeout: `k_min` decides
+whether the batch goes on), and its server is avoided for `AnswerChecks.avoid_for` seconds.
+
+What is accepted is then clipped row by row to ``clip_ratio x reference`` gain. As a sample's gate
+weights sum to at most 1, one expert moves a sample's combined output by at most
+``clip_ratio x reference x max(|x_r|, median |x|)``, whatever it answers; a server moves a sample's
+input gradient by at most ``clip_ratio x reference x`` the norms of the output gradients it was sent
+for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from swarm.core.errors import ConfigError, MoEError
+from swarm.moe.magnitudes import NormReference, row_norms, typical_norm
+
+__all__ = ["AnswerChecks", "AnswerGuard", "MisbehavingExpert", "Verdict"]
+
+logger = logging.getLogger(__name__)
+
+
+class MisbehavingExpert(MoEError):
+    """An expert's answer failed the mixture's checks (not finite, another shape, or far too large)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class AnswerChecks:
+    """How a mixture judges its experts' answers.
+
+    Attributes:
+        enabled: check and clip answers (False: take any answer of the right shape, as it is).
+        reject_ratio: an answer whose typical row norm exceeds this many times the reference is
+            rejected.
+        clip_ratio: each accepted row is scaled down to at most this many times the reference.
+        window: how many accepted answers the reference is taken over (per layer and direction).
+        avoid_for: seconds the server of a rejected answer is not chosen again.
+        min_reference: a reference below this judges no magnitudes (answers of ~0 bound nothing).
+    """
+
+    enabled: bool = True
+    reject_ratio: float = 100.0
+    clip_ratio: float = 20.0
+    window: int = 128
+    avoid_for: float = 60.0
+    min_reference: float = 1e-12
+
+    def __post_init__(self) -> None:
+        if not self.reject_ratio > 1 or not self.clip_ratio > 1:
+            raise ConfigError("reject_ratio and clip_ratio must be greater than 1")
+        if self.window < 1:
+            raise ConfigError("window must be positive")
+        if self.avoid_for < 0 or self.min_reference < 0:
+            raise ConfigError("avoid_for and min_reference must be >= 0")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the checks made of a batch's answers in one direction.
+
+    Attributes:
+        rejected: per answer, why it was rejected (None: accepted).
+        reference: the magnitude they were judged against (None: nothing known yet).
+        norms: per answer, its row norms.
+    """
+
+    rejected: list[str | None]
+    reference: float | None
+    norms: list[torch.Tensor]
+
+
+class AnswerGuard:
+    """The checks of one mixture layer: its references and counts (used on the calling thread).
+
+    Args:
+        checks: the thresholds.
+    """
+
+    def __init__(self, checks: AnswerChecks) -> None:
+        self.checks = checks
+        self.outputs = NormReference(checks.window)
+        self.grads = NormReference(checks.window)
+        self.rejected = 0
+        """Answers rejected so far."""
+        self.clipped_rows = 0
+        """Rows scaled down so far (outputs and gradients)."""
+        self.checked_rows = 0
+        """Rows accepted and held against the clipping bound so far (outputs and gradients)."""
+
+    def judge(
+        self, answers: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], reference: NormReference
+    ) -> Verdict:
+        """Judges a batch's answers together; the accepted ones join `reference`.
+
+        Args:
+            answers: one tensor per answer, rows first.
+            scales: per answer, what each of its rows is measured against (its gain's denominator);
+                rows measured against 0 do not count in its typical gain.
+            reference: `outputs` or `grads`.
+        """
+        typicals: list[float | None] = []
+        all_norms = []
+        for t, scale in zip(answers, scales):
+            norms = row_norms(t)  # NaN/Inf anywhere in a row makes its norm so
+            all_norms.append(norms)
+            if not bool(torch.isfinite(norms).all()):
+                typicals.append(None)
+                continue
+            measured = scale > 0
+            typicals.append(typical_norm(norms[measured] / scale[measured]))
+        ref = reference.reference(v for v in typicals if v is not None)
+        judged = ref is not None and ref > self.checks.min_reference
+        rejected: list[str | None] = []
+        for typical in typicals:
+            if typical is None:
+                rejected.append("not_finite")
+            elif judged and typical > self.checks.reject_ratio * ref:  # type: ignore[operator]
+                rejected.append("magnitude")
+            else:
+                rejected.append(None)
+                reference.add(typical)
+        self.rejected += sum(r is not None for r in rejected)
+        return Verdict(rejected, ref, all_norms)
+
+    def clip_scales(self, norms: torch.Tensor, scales: torch.Tensor, reference: float | None) -> torch.Tensor | None:
+        """Per row, the factor (<= 1) that brings its gain (`norms` over `scales`) within
+        ``clip_ratio x reference``; None when no row needs it."""
+        self.checked_rows += norms.numel()
+        if reference is None or reference <= self.checks.min_reference:
+            return None
+        limit = self.checks.clip_ratio * reference * scales
+        over = norms > limit
+        if not bool(over.any()):
+            return None
+        self.clipped_rows += int(over.sum())
+        return torch.where(over, limit / norms.clamp_min(1e-30), torch.ones_like(norms))
