@@ -1,7 +1,7 @@
 """The infrastructure roles never import torch (docs/architecture.md, "What may import torch").
 
-`pip install swarm-peer` has no torch: a DHT/bootstrap node, a relay and `swarm-peer status` run
-from it. Only the packages in `TORCH_PACKAGES` may import torch; every other module of swarm must
+`pip install swarm-peer` has no torch (nor numpy, which comes with the torch extra): a DHT/bootstrap
+node, a relay and `swarm-peer status` run from it. Only the packages in `TORCH_PACKAGES` may import torch; every other module of swarm must
 import, with everything it imports at module level, without it. A torch-free module may still
 reach a torch package inside a function, where a user asked for a feature that needs torch (the
 daemon's `--experts`); the torch packages then raise `MissingDependency` naming the install command.
@@ -139,8 +139,8 @@ def _reaches_torch(name: str) -> list[str]:
             continue
         seen.add(current)
         targets, others = EAGER[current]
-        if "torch" in others:
-            return [*chain, "torch"]
+        for package in sorted(others & {"torch", "numpy"}):  # numpy comes with the torch extra too
+            return [*chain, package]
         for target in sorted(targets):
             if needs_torch(target):
                 return [*chain, target]
@@ -198,10 +198,10 @@ BLOCK_TORCH = textwrap.dedent('''
     import sys
 
     class _NoTorch:
-        """Makes torch unimportable, as if it were not installed."""
+        """Makes torch and numpy unimportable, as if they were not installed (the torch extra brings both)."""
 
         def find_spec(self, name, path=None, target=None):
-            if name.partition(".")[0] == "torch":
+            if name.partition(".")[0] in ("torch", "numpy"):
                 raise ModuleNotFoundError(f"No module named {name!r}", name=name)
             return None
 
@@ -240,7 +240,7 @@ IMPORT_ALL = textwrap.dedent('''
         errors["import swarm.averaging"] = "no error"
     except ImportError as e:
         errors["import swarm.averaging"] = f"{type(e).__name__}: {e}"
-    print(json.dumps({"failed": failed, "errors": errors, "torch": "torch" in sys.modules,
+    print(json.dumps({"failed": failed, "errors": errors, "torch": "torch" in sys.modules or "numpy" in sys.modules,
                       "peer": swarm.Peer.__name__, "dht": swarm.DHT.__name__}))
 ''')
 
@@ -266,7 +266,8 @@ CLIENT = textwrap.dedent('''
         assert a.dht.store("infra-key", b"through the node", time.time() + 60)
     with swarm.Peer(initial_peers=[sys.argv[1]], listen="/ip4/127.0.0.1/tcp/0", client_mode=True) as b:
         found = b.dht.get("infra-key", latest=True)
-        print(json.dumps({"value": found.value.decode() if found else None, "torch": "torch" in sys.modules}))
+        print(json.dumps({"value": found.value.decode() if found else None,
+                          "torch": "torch" in sys.modules or "numpy" in sys.modules}))
 ''')
 
 

@@ -36,18 +36,21 @@ NEEDS_TORCH: tuple[str, ...] = (
     "tests/security/test_server_lockout.py",
     "tests/security/test_slow_body.py",
     "tests/security/test_source_limits.py",
+    "tests/core/test_collector.py::test_a_peer_that_averages_freezes_what_it_imported",
+    "tests/cli/test_status.py::test_lists_experts_by_prefix_through_the_dht",  # serves experts
 )
-"""Files under `PATHS` that need torch (experts, averaging, tensors); they run with the full suite."""
+"""Files and single tests under `PATHS` that need torch (experts, averaging, tensors); they run
+with the full suite."""
 
 
 def is_torch_free(nodeid: str) -> bool:
     """Whether a test (its pytest node id, relative to the repository root) is in the torch-free part."""
-    path = nodeid.partition("::")[0]
-    if not path.startswith("tests/"):
-        path = f"tests/{path}"
-    return path.startswith(PATHS) and not path.startswith(NEEDS_TORCH)
+    if not nodeid.startswith("tests/"):
+        nodeid = f"tests/{nodeid}"
+    return nodeid.startswith(PATHS) and not any(nodeid == n or nodeid.startswith((f"{n}::", f"{n}["))
+                                                for n in NEEDS_TORCH)
 
 
 def pytest_args() -> list[str]:
     """pytest's arguments that select the torch-free part (run from the repository root)."""
-    return [*PATHS, *(f"--ignore={p}" for p in NEEDS_TORCH), "-m", "torch_free"]
+    return [*PATHS, *(f"--deselect={n}" if "::" in n else f"--ignore={n}" for n in NEEDS_TORCH), "-m", "torch_free"]

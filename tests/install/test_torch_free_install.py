@@ -23,7 +23,7 @@ def test_the_wheel_without_torch_runs_a_bootstrap_and_relay_node(dists: tuple[Pa
     venv = Venv(tmp_path / "venv")
     venv.pip("install", "-q", "-c", without_torch(CONSTRAINTS, tmp_path / "constraints.txt"), wheel)
     installed = venv.versions()
-    assert "swarm-peer" in installed and "torch" not in installed, sorted(installed)
+    assert "swarm-peer" in installed and not {"torch", "numpy"} & set(installed), sorted(installed)
     work = tmp_path / "work"  # not the checkout: what runs comes from the venv
     work.mkdir()
     env = {**venv.env, "PYTHONUNBUFFERED": "1"}
