@@ -36,6 +36,7 @@ NEEDS_TORCH: tuple[str, ...] = (
     "tests/security/test_server_lockout.py",
     "tests/security/test_slow_body.py",
     "tests/security/test_source_limits.py",
+    "tests/security/test_server_source_limits.py",  # its scenario holds an averager to its share
     "tests/core/test_collector.py::test_a_peer_that_averages_freezes_what_it_imported",
     "tests/cli/test_status.py::test_lists_experts_by_prefix_through_the_dht",  # serves experts
 )

@@ -37,7 +37,7 @@ from procs import read_stdout_lines
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker" / "compose.yaml"
-SMOKE = REPO.parent / "shared" / "tools" / "container-smoke.sh"
+SMOKE = Path(os.environ.get("SWARM_CONTAINER_SMOKE", REPO.parent / "shared" / "tools" / "container-smoke.sh"))
 TAG = "localhost/swarm:test"
 INFRA_TAG = "localhost/swarm-infra:test"
 WORK = Path(os.environ.get("TMPDIR", "/tmp")) / "swarm-container-smoke"
@@ -310,8 +310,17 @@ def follow_progress(project: str, services: tuple[str, ...], timeout: float) -> 
     return seen
 
 
-def test_the_infra_image_has_no_torch_and_serves_as_bootstrap_and_relay(infra_image: str, network: str,
+@pytest.fixture
+def infra_network(infra_image: str) -> Iterator[str]:
+    name = f"swarm-test-{uuid.uuid4().hex[:8]}"
+    podman("network", "create", name)
+    yield name
+    podman("network", "rm", "-f", name, check=False)
+
+
+def test_the_infra_image_has_no_torch_and_serves_as_bootstrap_and_relay(infra_image: str, infra_network: str,
                                                                         volumes: list[str]) -> None:
+    network = infra_network
     inspect = json.loads(podman("image", "inspect", infra_image).stdout)[0]
     assert inspect["Config"]["User"] == "swarm" and inspect["Config"]["Entrypoint"] == ["swarm-peer"]
     print(f"\ninfra image size: {inspect['Size'] / 2**20:.0f} MiB", file=sys.stderr)

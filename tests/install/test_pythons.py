@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,9 @@ def _cached_venv(version: str, purpose: str, *inputs: bytes) -> tuple[Venv, bool
                                      CONSTRAINTS.read_bytes(), *inputs])).hexdigest()[:16]
     path = CACHE / f"py{version}-{purpose}-{key}"
     ready = path / ".ready"
+    for stale in CACHE.glob(f"py{version}-{purpose}-*"):  # made for another pyproject.toml or checkout
+        if stale != path:
+            shutil.rmtree(stale, ignore_errors=True)
     venv = Venv(path, python=python, reuse=ready.is_file())
     return venv, not ready.is_file()
 
