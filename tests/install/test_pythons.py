@@ -39,11 +39,12 @@ def _cached_venv(version: str, purpose: str, *inputs: bytes) -> tuple[Venv, bool
     python = interpreter(version)
     if python is None:
         pytest.skip(f"Python {version} is not installed here (not under pyenv, not on PATH)")
-    key = hashlib.sha256(b"\0".join([str(ROOT).encode(), (ROOT / "pyproject.toml").read_bytes(),
-                                     CONSTRAINTS.read_bytes(), *inputs])).hexdigest()[:16]
-    path = CACHE / f"py{version}-{purpose}-{key}"
+    checkout = hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]
+    key = hashlib.sha256(b"\0".join([(ROOT / "pyproject.toml").read_bytes(), CONSTRAINTS.read_bytes(),
+                                     *inputs])).hexdigest()[:16]
+    path = CACHE / f"py{version}-{purpose}-{checkout}-{key}"
     ready = path / ".ready"
-    for stale in CACHE.glob(f"py{version}-{purpose}-*"):  # made for another pyproject.toml or checkout
+    for stale in CACHE.glob(f"py{version}-{purpose}-{checkout}-*"):  # this checkout's, for another pyproject.toml
         if stale != path:
             shutil.rmtree(stale, ignore_errors=True)
     venv = Venv(path, python=python, reuse=ready.is_file())
