@@ -291,3 +291,16 @@ def test_a_dht_and_relay_node_serves_without_torch(tmp_path: Path) -> None:
                              text=True, timeout=60, env=env, cwd=tmp_path, check=False)
     assert experts.returncode == 2, experts.stderr[-3000:]
     assert 'swarm-peer --experts needs torch' in experts.stderr and 'pip install "swarm-peer[torch]"' in experts.stderr
+
+
+def test_torch_without_numpy_names_numpy_and_the_install_command(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="needs torch installed, to leave only numpy out")
+    site = tmp_path / "nonumpy"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCK_TORCH.replace('("torch", "numpy")', '("numpy",)'))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(ROOT)]))}
+    code = "import swarm\ntry:\n    swarm.RemoteExpert\nexcept swarm.MissingDependency as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("swarm.RemoteExpert needs numpy,") and 'swarm-peer[torch]"' in out.stdout, out.stdout

@@ -18,23 +18,37 @@ TORCH_INSTALL = 'pip install "swarm-peer[torch]"'
 """The one command that installs swarm with torch (a trainer's or an expert server's machine)."""
 
 
+TORCH_EXTRA = ("torch", "numpy")
+"""The packages the torch extra adds (numpy: the expert wire's row maps, tensors' raw bytes)."""
+
+
+def _missing() -> list[str]:
+    missing = []
+    for name in TORCH_EXTRA:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def torch_available() -> bool:
-    """Whether torch can be imported here, without importing it."""
-    try:
-        return importlib.util.find_spec("torch") is not None
-    except (ImportError, ValueError):
-        return False
+    """Whether torch and numpy (the torch extra) can be imported here, without importing them."""
+    return not _missing()
 
 
 def torch_missing(feature: str) -> MissingDependency:
-    """The error for `feature` (what the user asked for) when torch is not installed."""
+    """The error for `feature` (what the user asked for) when the torch extra is not installed."""
+    missing = " and ".join(_missing()) or "torch"
     return MissingDependency(
-        f"{feature} needs torch, which is not installed: this is the infrastructure install of swarm "
+        f"{feature} needs {missing}, which is not installed: this is the infrastructure install of swarm "
         f"(DHT/bootstrap, relay, status). Install the full one with: {TORCH_INSTALL}"
     )
 
 
 def require_torch(feature: str) -> None:
-    """Raises `MissingDependency` naming the install command when torch is not installed."""
+    """Raises `MissingDependency` naming the install command when torch or numpy is not installed."""
     if not torch_available():
         raise torch_missing(feature)
