@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -103,26 +102,27 @@ def infra_venv(path: Path) -> str:
 
 
 def under_load(addrs: list[str], pids: list[int], ops: int, in_flight: int) -> tuple[list[float], float, float]:
-    """Peak RSS of each daemon while a client-mode peer here stores, then gets, `ops` keys."""
+    """Peak RSS of each daemon while a client-mode peer (a process of its own, as each kind gets a
+    fresh one) stores, then gets, `ops` keys through them; and its stores/s and gets/s."""
+    peaks = {pid: rss_mb(pid) for pid in pids}
+    client = subprocess.Popen([sys.executable, __file__, "--client", str(ops), str(in_flight), *addrs],
+                              stdout=subprocess.PIPE, text=True)
+    while client.poll() is None:
+        for pid in pids:
+            peaks[pid] = max(peaks[pid], rss_mb(pid))
+        time.sleep(0.05)  # a sampling period, not a wait for an event
+    out = client.stdout.read().split() if client.stdout else []
+    if client.returncode != 0 or len(out) != 2:
+        raise RuntimeError(f"the load client failed ({client.returncode}): {out}")
+    return [peaks[pid] for pid in pids], float(out[0]), float(out[1])
+
+
+def load_client(ops: int, in_flight: int, addrs: list[str]) -> None:
     import swarm
 
-    peaks = {pid: rss_mb(pid) for pid in pids}
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.05):
-            for pid in pids:
-                peaks[pid] = max(peaks[pid], rss_mb(pid))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        with swarm.Peer(initial_peers=addrs, listen="/ip4/127.0.0.1/tcp/0", client_mode=True) as client:
-            stores, gets = client.run(throughput(client.dht, ops, in_flight), timeout=600)
-    finally:
-        done.set()
-        sampler.join()
-    return [peaks[pid] for pid in pids], stores, gets
+    with swarm.Peer(initial_peers=addrs, listen="/ip4/127.0.0.1/tcp/0", client_mode=True) as client:
+        stores, gets = client.run(throughput(client.dht, ops, in_flight), timeout=600)
+    print(f"{stores:.1f} {gets:.1f}", flush=True)
 
 
 def network(python: str, nodes: int) -> tuple[list[subprocess.Popen], list[str]]:
@@ -158,6 +158,9 @@ def measure_installs() -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--client"]:  # the load, in a process of its own
+        load_client(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=4, help="daemons of each kind in its network")
     parser.add_argument("--starts", type=int, default=5, help="timed launches of each kind")
