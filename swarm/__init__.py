@@ -2,7 +2,9 @@
 
 The public API: the classes users build, the configurations they pass, the results they get
 and the errors they catch. Names are resolved on first use, so that a DHT-only peer never
-imports torch; type checkers see them through the imports under ``TYPE_CHECKING``.
+imports torch; type checkers see them through the imports under ``TYPE_CHECKING``. Without
+torch (`pip install swarm-peer`, an infrastructure node), a name that needs it raises
+`MissingDependency`, which names the install command (`pip install "swarm-peer[torch]"`).
 See docs/architecture.md for where each lives.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from swarm.core.optional import torch_available, torch_missing
 from swarm.core.version import __version__
 
 if TYPE_CHECKING:
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
         DHTError,
         IdentityError,
         InvalidRequest,
+        MissingDependency,
         MoEError,
         MultiaddrError,
         NotFound,
@@ -59,7 +63,7 @@ if TYPE_CHECKING:
 _ERRORS = (
     "AveragingError", "ConfigError", "DeadlineExceeded", "DHTError", "IdentityError", "InvalidRequest", "MoEError",
     "MultiaddrError", "NotFound", "PeerUnreachable", "RemoteError", "ResourceExhausted", "RPCError", "SwarmError",
-    "Unauthenticated", "ValidationError",
+    "Unauthenticated", "ValidationError", "MissingDependency",
 )
 
 _EXPORTS = {
@@ -117,6 +121,7 @@ __all__ = [
     "IdentityError",
     "InvalidRequest",
     "MatchmakingConfig",
+    "MissingDependency",
     "MoEError",
     "MultiaddrError",
     "NotFound",
@@ -147,6 +152,11 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'swarm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ImportError as e:  # MissingDependency from a package that needs torch, or torch itself
+        if torch_available():
+            raise
+        raise torch_missing(f"swarm.{name}") from e
     globals()[name] = value
     return value

@@ -11,6 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from torch_free import is_torch_free
+
 from swarm.peer import Peer
 
 
@@ -54,4 +56,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.startswith(_ALONE):
             item.add_marker(pytest.mark.alone)
+        if is_torch_free(item.nodeid):  # tests/torch_free.py: what runs without torch
+            item.add_marker(pytest.mark.torch_free)
     items.sort(key=_rank)  # stable: the order within a file stays as collected

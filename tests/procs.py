@@ -33,13 +33,14 @@ def read_stdout_lines(proc: subprocess.Popen, count: int, timeout: float, name: 
 
 
 class PeerProcess:
-    """`python -m swarm ARGS` with stdout/stderr captured; `addrs` are the lines printed on ready."""
+    """`python -m swarm ARGS` with stdout/stderr captured; `addrs` are the lines printed on ready.
+    `python`: the interpreter (default this one; a venv's, to run what is installed there)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, cwd: str | None = None,
-                 ready_timeout: float = 20.0, expect_addrs: int = 1) -> None:
+                 ready_timeout: float = 20.0, expect_addrs: int = 1, python: str = sys.executable) -> None:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [python, "-m", "swarm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=full_env, cwd=cwd, text=True,
         )
         self.addrs: list[str] = []

@@ -7,6 +7,7 @@ Byzantine-robust mode: `AveragerConfig(allreduce=AllReduceConfig(aggregation="ce
 (docs/architecture.md, "Robust averaging"); a reducer caught lying raises `ReducerLied`.
 """
 
+import swarm.core.needs_torch  # noqa: F401  (first: without torch, an error naming the install command)
 from swarm.averaging.agreement import Decision
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager, AveragerConfig

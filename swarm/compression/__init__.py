@@ -11,6 +11,7 @@ Non-finite values: lossy types (SCALED_FLOAT16, UNIFORM_8BIT, QUANTILE_8BIT, UNI
 `CompressionError`; NONE and FLOAT16 carry them through, and callers check with `has_nonfinite`.
 """
 
+import swarm.core.needs_torch  # noqa: F401  (first: without torch, an error naming the install command)
 from swarm.compression.base import (
     HEADER_SIZE,
     SUPPORTED_DTYPES,

@@ -79,3 +79,7 @@ class AveragingError(SwarmError):
 
 class MoEError(SwarmError):
     """A mixture-of-experts call could not be completed (for example, fewer than k_min experts)."""
+
+
+class MissingDependency(SwarmError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the install command."""

@@ -4,3 +4,5 @@
 also joins a remote swarm with `--initial-peers`. The model (`model`) is a small transformer whose
 middle layer is a `swarm.RemoteMixtureOfExperts`; its text (`data`) ships with Python.
 """
+
+import swarm.core.needs_torch  # noqa: F401  (first: without torch, an error naming the install command)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from swarm.core.optional import torch_available, torch_missing
+
 if TYPE_CHECKING:
     from swarm.moe.client.answer_checks import AnswerChecks
     from swarm.moe.client.expert import RemoteExpert
@@ -50,6 +52,11 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'swarm.moe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        if torch_available():
+            raise
+        raise torch_missing(f"swarm.moe.{name}") from e
     globals()[name] = value
     return value

@@ -320,9 +320,12 @@ class FrameConnection(asyncio.BufferedProtocol):
 
 def _uninitialized(length: int) -> Any:
     """A writable buffer of `length` bytes that is not zero-filled first (numpy is imported on the
-    first large frame, so a peer that never receives one, e.g. a DHT-only daemon, does not pay it)."""
-    import numpy
-
+    first large frame, so a peer that never receives one, e.g. a DHT-only daemon, does not pay it).
+    Without numpy (an infrastructure install: numpy comes with the torch extra) a bytearray, zero-filled."""
+    try:
+        import numpy
+    except ImportError:
+        return bytearray(length)
     return numpy.empty(length, dtype=numpy.uint8)
 
 

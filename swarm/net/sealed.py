@@ -143,8 +143,10 @@ def _record_buffer() -> Any:
     with _free_lock:
         if _free:
             return _free.pop()
-    import numpy  # imported on the first record buffer: a peer that never needs one does not pay it
-
+    try:
+        import numpy  # imported on the first record buffer: a peer that never needs one does not pay it
+    except ImportError:  # an infrastructure install (numpy comes with the torch extra): zero-filled
+        return bytearray(_BUFFER_BYTES)
     return numpy.empty(_BUFFER_BYTES, dtype=numpy.uint8)
 
 

@@ -1,13 +1,16 @@
 """Collaborative training on top of averaging: `swarm.Optimizer` and its configuration (docs/architecture.md).
 
 Names are resolved lazily, as in `swarm.moe`, so that reading progress records
-(`swarm.optim.progress`, `swarm.optim.tracker`: what a dashboard does) does not import torch.
+(`swarm.optim.progress`, `swarm.optim.tracker`: what a dashboard does) does not import torch; the
+names that need torch raise `MissingDependency` naming the install command where it is missing.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from swarm.core.optional import require_torch
 
 if TYPE_CHECKING:
     from swarm.optim.config import CollaborationConfig, DiLoCoConfig
@@ -33,6 +36,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'swarm.optim' has no attribute {name!r}")
+    if module != "swarm.optim.progress":
+        require_torch(f"swarm.optim.{name}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

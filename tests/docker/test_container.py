@@ -6,7 +6,8 @@ bootstrap peer announced by name, an expert server joining through `swarm-join`,
 probe, metrics inside the container, graceful stop with checkpoints saved, and the identity
 surviving a restart on its volume; and docker/compose.yaml itself, brought up with podman-compose,
 training for real: an expert server, two demo trainers averaging with each other, and the status
-container reading the swarm through its DHT.
+container reading the swarm through its DHT, with its bootstrap node from docker/Dockerfile.infra
+(no torch), which a short test of its own also starts as a bootstrap and relay.
 
 On by default wherever they can run: Linux, root, podman and podman-compose installed or apt-get
 to install them (scripts/test.sh installs scripts/system-packages.txt as root; CI does). Elsewhere
@@ -36,8 +37,9 @@ from procs import read_stdout_lines
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker" / "compose.yaml"
-SMOKE = REPO.parent / "shared" / "tools" / "container-smoke.sh"
+SMOKE = Path(os.environ.get("SWARM_CONTAINER_SMOKE", REPO.parent / "shared" / "tools" / "container-smoke.sh"))
 TAG = "localhost/swarm:test"
+INFRA_TAG = "localhost/swarm-infra:test"
 WORK = Path(os.environ.get("TMPDIR", "/tmp")) / "swarm-container-smoke"
 WHEELS = Path(os.environ.get("SWARM_WHEELS_DIR", "/opt/wheels"))
 BUILD_TIMEOUT = 1500
@@ -91,17 +93,17 @@ def _context(tmp: Path) -> Path:
     return context
 
 
-@pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> str:
+def _build(tmp_path_factory: pytest.TempPathFactory, tag: str, dockerfile: str) -> str:
+    """Builds `dockerfile` as `tag` with the smoke script (which also runs the image's `--help`)."""
     context = _context(tmp_path_factory.mktemp("image"))
-    env = {**os.environ, "WORK": str(WORK), "TAG": TAG, "CONTEXT": str(context),
-           "DOCKERFILE": str(context / "docker" / "Dockerfile"),
+    env = {**os.environ, "WORK": str(WORK), "TAG": tag, "CONTEXT": str(context),
+           "DOCKERFILE": str(context / "docker" / dockerfile),
            "BUILDAH_FORMAT": "docker"}  # keeps HEALTHCHECK (the OCI format has none)
     started = time.monotonic()
     result = subprocess.run(["bash", str(SMOKE), "--help"], capture_output=True, text=True, env=env,
                             timeout=BUILD_TIMEOUT, check=False)
     took = time.monotonic() - started
-    print(f"\nimage {TAG}: built and smoke-run in {took:.0f} s", file=sys.stderr)
+    print(f"\nimage {tag}: built and smoke-run in {took:.0f} s", file=sys.stderr)
     if result.returncode != 0:
         if shutil.which("podman") is None:
             pytest.skip(f"podman could not be installed: {result.stderr[-500:]}")
@@ -111,7 +113,18 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> str:
             pytest.skip(f"podman cannot run here: {info.stderr[-500:]}")
         raise AssertionError(f"image build failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     assert "--initial-peers" in result.stdout, result.stdout[-2000:]
-    return TAG
+    return tag
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _build(tmp_path_factory, TAG, "Dockerfile")
+
+
+@pytest.fixture(scope="module")
+def infra_image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """docker/Dockerfile.infra: swarm-peer without torch, the compose swarm's bootstrap node and relay."""
+    return _build(tmp_path_factory, INFRA_TAG, "Dockerfile.infra")
 
 
 @pytest.fixture
@@ -297,12 +310,46 @@ def follow_progress(project: str, services: tuple[str, ...], timeout: float) -> 
     return seen
 
 
-def test_compose_swarm_trains_and_the_status_container_reads_it(image: str) -> None:
+@pytest.fixture
+def infra_network(infra_image: str) -> Iterator[str]:
+    name = f"swarm-test-{uuid.uuid4().hex[:8]}"
+    podman("network", "create", name)
+    yield name
+    podman("network", "rm", "-f", name, check=False)
+
+
+def test_the_infra_image_has_no_torch_and_serves_as_bootstrap_and_relay(infra_image: str, infra_network: str,
+                                                                        volumes: list[str]) -> None:
+    network = infra_network
+    inspect = json.loads(podman("image", "inspect", infra_image).stdout)[0]
+    assert inspect["Config"]["User"] == "swarm" and inspect["Config"]["Entrypoint"] == ["swarm-peer"]
+    print(f"\ninfra image size: {inspect['Size'] / 2**20:.0f} MiB", file=sys.stderr)
+    missing = podman("run", "--rm", "--entrypoint", "python", infra_image, "-c",
+                     "import importlib.util as u; print([n for n in ('torch', 'numpy') if u.find_spec(n)])")
+    assert missing.stdout.strip() == "[]", missing.stdout
+    volume = f"swarm-test-{uuid.uuid4().hex[:8]}"
+    volumes.append(volume)
+    env = {"SWARM_ANNOUNCE": "/dns4/bootstrap/tcp/31337", "SWARM_REACHABILITY": "public", "SWARM_RELAY": "on"}
+    with Container(infra_image, network=network, alias="bootstrap", volume=volume, env=env) as boot:
+        addr = boot.lines[0]
+        assert addr.startswith("/dns4/bootstrap/tcp/31337/p2p/12D3KooW"), boot.lines
+        health = podman("healthcheck", "run", boot.name, check=False)
+        assert health.returncode == 0, health.stdout + health.stderr
+        # another container of the same image joins through it and sees it (a DHT of two)
+        result = run_once(infra_image, network, "status", "--initial-peers", addr, "--json")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["peers"][0]["peer_id"] == peer_id(addr)
+        assert boot.stop() == 0
+        assert "Traceback" not in boot.stderr()
+
+
+def test_compose_swarm_trains_and_the_status_container_reads_it(image: str, infra_image: str) -> None:
     if shutil.which("podman-compose") is None:
         pytest.skip("podman-compose is not installed (Debian package; scripts/test.sh installs it as root)")
     project = f"swarmtest{uuid.uuid4().hex[:8]}"
     # the image built above; ports published on loopback only, on ports the kernel picks
-    env = {**podman_env(), "SWARM_IMAGE": image, "SWARM_TRAIN_SECONDS": "600", "SWARM_PUBLISH_PORT": "127.0.0.1:",
+    env = {**podman_env(), "SWARM_IMAGE": image, "SWARM_INFRA_IMAGE": infra_image, "SWARM_TRAIN_SECONDS": "600",
+           "SWARM_PUBLISH_PORT": "127.0.0.1:", "SWARM_EXPERT_PUBLISH_PORT": "127.0.0.1:",
            "SWARM_METRICS_PUBLISH_PORT": "", "SWARM_LOG_LEVEL": "WARNING"}
 
     def compose(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -314,7 +361,7 @@ def test_compose_swarm_trains_and_the_status_container_reads_it(image: str) -> N
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         # both trainers train with each other: 2 peers in the run, and a collective step (averaged)
         seen = follow_progress(project, ("trainer-1", "trainer-2"), timeout=300)
-        logs = {s: compose_logs(project, s)[-2000:] for s in ("expert", "trainer-1", "trainer-2")}
+        logs = {s: compose_logs(project, s)[-2000:] for s in ("bootstrap", "expert", "trainer-1", "trainer-2")}
         assert len(seen) == 2 and all(p >= 2 and e >= 1 for _, p, e in seen.values()), f"{seen}\n{logs}"
         assert all(0 < loss < 6.0 for loss, _, _ in seen.values()), seen  # ln 256 = 5.5 untrained
 

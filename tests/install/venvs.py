@@ -42,11 +42,13 @@ def build_dists(tmp: Path) -> tuple[Path, Path]:
 
 
 class Venv:
-    """A new venv at `path`; `pip(...)`, `python(...)` and `bin(name)` run inside it."""
+    """A new venv at `path` (of `python`, default this interpreter); `pip(...)`, `python(...)` and
+    `bin(name)` run inside it. `reuse`: keep a venv already at `path` (a cache the caller keys)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, python: str | Path = sys.executable, reuse: bool = False) -> None:
         self.path = path
-        run([sys.executable, "-m", "venv", str(path)], timeout=120)
+        if not (reuse and (path / "bin" / "python").is_file()):
+            run([str(python), "-m", "venv", "--clear", str(path)], timeout=120)
         self.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         self.env["PATH"] = f"{path / 'bin'}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
         # pip byte-compiles every file it installs (torch alone: ~45 s of a 2-core machine's CPU);
@@ -69,6 +71,26 @@ class Venv:
         """Installed distributions and their versions (names normalized as pip compares them)."""
         lines = self.pip("list", "--format=freeze", timeout=120).stdout.splitlines()
         return {normalize(n): v for n, _, v in (line.partition("==") for line in lines if "==" in line)}
+
+
+def interpreter(version: str) -> Path | None:
+    """A working `python<version>`: under pyenv (~/.pyenv/versions/<version>.*) or on PATH, or None."""
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    candidates = sorted(pyenv.glob(f"{version}.*/bin/python{version}"), key=lambda p: p.as_posix())
+    found = shutil.which(f"python{version}")
+    for candidate in [*reversed(candidates), *([Path(found)] if found else [])]:
+        probe = subprocess.run([str(candidate), "-c", "import venv, sys; print(sys.version_info[:2])"],
+                               capture_output=True, text=True, timeout=60, check=False)
+        if probe.returncode == 0:  # a pyenv shim for a version not selected here fails
+            return candidate
+    return None
+
+
+def without_torch(constraints: Path, out: Path) -> Path:
+    """A copy of `constraints` less its torch line (a venv that must not get torch)."""
+    out.write_text("".join(line + "\n" for line in constraints.read_text().splitlines()
+                           if not line.startswith("torch")))
+    return out
 
 
 def normalize(name: str) -> str:

@@ -4,3 +4,5 @@ beam search (`beam_search`), and the plan (`jobs`) and calls (`dispatch`) of one
 
 See docs/architecture.md, "Life of a mixture forward".
 """
+
+import swarm.core.needs_torch  # noqa: F401  (first: without torch, an error naming the install command)

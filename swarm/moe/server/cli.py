@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from swarm.core.errors import ConfigError
+from swarm.core.optional import require_torch
 from swarm.dht.handle import PeerHandle
 from swarm.moe.uids import expand_pattern
 
@@ -29,12 +30,14 @@ def serve_experts(peer: PeerHandle, options: Any) -> ExpertServer:
 
     Raises:
         ConfigError: a malformed pattern, an unknown expert class or an invalid hidden size.
+        MissingDependency: torch is not installed (an infrastructure install).
         CheckpointError: a checkpoint in ``checkpoint_dir`` exists but does not fit.
     """
     try:
         expand_pattern(options.experts)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--experts: {e}") from None
+    require_torch("swarm-peer --experts")
     from swarm.moe.server.hostile import HOSTILE_MODES
 
     hostile = options.expert_hostile
