@@ -82,4 +82,7 @@ def test_the_optimizers_robust_setting_keeps_the_step_near_the_honest_gradients(
     assert float(direction) > 0.99, float(direction)
     plain, start, honest = _run("mean")
     plain_step = (start - plain[0]) / 0.1
-    assert float(plain_step.norm()) > 100 * float(honest.norm()) * float(scale)  # the attacker's step
+    # the attacker's step: its x1000 gradient weighs by its share of the round's samples, which the
+    # machine's load moves (a busy peer may count one batch where the others count two: 92x was seen
+    # at load 15, ~250x when all count one); the robust step stays at ~1x
+    assert float(plain_step.norm()) > 20 * float(honest.norm()) * float(scale)
