@@ -4,11 +4,12 @@
     python dist_trainer_proc.py --out DIR --epochs N --batch B [--initial-peers MADDR] [--diloco]
     torchrun --nproc-per-node 2 dist_trainer_proc.py ... --batch 5 3     # rank r's batch: the r-th
 
-The peer (rank 0) prints its address once ready; every rank prints its pid, then `epoch N` after
-each collective step. Each rank writes DIR/<name>-r<rank>.json: the fingerprint of its shared
-tensors at each epoch it reached, its own samples, rank 0's count of the machine's samples, and the
-sample counts of every other peer's progress reports it read. A rank whose step fails (a local
-rank died) leaves the swarm and exits 3.
+The peer (rank 0) prints its address once ready; every rank prints `rank R pid P`, then `epoch N`
+after each collective step. Each rank appends to DIR/<name>-r<rank>.jsonl, at the first batch of
+each epoch it reaches, the fingerprint of its shared tensors, its own samples so far and rank 0's
+count of the machine's samples so far; and at the end a line with the sample counts of the other
+peers' progress reports it read. A rank whose step fails (a local rank died) leaves the swarm and
+exits 3; SIGTERM (torchrun stopping the job) makes it leave the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--identity", default=None)
     parser.add_argument("--diloco", action="store_true")
+    parser.add_argument("--wait-rejoin", type=int, default=None,
+                        help="at this epoch, wait for another peer to (re)join before training on")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -56,7 +59,7 @@ def main() -> None:
                 identity_path=args.identity) if rank == 0 else None
     if peer is not None:
         print(peer.addrs[0], flush=True)
-    print(f"pid {os.getpid()}", flush=True)
+    print(f"rank {rank} pid {os.getpid()}", flush=True)
     config = ModelConfig(hidden_dim=32, context=16, heads=2)
     model = ByteLM(config, LocalExperts(config, count=1))
     collab = CollaborationConfig(target_batch_size=48, report_period=0.1, max_refresh_period=0.5,
@@ -78,12 +81,20 @@ def main() -> None:
     train, _ = ByteDataset.split(bytes(range(256)) * 64, config.context)
     g = torch.Generator().manual_seed(7 + rank)
     batch = args.batch[min(rank, len(args.batch) - 1)]
-    digests: dict[int, str] = {0: state_digest(opt.shared_tensors)}
+    log = open(os.path.join(args.out, f"{args.name}-r{rank}.jsonl"), "a", buffering=1)
     seen: list[int] = []
     own = 0
     code = 0
+    epoch = -1
     try:
         while opt.epoch < args.epochs and not stop.is_set():
+            if opt.epoch != epoch:  # the first batch at each epoch: what the ranks and peers hold alike
+                epoch = opt.epoch
+                machine = swarm_opt.samples_total if swarm_opt is not None else 0
+                log.write(json.dumps({"epoch": epoch, "digest": state_digest(opt.shared_tensors), "own": own,
+                                      "machine": machine}) + "\n")
+                if epoch == args.wait_rejoin and not opt.wait_for_peers(2, timeout=120):
+                    raise SystemExit("no peer rejoined")
             x, y = train.batch(batch, g)
             model.loss(x, y).backward()
             out = opt.step(batch)
@@ -91,15 +102,13 @@ def main() -> None:
             own += batch
             if out.stepped:
                 print(f"epoch {opt.epoch}", flush=True)
-            digests.setdefault(opt.epoch, state_digest(opt.shared_tensors))
             if swarm_opt is not None:
                 seen += [r.samples for r in swarm_opt.tracker.reports() if r.peer_id != swarm_opt.peer.peer_id]
     except (RuntimeError, dist.DistBackendError) as e:
         print(f"step failed: {type(e).__name__}", flush=True)
         code = 3
-    machine = swarm_opt.samples_total if swarm_opt is not None else 0
-    with open(os.path.join(args.out, f"{args.name}-r{rank}.json"), "w") as f:
-        json.dump({"digests": digests, "own": own, "machine": machine, "seen": seen}, f)
+    log.write(json.dumps({"epoch": opt.epoch, "digest": state_digest(opt.shared_tensors), "seen": seen}) + "\n")
+    log.close()
     opt.shutdown()
     if peer is not None:
         peer.shutdown()
