@@ -413,7 +413,10 @@ class Averager:
         else:
             report = self._remote_report(group, t0 + cfg.give_up_decision * timeout)
         if self.flat is not None:
-            self.flat.refresh()
+            if self.flat.on_device:  # the copy from the device waits for its queued work: not on the loop
+                await asyncio.to_thread(self.flat.refresh)
+            else:
+                self.flat.refresh()
         scratch = await self._scratch.acquire(scratch_numel(group, my_index))
         end = t0 + timeout  # waiting for the buffer does not move the round's end
         verdict, verify = self._verification(group, cfg, end, coordinator)

@@ -300,7 +300,7 @@ class MirroredMode:
 
 def serve_rank0(mode: TrainingMode, ranks: LocalRanks, own_batch: int = 0) -> Any:
     """On a rank other than 0: makes rank 0's changes to this rank's `mode`, in order, until rank 0's
-    call ends; returns what that call returned (pickled from rank 0).
+    call ends; returns what that call returned and rank 0's epoch then (pickled from rank 0).
 
     Raises:
         LocalRankError: rank 0's call failed (after the changes it made were made here too), or a

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,9 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--identity", default=None)
     parser.add_argument("--diloco", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL between the ranks")
     parser.add_argument("--wait-rejoin", type=int, default=None,
-                        help="at this epoch, wait for another peer to (re)join before training on")
+                        help="at this epoch, wait for another peer to reach it (rejoin) before training on")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -52,7 +54,9 @@ def main() -> None:
     handle_stop_signals(lambda signum: stop.set())  # torchrun's SIGTERM: leave cleanly, then exit
     distributed = "RANK" in os.environ
     if distributed:
-        dist.init_process_group("gloo")
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
     torch.manual_seed(1234 + rank)  # replicas start apart: the optimizer makes them one
     peer = Peer(listen="/ip4/127.0.0.1/tcp/0", initial_peers=args.initial_peers,
@@ -61,10 +65,11 @@ def main() -> None:
         print(peer.addrs[0], flush=True)
     print(f"rank {rank} pid {os.getpid()}", flush=True)
     config = ModelConfig(hidden_dim=32, context=16, heads=2)
-    model = ByteLM(config, LocalExperts(config, count=1))
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    model = ByteLM(config, LocalExperts(config, count=1)).to(device)
     collab = CollaborationConfig(target_batch_size=48, report_period=0.1, max_refresh_period=0.5,
                                  progress_expiration=3.0, averaging_timeout=5.0, matchmaking_window=0.5)
-    diloco = DiLoCoConfig(steps_per_round=4) if args.diloco else None
+    diloco = DiLoCoConfig(local_steps=4) if args.diloco else None
 
     def adam(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.Adam(ps, lr=1e-3)
@@ -81,34 +86,37 @@ def main() -> None:
     train, _ = ByteDataset.split(bytes(range(256)) * 64, config.context)
     g = torch.Generator().manual_seed(7 + rank)
     batch = args.batch[min(rank, len(args.batch) - 1)]
-    log = open(os.path.join(args.out, f"{args.name}-r{rank}.jsonl"), "a", buffering=1)
-    seen: list[int] = []
-    own = 0
-    code = 0
-    epoch = -1
-    try:
-        while opt.epoch < args.epochs and not stop.is_set():
-            if opt.epoch != epoch:  # the first batch at each epoch: what the ranks and peers hold alike
-                epoch = opt.epoch
-                machine = swarm_opt.samples_total if swarm_opt is not None else 0
-                log.write(json.dumps({"epoch": epoch, "digest": state_digest(opt.shared_tensors), "own": own,
-                                      "machine": machine}) + "\n")
-                if epoch == args.wait_rejoin and not opt.wait_for_peers(2, timeout=120):
-                    raise SystemExit("no peer rejoined")
-            x, y = train.batch(batch, g)
-            model.loss(x, y).backward()
-            out = opt.step(batch)
-            opt.zero_grad()
-            own += batch
-            if out.stepped:
-                print(f"epoch {opt.epoch}", flush=True)
-            if swarm_opt is not None:
-                seen += [r.samples for r in swarm_opt.tracker.reports() if r.peer_id != swarm_opt.peer.peer_id]
-    except (RuntimeError, dist.DistBackendError) as e:
-        print(f"step failed: {type(e).__name__}", flush=True)
-        code = 3
-    log.write(json.dumps({"epoch": opt.epoch, "digest": state_digest(opt.shared_tensors), "seen": seen}) + "\n")
-    log.close()
+    with open(os.path.join(args.out, f"{args.name}-r{rank}.jsonl"), "a", buffering=1) as log:
+        seen: list[int] = []
+        own = 0
+        code = 0
+        epoch = -1
+        try:
+            while opt.epoch < args.epochs and not stop.is_set():
+                if opt.epoch != epoch:  # the first batch at each epoch: what the ranks and peers hold alike
+                    epoch = opt.epoch
+                    machine = swarm_opt.samples_total if swarm_opt is not None else 0
+                    log.write(json.dumps({"epoch": epoch, "digest": state_digest(opt.shared_tensors), "own": own,
+                                          "machine": machine}) + "\n")
+                    if epoch == args.wait_rejoin and swarm_opt is not None:  # a peer back at this epoch
+                        deadline = time.monotonic() + 300
+                        while not swarm_opt.tracker.peers_at(args.wait_rejoin):
+                            if time.monotonic() > deadline:
+                                raise SystemExit("no peer rejoined")
+                            swarm_opt.tracker.wait_for(lambda _: False, 0.5)  # the next reads of the DHT
+                x, y = train.batch(batch, g)
+                model.loss(x.to(device), y.to(device)).backward()
+                out = opt.step(batch)
+                opt.zero_grad()
+                own += batch
+                if out.stepped:
+                    print(f"epoch {opt.epoch}", flush=True)
+                if swarm_opt is not None:
+                    seen += [r.samples for r in swarm_opt.tracker.reports() if r.peer_id != swarm_opt.peer.peer_id]
+        except (RuntimeError, dist.DistBackendError) as e:
+            print(f"step failed: {type(e).__name__}", flush=True)
+            code = 3
+        log.write(json.dumps({"epoch": opt.epoch, "digest": state_digest(opt.shared_tensors), "seen": seen}) + "\n")
     opt.shutdown()
     if peer is not None:
         peer.shutdown()

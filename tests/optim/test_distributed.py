@@ -32,8 +32,9 @@ START = 120.0  # seconds: torch's imports in three processes on two busy cores
 
 def _start(args: list[str], out: Path, name: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": "1"}
+    # a session of its own: `_stop` kills torchrun's workers with it
     return subprocess.Popen(args, stdout=open(out / f"{name}.out", "w"), stderr=open(out / f"{name}.err", "w"),
-                            env=env, text=True)
+                            env=env, text=True, start_new_session=True)
 
 
 def _wait_for(predicate, timeout: float, what: str, procs: list[subprocess.Popen[str]]) -> None:
@@ -66,9 +67,11 @@ def _addr(path: Path) -> str | None:
 
 def _stop(procs: list[subprocess.Popen[str]]) -> None:
     for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the process and whatever it started (torchrun's workers)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 def _rank_pid(path: Path, rank: int) -> int | None:
@@ -122,37 +125,64 @@ def test_a_two_rank_job_is_one_identical_peer_counting_both_ranks_and_a_dead_ran
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 def test_a_job_restarted_with_its_identity_rejoins_and_catches_up_in_diloco_mode(tmp_path: Path) -> None:
     single = _start([sys.executable, WORKER, "--out", str(tmp_path), "--name", "single", "--epochs", "6",
                      "--batch", "8", "--diloco", "--wait-rejoin", "3"], tmp_path, "single")
     procs = [single]
     try:
         _wait_for(lambda: _addr(tmp_path / "single.out") is not None, START, "the one-process peer", procs)
-        job = _start([*TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", WORKER, "--out", str(tmp_path),
-                      "--name", "job", "--epochs", "6", "--batch", "5", "3", "--diloco",
-                      "--identity", str(tmp_path / "job.key"), "--initial-peers", _addr(tmp_path / "single.out")],
-                     tmp_path, "job")
-        procs.append(job)
-        _wait_for(lambda: 1 in _digests(tmp_path / "job-r1.jsonl"), START + 60, "epoch 1 on rank 1", procs)
-        os.kill(_rank_pid(tmp_path / "job.out", 1), signal.SIGKILL)
-        # torchrun restarts both ranks; rank 0 comes back under the same PeerID and loads the swarm's state
-        assert job.wait(START + 120) == 0
+        job = [*TORCHRUN, "--nproc-per-node", "2", WORKER, "--out", str(tmp_path), "--name", "job", "--epochs", "6",
+               "--batch", "5", "3", "--diloco", "--identity", str(tmp_path / "job.key"),
+               "--initial-peers", _addr(tmp_path / "single.out")]
+        first = _start(job, tmp_path, "first")
+        procs.append(first)
+        # killed as soon as it trains: long before the epoch at which the other peer waits for it
+        _wait_for(lambda: 0 in _digests(tmp_path / "job-r1.jsonl"), START + 60, "rank 1 training", procs)
+        os.kill(_rank_pid(tmp_path / "first.out", 1), signal.SIGKILL)
+        assert first.wait(60) != 0
+        # the job started again (by its operator, or a service manager) under the same identity
+        second = _start(job, tmp_path, "second")
+        procs.append(second)
+        assert second.wait(START + 120) == 0
         assert single.wait(60) == 0
     finally:
         _stop(procs)
-    addrs = [line for line in (tmp_path / "job.out").read_text().splitlines() if line.startswith("/ip4/")]
-    assert len(addrs) == 2 and addrs[0].rsplit("/", 1)[1] == addrs[1].rsplit("/", 1)[1], addrs
-    assert "loaded the swarm's state: epoch" in (tmp_path / "job.err").read_text()
+    addrs = [_addr(tmp_path / f"{run}.out") for run in ("first", "second")]
+    assert addrs[0] is not None and addrs[1] is not None
+    assert addrs[0].rsplit("/", 1)[1] == addrs[1].rsplit("/", 1)[1], addrs  # the same PeerID
+    assert "loaded the swarm's state: epoch 3" in (tmp_path / "second.err").read_text()
     single_digests = _digests(tmp_path / "single-r0.jsonl")
-    lines0, lines1 = _lines(tmp_path / "job-r0.jsonl"), _lines(tmp_path / "job-r1.jsonl")
-    # the restarted incarnation's lines come after the first one's; it starts at the swarm's epoch
-    restarted = [i for i, line in enumerate(lines1) if line.get("own") == 0][-1]
-    assert lines1[restarted]["epoch"] >= 3
-    for lines in (lines0, lines1):
-        for line in lines[restarted:]:
-            if line["epoch"] in single_digests:
-                assert line["digest"] == single_digests[line["epoch"]], line
+    for rank in (0, 1):  # from the epoch it loaded on, every rank of the restarted job holds what the swarm holds
+        later = [r for r in _lines(tmp_path / f"job-r{rank}.jsonl") if r["epoch"] >= 3 and r["epoch"] in single_digests]
+        assert later, rank
+        for line in later:
+            assert line["digest"] == single_digests[line["epoch"]], line
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.timeout(300)
+def test_a_two_gpu_job_on_nccl_stays_identical_with_a_one_process_gpu_peer(tmp_path: Path) -> None:
+    single = _start([sys.executable, WORKER, "--out", str(tmp_path), "--name", "single", "--epochs", "4",
+                     "--batch", "8", "--device", "cuda"], tmp_path, "single")
+    procs = [single]
+    try:
+        _wait_for(lambda: _addr(tmp_path / "single.out") is not None, START, "the one-process peer", procs)
+        job = _start([*TORCHRUN, "--nproc-per-node", "2", WORKER, "--out", str(tmp_path), "--name", "job",
+                      "--epochs", "4", "--batch", "5", "3", "--device", "cuda",
+                      "--initial-peers", _addr(tmp_path / "single.out")], tmp_path, "job")
+        procs.append(job)
+        assert job.wait(START + 60) == 0
+        assert single.wait(60) == 0
+    finally:
+        _stop(procs)
+    digests = [_digests(tmp_path / f"{name}.jsonl") for name in ("job-r0", "job-r1", "single-r0")]
+    common = [e for e in digests[0] if e > 0 and all(e in d for d in digests)]
+    assert common, digests
+    for e in common:
+        assert digests[0][e] == digests[1][e] == digests[2][e], e
 
 
 @pytest.fixture
