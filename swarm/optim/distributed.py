@@ -363,7 +363,7 @@ def check_not_sharded(params: Sequence[torch.Tensor], ranks: LocalRanks) -> None
         if isinstance(p, (DTensor, FlatParameter)):
             raise ConfigError(
                 f"swarm.DistributedOptimizer needs every local rank to hold the whole model; got a sharded "
-                f"{type(p).__name__} (FSDP or DTensor): wrap the model in DistributedDataParallel or nothing "
+                f"{type(p).__name__} (FSDP or DTensor): give it the parameters of a whole replica on each rank "
                 f"(docs/operations.md, 'A multi-GPU machine as one peer')")
     shapes = [tuple(p.shape) for p in params]
     everyone = [None] * ranks.size
@@ -507,6 +507,22 @@ class DistributedOptimizer:
             loaded: bool = self._follow()
             return loaded
         return self._on_rank0(lambda: swarm.load_state_from_peers(min_epoch))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch, mode state and optimizer state, for a local checkpoint (the same on every rank:
+        `swarm.Optimizer.state_dict`)."""
+        if self.swarm is not None:
+            return self.swarm.state_dict()
+        tensors, metadata = self._mode.state(self._epoch).clone().to_wire()
+        return {"tensors": tensors, "metadata": metadata}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads rank 0's `state` into every rank (the other ranks' `state` is not read)."""
+        swarm = self.swarm
+        if swarm is None:
+            self._follow()
+            return
+        self._on_rank0(lambda: swarm.load_state_dict(state))
 
     @property
     def epoch(self) -> int:
