@@ -67,9 +67,11 @@ class LocalRankError(SwarmError):
 
 
 class _Op(enum.IntEnum):
-    """What rank 0 tells the other ranks to do next (the first element of each command)."""
+    """What rank 0 tells the other ranks to do next (a command is an op and an integer)."""
 
-    DONE = 0
+    DONE = 0  # rank 0's call returned None; the integer: its epoch
+    DONE_STEP = 11  # it returned StepOutcome(epoch) and nothing more
+    DONE_OBJECT = 12  # it returned something else, pickled next
     FAIL = 1
     ON_BATCH = 2
     PREPARE = 3
@@ -80,6 +82,12 @@ class _Op(enum.IntEnum):
     APPLY_RESULT = 8
     DISCARD = 9
     LOAD_STATE = 10
+
+
+# Commands that need no data from rank 0 (a batch, an overlap, an aborted round) wait on rank 0 and
+# travel with the next one that does, or with the end of rank 0's call: on most steps the other
+# ranks get one small broadcast, not one per change.
+MAX_COMMANDS = 8
 
 
 class LocalRanks:
@@ -106,11 +114,25 @@ class LocalRanks:
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def command(self, op: _Op = _Op.DONE, arg: int = 0) -> tuple[_Op, int]:
-        """Rank 0 sends (op, arg); every other rank receives and returns it."""
-        header = torch.tensor([int(op), arg], dtype=torch.int64, device=self.device)
+    def send(self, commands: Sequence[tuple[_Op, int]]) -> None:
+        """On rank 0: sends `commands`, in order, to the other ranks (`receive`), up to
+        `MAX_COMMANDS` in one broadcast."""
+        for start in range(0, len(commands), MAX_COMMANDS):
+            self._header(commands[start:start + MAX_COMMANDS])
+
+    def receive(self) -> list[tuple[_Op, int]]:
+        """On another rank: the next commands rank 0 sent."""
+        return self._header([])
+
+    def _header(self, commands: Sequence[tuple[_Op, int]]) -> list[tuple[_Op, int]]:
+        header = torch.zeros(1 + 2 * MAX_COMMANDS, dtype=torch.int64)
+        header[0] = len(commands)
+        for i, (op, arg) in enumerate(commands):
+            header[1 + 2 * i], header[2 + 2 * i] = int(op), arg
+        header = header.to(self.device)
         dist.broadcast(header, self._global(0), group=self.group)
-        return _Op(int(header[0])), int(header[1])
+        values = header.tolist()
+        return [(_Op(values[1 + 2 * i]), values[2 + 2 * i]) for i in range(values[0])]
 
     def sum_int(self, value: int) -> int:
         """The sum of `value` over the ranks."""
@@ -197,18 +219,28 @@ class MirroredMode:
         self._samples = 0  # the machine's samples in the current round
         self._in_flight_samples = 0  # the machine's samples in the round being averaged
         self._detached = False
+        self._queue: list[tuple[_Op, int]] = []  # commands not sent yet (they need no data)
 
     def detach(self) -> None:
         """The other ranks are gone (one died): from now on changes are made to rank 0's mode alone,
         so that rank 0 can still leave the swarm cleanly."""
         self._detached = True
 
-    def _tell(self, op: _Op, arg: int = 0) -> bool:
-        """Sends the command to the other ranks; False when there are none to follow it."""
+    def _tell(self, op: _Op, arg: int = 0, *, now: bool = False) -> bool:
+        """Queues the command for the other ranks (`now`: sends it with the queue, because data
+        follows); False when there are none to follow it."""
         if self._detached:
             return False
-        self.ranks.command(op, arg)
+        self._queue.append((op, arg))
+        if now:
+            self.flush()
         return self.ranks.size > 1
+
+    def flush(self, *last: tuple[_Op, int]) -> None:
+        """Sends the queued commands, then `last`."""
+        if not self._detached:
+            commands, self._queue = [*self._queue, *last], []
+            self.ranks.send(commands)
 
     @property
     def averaged_fragments(self) -> list[list[torch.Tensor]]:
@@ -240,7 +272,7 @@ class MirroredMode:
         return self.inner.eta(progress, samples_per_second * share)
 
     def prepare_round(self, epoch: int) -> float:
-        shared = self._tell(_Op.PREPARE, epoch)
+        shared = self._tell(_Op.PREPARE, epoch, now=True)
         weight = self.inner.prepare_round(epoch)
         if shared:
             weight = self.ranks.average(self.inner.averaged_fragments[self.inner.fragment_of(epoch)], weight)
@@ -252,13 +284,13 @@ class MirroredMode:
         self.inner.overlap(epoch)
 
     def apply_round(self, epoch: int) -> None:
-        if self._tell(_Op.APPLY, epoch):
+        if self._tell(_Op.APPLY, epoch, now=True):
             self.ranks.broadcast(self.inner.averaged_fragments[self.inner.fragment_of(epoch)])
         self.inner.apply_round(epoch)
         self._in_flight_samples = 0
 
     def step_alone(self, epoch: int) -> None:
-        if not self._tell(_Op.STEP_ALONE, epoch):
+        if not self._tell(_Op.STEP_ALONE, epoch, now=True):
             self.inner.step_alone(epoch)
         else:
             # the machine's own mean, from a rank whose buffers no averaging touched
@@ -276,7 +308,7 @@ class MirroredMode:
         return self.inner.round_result()
 
     def apply_result(self, result: list[torch.Tensor]) -> None:
-        if self._tell(_Op.APPLY_RESULT):
+        if self._tell(_Op.APPLY_RESULT, now=True):
             self.ranks.broadcast(result)
         self.inner.apply_result(result)
 
@@ -292,7 +324,7 @@ class MirroredMode:
 
     def load_state(self, state: TrainingState) -> None:
         state.check_compatible(self.inner.shared_tensors)  # refused before any rank changes
-        if self._tell(_Op.LOAD_STATE):
+        if self._tell(_Op.LOAD_STATE, now=True):
             self.ranks.broadcast_state(state)
         self.inner.load_state(state)
         self._samples = self._in_flight_samples = 0
@@ -308,20 +340,21 @@ def serve_rank0(mode: TrainingMode, ranks: LocalRanks, own_batch: int = 0) -> An
     """
     failed: str | None = None
     while True:
-        op, arg = ranks.command()
-        if op == _Op.DONE:
-            result = ranks.broadcast_object()
-            if failed is not None:
-                raise LocalRankError(f"local rank {ranks.rank} could not follow rank 0: {failed}")
-            return result
-        if op == _Op.FAIL:
-            raise LocalRankError(f"rank 0 failed: {ranks.broadcast_object()}")
-        try:
-            _follow(mode, ranks, op, arg, own_batch)
-        except (ValueError, RuntimeError, SwarmError) as e:
-            # the collectives of the command are done: keep in step with rank 0 until its call ends
-            logger.error("local rank %d: %s failed: %s", ranks.rank, op.name, e)
-            failed = failed or f"{op.name}: {type(e).__name__}: {e}"
+        for op, arg in ranks.receive():
+            if op in (_Op.DONE, _Op.DONE_STEP, _Op.DONE_OBJECT):
+                result: Any = (None if op == _Op.DONE else StepOutcome(arg) if op == _Op.DONE_STEP
+                               else ranks.broadcast_object())
+                if failed is not None:
+                    raise LocalRankError(f"local rank {ranks.rank} could not follow rank 0: {failed}")
+                return result, arg
+            if op == _Op.FAIL:
+                raise LocalRankError(f"rank 0 failed: {ranks.broadcast_object()}")
+            try:
+                _follow(mode, ranks, op, arg, own_batch)
+            except (ValueError, RuntimeError, SwarmError) as e:
+                # the collectives of the command are done: keep in step with rank 0 until its call ends
+                logger.error("local rank %d: %s failed: %s", ranks.rank, op.name, e)
+                failed = failed or f"{op.name}: {type(e).__name__}: {e}"
 
 
 def _follow(mode: TrainingMode, ranks: LocalRanks, op: _Op, epoch: int, own_batch: int) -> None:
@@ -557,16 +590,27 @@ class DistributedOptimizer:
             result = call()
         except BaseException as e:
             try:
-                self.ranks.command(_Op.FAIL)
+                self._send_last((_Op.FAIL, 0))
                 self.ranks.broadcast_object(f"{type(e).__name__}: {e}")
             except RuntimeError:
                 pass  # the ranks are gone: the error above is the one to raise
             raise
-        self.ranks.command(_Op.DONE)
-        assert self.swarm is not None or isinstance(result, Optimizer)
         epoch = self.swarm.epoch if self.swarm is not None else 0
-        self.ranks.broadcast_object((None if isinstance(result, Optimizer) else result, epoch))
+        if result is None or isinstance(result, Optimizer):
+            self._send_last((_Op.DONE, epoch))
+        elif isinstance(result, StepOutcome) and result == StepOutcome(epoch):
+            self._send_last((_Op.DONE_STEP, epoch))
+        else:
+            self._send_last((_Op.DONE_OBJECT, epoch))
+            self.ranks.broadcast_object(result)
         return result
+
+    def _send_last(self, command: tuple[_Op, int]) -> None:
+        """Sends what rank 0's mode still queues, then `command`, the end of rank 0's call."""
+        if self._mirror is not None:
+            self._mirror.flush(command)
+        else:
+            self.ranks.send([command])
 
     def _follow(self, own_batch: int = 0) -> Any:
         """On a rank other than 0: follows rank 0's call (`serve_rank0`); returns its result."""
