@@ -11,7 +11,7 @@ For the machine's processes it prints the bytes they sent across the swarm per c
 (goal: at most half the baseline's) and their samples/s (goal: at least the baseline's), one line
 per figure, then the ratios:
 
-    python scripts/bench/bench_multigpu.py --seconds 20
+    python scripts/bench/bench_multigpu.py --seconds 20 --repeats 3
     python scripts/bench/bench_multigpu.py --seconds 60 --hidden-dim 128 --device cuda   # a GPU machine
 """
 
@@ -161,6 +161,11 @@ def run_setup(args: argparse.Namespace, distributed: bool, workdir: Path) -> dic
     }
 
 
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the runs."""
+    return {key: sorted(r[key] for r in runs)[len(runs) // 2] for key in runs[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=20.0, help="training time of each setup")
@@ -169,6 +174,7 @@ def main() -> None:
     parser.add_argument("--target-batch", type=int, default=256)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--ranks", type=int, default=2, help="local ranks of the job (one-process peers of the baseline)")
+    parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, alternated; medians reported")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--peers", type=int, default=2, help=argparse.SUPPRESS)
@@ -177,16 +183,21 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    bases, mines = [], []
     with tempfile.TemporaryDirectory(prefix="bench_multigpu.") as tmp:
         workdir = Path(tmp)
-        base = run_setup(args, False, workdir)
-        mine = run_setup(args, True, workdir)
+        for i in range(args.repeats):  # alternated, so that a change in the machine's load hits both alike
+            bases.append(run_setup(args, False, workdir))
+            mines.append(run_setup(args, True, workdir))
+            print(f"pair {i + 1}: baseline {bases[-1]['samples_per_s']:.1f} samples/s, "
+                  f"{args.ranks}-rank peer {mines[-1]['samples_per_s']:.1f} samples/s", flush=True)
+    base, mine = _median(bases), _median(mines)
     print(f"baseline ({args.ranks} one-process peers): {base['samples_per_s']:.1f} samples/s, "
           f"{base['bytes_per_step'] / 1e6:.2f} MB sent across the swarm per collective step "
-          f"({base['averaged']:.0f} steps averaged)")
+          f"({base['averaged']:.0f} steps averaged, median of {args.repeats})")
     print(f"{args.ranks}-rank peer ({args.device}): {mine['samples_per_s']:.1f} samples/s, "
           f"{mine['bytes_per_step'] / 1e6:.2f} MB sent across the swarm per collective step "
-          f"({mine['averaged']:.0f} steps averaged)")
+          f"({mine['averaged']:.0f} steps averaged, median of {args.repeats})")
     bytes_ratio = mine["bytes_per_step"] / max(base["bytes_per_step"], 1.0)
     speed_ratio = mine["samples_per_s"] / max(base["samples_per_s"], 1e-9)
     print(f"bytes per collective step: {bytes_ratio:.2f}x the baseline (goal <= 0.5): "

@@ -17,6 +17,13 @@ makes the same change to its own mode (`serve_rank0`):
 - a round in which rank 0 stepped alone: it takes the machine's own mean from rank 1, whose
   buffers no averaging touched.
 
+While a large-batch round is in flight with `CollaborationConfig.trial_step`, each rank's trial
+step moves its parameters by its own window's mean, so the ranks compute their next batches at
+slightly different points; the trial is undone before the real step, and what the ranks hold
+alike (`shared_tensors`) never includes it. Changes that carry no data (a batch, an overlap, an
+aborted round) are queued on rank 0 and sent with the next change that does, or with the end of
+rank 0's call: most steps cost the other ranks one small all-reduce and one small broadcast.
+
 So the swarm sees one peer per machine: one record, one member of each group, one state server
 (a newcomer's download is served once per machine), and one exchange per round crosses the
 network. Why rank 0 talks for the machine rather than every rank averaging a shard of the tensors
@@ -28,7 +35,8 @@ for the ranks' steps to be the same step.
 Faults: a command that fails on rank 0 (an error of the swarm optimizer) fails the call on every
 rank alike (`LocalRankError` on the others), after the ranks applied the same changes. A rank that
 dies breaks the process group: the next collective fails on the survivors, nothing further is
-applied, and torchrun stops the job; rank 0 then leaves the swarm (`DistributedOptimizer.shutdown`
+applied (a contribution whose reduction among the ranks failed never reaches the swarm: the round
+is launched only after it), and torchrun stops the job; rank 0 then leaves the swarm (`DistributedOptimizer.shutdown`
 withdraws its record without talking to the dead rank).
 """
 
