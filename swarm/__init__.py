@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from swarm.net.channels import ChannelConfig
     from swarm.net.server import ServerConfig
     from swarm.optim.config import CollaborationConfig, DiLoCoConfig
+    from swarm.optim.distributed import DistributedOptimizer
     from swarm.optim.optimizer import Optimizer
     from swarm.optim.outcome import RoundOutcome, StepOutcome
     from swarm.optim.progress import PeerProgress, SwarmProgress
@@ -92,6 +93,7 @@ _EXPORTS = {
     "StepOutcome": "swarm.optim.optimizer",
     "CollaborationConfig": "swarm.optim.config",
     "DiLoCoConfig": "swarm.optim.config",
+    "DistributedOptimizer": "swarm.optim.distributed",
     "PeerProgress": "swarm.optim.progress",
     "SwarmProgress": "swarm.optim.progress",
     "StateTransferError": "swarm.optim.state_transfer",
@@ -115,6 +117,7 @@ __all__ = [
     "DHTError",
     "DeadlineExceeded",
     "DiLoCoConfig",
+    "DistributedOptimizer",
     "ExpertServer",
     "ExpertServerConfig",
     "Identity",

@@ -74,12 +74,20 @@ def schema_digest(tensors: Sequence[torch.Tensor]) -> bytes:
     return h.digest()
 
 
+def _pinned(t: torch.Tensor) -> bool:
+    """Stage `t` in pinned (page-locked) host memory: it lives on a CUDA device, so copies to and
+    from the stage are direct DMA transfers, without the driver's own staging copy."""
+    return t.device.type == "cuda" and torch.cuda.is_available()
+
+
 class FlatTensors:
     """A list of float tensors seen as one flat float32 vector.
 
     Contiguous float32 CPU tensors are used in place. Other tensors (float16/bfloat16/float64,
     strided, on another device) are staged in a float32 copy, refreshed by `refresh()` and written
-    back by `write()`; float64 tensors are thus averaged in float32.
+    back by `write()`; float64 tensors are thus averaged in float32. A tensor on an accelerator
+    (CUDA) is staged in pinned host memory, its one copy on the host: `refresh()` and `commit()`
+    then wait for the device, so the averager calls them off the event loop (`on_device`).
 
     Args:
         tensors: floating-point tensors of any shapes.
@@ -98,8 +106,9 @@ class FlatTensors:
         self._direct = [
             t.dtype == AVERAGING_DTYPE and t.device.type == "cpu" and t.is_contiguous() for t in self.tensors
         ]
+        self.on_device = any(t.device.type != "cpu" for t in self.tensors)
         self._views: list[torch.Tensor] = [
-            t.detach().view(-1) if direct else torch.empty(t.numel(), dtype=AVERAGING_DTYPE)
+            t.detach().view(-1) if direct else torch.empty(t.numel(), dtype=AVERAGING_DTYPE, pin_memory=_pinned(t))
             for t, direct in zip(self.tensors, self._direct)
         ]
         self.offsets = part_offsets([v.numel() for v in self._views])

@@ -202,7 +202,10 @@ class AveragingRound:
         else:
             report = self._report_to_leader
         if self.flat is not None:
-            self.flat.refresh()
+            if self.flat.on_device:  # the copy from the device waits for its queued work: not on the loop
+                await asyncio.to_thread(self.flat.refresh)
+            else:
+                self.flat.refresh()
         buffer = await self.scratch.acquire(scratch_numel(group, self.my_index))
         allreduce = ButterflyAllReduce(
             self.peer, group, self.flat, buffer, cfg, self.faults, self.timeline.end - asyncio.get_running_loop().time(),

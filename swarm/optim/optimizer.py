@@ -92,6 +92,20 @@ LAND_WAIT_MIN = 1.0
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 AveragerFactory = Callable[[Sequence[torch.Tensor], str], AveragerLike]
+ModeWrapper = Callable[[TrainingMode], TrainingMode]
+
+
+def build_mode(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | OptimizerFactory,
+               scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None,
+               diloco: DiLoCoConfig | None, config: CollaborationConfig) -> TrainingMode:
+    """The training mode `Optimizer` runs for these settings (also built by each local rank of a
+    `torchrun` peer, `swarm.optim.distributed`, so every rank holds the same one)."""
+    torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(params)
+    torch_scheduler = scheduler(torch_optimizer) if callable(scheduler) and not isinstance(
+        scheduler, torch.optim.lr_scheduler.LRScheduler) else scheduler
+    if diloco is not None:
+        return DiLoCoMode(params, torch_optimizer, torch_scheduler, diloco)
+    return LargeBatchMode(params, torch_optimizer, torch_scheduler, trial_step=config.trial_step)
 
 
 @dataclass
@@ -134,6 +148,8 @@ class Optimizer:
         config: collaboration settings; `target_batch_size` overrides its field of that name.
         averager_factory: builds the averager of a tensor list under a DHT prefix; by default a
             `swarm.Averager` of this peer (replace it to use another group-forming strategy).
+        mode_wrapper: wraps the mode built from these settings (`swarm.optim.distributed` puts a
+            `torchrun` job's local ranks behind it, so the machine is one peer).
 
     Raises:
         ConfigError: inconsistent settings (no target batch in large-batch mode, ...).
@@ -152,6 +168,7 @@ class Optimizer:
         diloco: DiLoCoConfig | None = None,
         config: CollaborationConfig | None = None,
         averager_factory: AveragerFactory | None = None,
+        mode_wrapper: ModeWrapper | None = None,
     ) -> None:
         if not isinstance(run_id, str) or not run_id or any(c.isspace() for c in run_id):
             raise ConfigError(f"run_id must be a non-empty string without spaces, got {run_id!r}")
@@ -171,13 +188,8 @@ class Optimizer:
         self.params = [p for p in params]
         if not self.params or any(not isinstance(p, torch.Tensor) for p in self.params):
             raise ConfigError("params must be a non-empty iterable of tensors")
-        torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(self.params)
-        torch_scheduler = scheduler(torch_optimizer) if callable(scheduler) and not isinstance(
-            scheduler, torch.optim.lr_scheduler.LRScheduler) else scheduler
-        self.mode: TrainingMode = (
-            DiLoCoMode(self.params, torch_optimizer, torch_scheduler, diloco) if diloco is not None
-            else LargeBatchMode(self.params, torch_optimizer, torch_scheduler, trial_step=config.trial_step)
-        )
+        mode = build_mode(self.params, optimizer, scheduler, diloco, config)
+        self.mode: TrainingMode = mode_wrapper(mode) if mode_wrapper is not None else mode
         compression = diloco.compression if diloco is not None else config.gradient_compression
         prefix = f"{run_id}.{'outer' if diloco is not None else 'grads'}"
         factory = averager_factory or (

@@ -13,6 +13,7 @@ inputs only if the graph is gone by then).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,8 +32,21 @@ _BRIDGE_SLACK = 5.0  # the blocking bridge waits this much longer than the RPC d
 
 
 def as_payload(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's data as sent on the wire: detached, on the CPU, contiguous."""
+    """A tensor's data as sent on the wire: detached, on the CPU, contiguous. A CUDA tensor is
+    copied once, into pinned host memory (a direct DMA transfer); the copy waits for the device,
+    so callers make payloads on their own thread, never on the peer's loop (`payloads`)."""
+    if tensor.device.type == "cuda":
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return staged.copy_(tensor.detach())
     return tensor.detach().cpu().contiguous()
+
+
+async def payloads(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`as_payload` of each tensor, for a coroutine: tensors on a device are copied in a worker
+    thread, so the peer's loop never waits for the device."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return await asyncio.to_thread(lambda: [as_payload(t) for t in tensors])
+    return [as_payload(t) for t in tensors]
 
 
 class RemoteExpert(nn.Module):
@@ -100,14 +114,13 @@ class RemoteExpert(nn.Module):
 
     async def acall_forward(self, *inputs: torch.Tensor, graph_id: int | None = None) -> list[torch.Tensor]:
         """Runs the expert on `inputs` (no autograd); raises swarm's `RPCError` subclasses."""
-        outputs, _ = await self._forward(inputs, graph_id)
+        outputs, _ = await self._forward(await payloads(inputs), graph_id)
         return outputs
 
-    async def _forward(self, inputs: Sequence[torch.Tensor], graph_id: int | None) -> tuple[list[torch.Tensor], bool]:
+    async def _forward(self, sent: list[torch.Tensor], graph_id: int | None) -> tuple[list[torch.Tensor], bool]:
+        """The Forward call with `sent`, the inputs' payloads (made off the loop)."""
         channel = self.peer.pool.get(await self.aresolve())
-        return await call_forward_keeping(
-            channel, self.uid, [as_payload(x) for x in inputs], graph_id=graph_id, timeout=self.forward_timeout
-        )
+        return await call_forward_keeping(channel, self.uid, sent, graph_id=graph_id, timeout=self.forward_timeout)
 
     async def acall_backward(
         self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], graph_id: int | None = None,
@@ -118,11 +131,14 @@ class RemoteExpert(nn.Module):
         With `graph_kept` (the forward's server kept its graph), the inputs are sent only if the
         server no longer has that graph.
         """
+        return await self._backward(await payloads(inputs), await payloads(grad_outputs), graph_id, graph_kept)
+
+    async def _backward(self, inputs: list[torch.Tensor], grad_outputs: list[torch.Tensor], graph_id: int | None,
+                        graph_kept: bool) -> list[torch.Tensor]:
+        """The Backward call with payloads made off the loop."""
         channel = self.peer.pool.get(await self.aresolve())
-        return await call_backward(
-            channel, self.uid, [as_payload(x) for x in inputs], [as_payload(g) for g in grad_outputs],
-            graph_id=graph_id, timeout=self.backward_timeout, graph_kept=graph_kept,
-        )
+        return await call_backward(channel, self.uid, inputs, grad_outputs, graph_id=graph_id,
+                                   timeout=self.backward_timeout, graph_kept=graph_kept)
 
     # ---- blocking forms ---------------------------------------------------------------------------
 
@@ -154,7 +170,8 @@ class _RemoteExpertCall(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, dummy: torch.Tensor, expert: RemoteExpert, graph_id: int | None, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        outputs, kept = expert.peer.run(expert._forward(inputs, graph_id), expert.forward_timeout + _BRIDGE_SLACK)
+        sent = [as_payload(x) for x in inputs]  # on this thread: a device copy never waits on the loop
+        outputs, kept = expert.peer.run(expert._forward(sent, graph_id), expert.forward_timeout + _BRIDGE_SLACK)
         ctx.expert, ctx.graph_id, ctx.graph_kept = expert, graph_id, kept
         ctx.save_for_backward(*inputs)
         return tuple(outputs)
@@ -164,7 +181,8 @@ class _RemoteExpertCall(torch.autograd.Function):
         expert: RemoteExpert = ctx.expert
         inputs = ctx.saved_tensors
         grads = expert.peer.run(
-            expert.acall_backward(inputs, grad_outputs, ctx.graph_id, ctx.graph_kept),
+            expert._backward([as_payload(x) for x in inputs], [as_payload(g) for g in grad_outputs], ctx.graph_id,
+                             ctx.graph_kept),
             expert.backward_timeout + _BRIDGE_SLACK,
         )
         return (None, None, None, *(g.to(x.device) for g, x in zip(grads, inputs)))
