@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import safetensors.numpy
+from tmpfs import small_tmpfs
 
 from swarm.checkpoint import (
     FORMAT_VERSION,
@@ -187,27 +185,17 @@ def test_raw_tensors_check_their_size() -> None:
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A 1 MiB tmpfs mounted for the test, unmounted again even when the test is interrupted."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small tmpfs needs root and mount(8)")
-    where = tmp_path_factory.mktemp(f"full-{uuid.uuid4().hex[:6]}")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True,
-                          text=True, timeout=10)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+def full_fs(tmp_path: Path) -> Iterator[Path]:
+    with small_tmpfs(tmp_path / "full") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=10)
 
 
-def test_a_save_into_a_full_filesystem_raises_and_keeps_the_earlier_checkpoints(small_tmpfs: Path) -> None:
-    store = CheckpointStore(small_tmpfs, keep=5)
+def test_a_save_into_a_full_filesystem_raises_and_keeps_the_earlier_checkpoints(full_fs: Path) -> None:
+    store = CheckpointStore(full_fs, keep=5)
     save(store, 1)
     big = [("w", RawTensor("U8", (2 << 20,), bytes(2 << 20)))]  # twice the filesystem
     with pytest.raises(OSError) as error:
         store.save(RUN, 2, 0, big, STATE, [])
     assert error.value.errno == 28  # ENOSPC
-    assert os.listdir(small_tmpfs) == ["epoch-000000000001"]  # the partial one removed, the old one kept
+    assert os.listdir(full_fs) == ["epoch-000000000001"]  # the partial one removed, the old one kept
     assert store.load_newest(RUN, MODEL).epoch == 1
