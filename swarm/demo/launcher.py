@@ -6,6 +6,10 @@ the model's mixture layer (`python -m swarm --experts 'ffn.[0:2].[0:2]' ...`) an
 (held-out loss before and after, samples, collective steps, bytes sent, text samples) and saves
 the loss curve as a PNG. Ctrl+C stops the whole swarm cleanly: each child gets one SIGINT,
 finishes what it is doing and exits 0; a second Ctrl+C kills them at once.
+
+The first trainer saves the run's state every few seconds and when it stops, into
+``OUT_DIR/checkpoints``; ``--resume-from OUT_DIR/checkpoints`` starts the whole swarm again from
+there, its loss curve continuing where it was (`swarm.demo.resume`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from swarm.demo.events import Evaluation, Notice, Progress, TextSample, from_jso
 from swarm.demo.mode import ModeChoice, pick_mode
 from swarm.demo.model import ModelConfig
 from swarm.demo.plot import BLACK, PALETTE, PlotUnavailable, Series, plot
+from swarm.demo.resume import prior_curve
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class DemoConfig:
         model: model sizes (the expert server is started to match).
         aggregation: how the trainers average ("mean" or "centered_clip").
         byzantine: how many trainers attack (the first ones), with `attack` (`swarm.demo.byzantine`).
+        resume_from: a checkpoint directory of an earlier demo to continue from (and save into).
+        checkpoint_every: seconds between the first trainer's checkpoints.
     """
 
     trainers: int = 3
@@ -62,6 +69,12 @@ class DemoConfig:
     aggregation: str = "mean"
     byzantine: int = 0
     attack: str = "sign_flip"
+    resume_from: Path | None = None
+    checkpoint_every: float = 10.0
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.resume_from if self.resume_from is not None else self.out_dir / "checkpoints"
 
     def __post_init__(self) -> None:
         if not 1 <= self.trainers <= 16:
@@ -143,6 +156,11 @@ class Launcher:
         self.trainers: list[Child] = []
         self.curves: dict[str, list[tuple[float, float]]] = {n: [] for n in self.names}
         self.evals: list[tuple[float, float]] = []
+        if config.resume_from is not None:  # the curve so far, kept in the checkpoint it resumes from
+            prior = prior_curve(config.resume_from)
+            for name, points in prior.curves.items():
+                self.curves.setdefault(name, []).extend(points)
+            self.evals.extend(prior.evals)
         self.samples: dict[str, str] = {}
         self.final: dict[str, Progress] = {}
         self.started = time.monotonic()
@@ -178,6 +196,9 @@ class Launcher:
                 argv += ["--attack", c.attack]
             if i == 0:
                 argv += ["--sample", "--sample-length", str(c.sample_length)]
+                argv += ["--checkpoint-dir", str(c.checkpoint_dir), "--checkpoint-every", str(c.checkpoint_every)]
+            if c.resume_from is not None:
+                argv += ["--resume-from", str(c.resume_from)]
             self.trainers.append(Child(name, argv, self.log_dir))
 
     def on_signal(self, signum: int, _frame: object) -> None:
@@ -230,14 +251,14 @@ class Launcher:
 
     def on_line(self, child: Child, line: str) -> None:
         event = from_json(line)
-        now = time.monotonic() - self.started
+        # points on the run's time axis (a resumed run's trainers continue the one before)
         if isinstance(event, Progress):
             self.board.update(event)
             self.final[event.name] = event
             if event.loss == event.loss:  # not NaN
-                self.curves[event.name].append((now, event.loss))
+                self.curves[event.name].append((event.elapsed, event.loss))
         elif isinstance(event, Evaluation):
-            self.evals.append((now, event.loss))
+            self.evals.append((event.elapsed, event.loss))
         elif isinstance(event, TextSample):
             self.samples[event.when] = event.prompt + event.text
             self.board.notice(f"{event.name}: text {event.when} training: {printable(event.prompt + event.text)}")
@@ -335,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--byzantine", type=int, default=0, help="how many trainers attack (default 0)")
     parser.add_argument("--attack", default=d.attack, choices=["x1000", "sign_flip", "random", "constant"],
                         help="what the byzantine trainers do to their gradients (default sign_flip)")
+    parser.add_argument("--resume-from", type=Path, default=None,
+                        help="continue an earlier demo from its checkpoints (e.g. demo-out/checkpoints)")
+    parser.add_argument("--checkpoint-every", type=float, default=d.checkpoint_every,
+                        help="seconds between checkpoints of the run's state (default 10)")
     return parser
 
 
@@ -344,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = DemoConfig(trainers=args.trainers, duration=args.duration, batch_size=args.batch_size,
                             target_batch_size=args.target_batch_size, diloco_steps=args.diloco_steps,
                             max_staleness=args.max_staleness, sample_length=args.sample_length, out_dir=args.out_dir, model=ModelConfig(hidden_dim=args.hidden_dim),
-                            aggregation=args.aggregation, byzantine=args.byzantine, attack=args.attack)
+                            aggregation=args.aggregation, byzantine=args.byzantine, attack=args.attack,
+                            resume_from=args.resume_from, checkpoint_every=args.checkpoint_every)
     except ValueError as e:
         print(f"swarm demo: error: {e}", file=sys.stderr)
         return 2
