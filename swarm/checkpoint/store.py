@@ -157,6 +157,8 @@ class CheckpointStore:
             doomed = self.root / f"{_TMP}removed-{checkpoint_name(epoch)}-{secrets.token_hex(4)}"
             try:
                 os.rename(self.path_of(epoch), doomed)
+            except FileNotFoundError:
+                continue  # another saver sharing the directory removed it
             except OSError as e:
                 logger.warning("could not remove the old checkpoint %s: %s", self.path_of(epoch), e)
                 continue
