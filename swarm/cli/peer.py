@@ -115,6 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from swarm.cli.status import main as status_main
 
         return status_main(argv[1:])
+    if argv and argv[0] == "export":  # a model's parameters out of a checkpoint or a live run
+        from swarm.cli.export import main as export_main
+
+        return export_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         options = resolve(args)

@@ -87,7 +87,7 @@ def start_swarm(directory: Path, logs: Path, resume: bool) -> list[Trainer]:
     return trainers
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_every_trainer_killed_then_restarted_resumes_bit_for_bit_from_the_newest_intact_checkpoint(
         tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints"
