@@ -12,9 +12,10 @@ A checkpoint is one directory::
 Nothing here imports torch: tensors are raw bytes with a safetensors dtype name and a shape
 (`RawTensor`), so archivers, `swarm-peer export` and tools read and write checkpoints without
 it. The safetensors file is written by `write_safetensors` in one pass, hashing as it writes (no
-second read, no copy of the tensors), and read back through the safetensors library, whose
-checks of the header (offsets contiguous and inside the file, sizes matching dtypes and shapes)
-every reader of the format applies.
+second read, no copy of the tensors), and read by `read_safetensors` as views into the file's
+bytes (no copy), with the checks of the format's reference library (offsets contiguous and inside
+the file, sizes matching dtypes and shapes); tests check that the library reads what is written
+here and the other way round.
 """
 
 from __future__ import annotations
@@ -279,26 +280,54 @@ def _pieces(header: bytes, datas: Iterable[bytes | bytearray | memoryview]) -> I
             yield view[start:start + _CHUNK]
 
 
-def read_safetensors(data: bytes) -> dict[str, RawTensor]:
-    """The tensors of a safetensors file's bytes, by name.
+MAX_HEADER = 100 << 20
+"""The largest safetensors header read (the reference library's limit too)."""
+
+
+def read_safetensors(data: bytearray | bytes | memoryview) -> dict[str, RawTensor]:
+    """The tensors of a safetensors file's bytes, by name, as views into `data` (no copy).
+
+    Checks what the reference library checks: the header's length and JSON, each tensor's dtype,
+    shape and offsets, the data's size matching them, and the tensors filling the data
+    contiguously, without gap or overlap.
 
     Raises:
         CheckpointInvalid: not a well-formed safetensors file (truncated, header corrupted).
     """
-    from safetensors import SafetensorError, deserialize
+    view = memoryview(data).cast("B")
 
+    def bad(why: str) -> CheckpointInvalid:
+        return CheckpointInvalid(f"{TENSORS_FILE} is not a valid safetensors file ({why})")
+
+    if view.nbytes < 8:
+        raise bad("shorter than its header's length")
+    (length,) = struct.unpack("<Q", view[:8])
+    if length > min(MAX_HEADER, view.nbytes - 8):
+        raise bad(f"a header of {length} bytes in a file of {view.nbytes}")
     try:
-        entries = deserialize(data)
-    except (SafetensorError, ValueError, OverflowError) as e:
-        raise CheckpointInvalid(f"{TENSORS_FILE} is not a valid safetensors file ({e})") from None
+        header = json.loads(bytes(view[8:8 + length]))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    body = view[8 + length:]
+    spans: list[tuple[int, int, str]] = []
     out: dict[str, RawTensor] = {}
-    for name, entry in entries:
+    for name, entry in header.items():
         try:
-            out[name] = RawTensor(entry["dtype"], tuple(entry["shape"]), entry["data"])
-        except ValueError as e:
-            raise CheckpointInvalid(f"{TENSORS_FILE}: tensor {name!r}: {e}") from None
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            if not all(isinstance(n, int) and n >= 0 for n in (begin, end, *shape)) or not begin <= end <= body.nbytes:
+                raise ValueError(f"offsets [{begin}, {end}] outside {body.nbytes} bytes of data")
+            out[name] = RawTensor(dtype, shape, body[begin:end])
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"tensor {name!r}: {e}") from None
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            raise bad(f"tensor {name!r} starts at {begin}, not at {position}: a gap or an overlap")
+        position = end
+    if position != body.nbytes:
+        raise bad(f"the tensors fill {position} of {body.nbytes} bytes of data")
     return out
-
-
-def sha256_of(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()

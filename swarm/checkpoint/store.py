@@ -16,6 +16,7 @@ raises at once: that needs the user's decision, not a silent fallback.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,6 @@ from swarm.checkpoint.format import (
     ParamSpec,
     RawTensor,
     read_safetensors,
-    sha256_of,
     write_safetensors,
 )
 
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^epoch-(\d{12})$")
 _TMP = ".tmp-"
+_READ_CHUNK = 16 << 20
 STALE_TMP_SECONDS = 3600.0
 """A temporary directory older than this is a crashed save's, removed when a store opens."""
 
@@ -228,16 +230,16 @@ def load_checkpoint(path: Path, run_id: str | None = None, model: Sequence[Param
         raise CheckpointInvalid(f"{path.name} holds a manifest of epoch {manifest.epoch}")
     expected = manifest.files[TENSORS_FILE]
     try:
-        data = (path / TENSORS_FILE).read_bytes()
+        size = (path / TENSORS_FILE).stat().st_size
+        if size != expected.size:
+            raise CheckpointInvalid(f"{path / TENSORS_FILE} is truncated or padded: {size} bytes, "
+                                    f"the manifest says {expected.size}")
+        data, sha256 = read_hashed(path / TENSORS_FILE, size)
     except OSError as e:
         raise CheckpointInvalid(f"cannot read {path / TENSORS_FILE}: {e}") from None
-    if len(data) != expected.size:
-        raise CheckpointInvalid(f"{path / TENSORS_FILE} is truncated or padded: {len(data)} bytes, "
-                                f"the manifest says {expected.size}")
-    if sha256_of(data) != expected.sha256:
+    if len(data) != expected.size or sha256 != expected.sha256:
         raise CheckpointInvalid(f"{path / TENSORS_FILE} is corrupted: its sha256 differs from the manifest's")
-    tensors = read_safetensors(data)
-    del data
+    tensors = read_safetensors(data)  # views into `data`: the tensors keep it alive
     params = []
     for spec in manifest.params:
         tensor = tensors.get(spec.name)
@@ -263,6 +265,30 @@ def check_model(saved: Sequence[ParamSpec], model: Sequence[ParamSpec], where: P
             raise CheckpointRefused(f"{where} is a checkpoint of another model: parameter {i} is "
                                     f"{theirs.name!r} {theirs.dtype}{list(theirs.shape)} there, "
                                     f"{mine.name!r} {mine.dtype}{list(mine.shape)} here")
+
+
+def read_hashed(path: Path, size: int) -> tuple[bytearray, str]:
+    """Reads `path` (of `size` bytes) into one buffer and its sha256, hashing each chunk in a
+    thread while the next one is read (the two take about as long). A file that shrank meanwhile
+    comes back shorter."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    digest = hashlib.sha256()
+    position = 0
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as pool:
+        hashing: Future[None] | None = None
+        while position < size:
+            count = f.readinto(view[position:position + _READ_CHUNK])
+            if not count:
+                del buffer[position:]
+                break
+            if hashing is not None:
+                hashing.result()
+            hashing = pool.submit(digest.update, view[position:position + count])
+            position += count
+        if hashing is not None:
+            hashing.result()
+    return buffer, digest.hexdigest()
 
 
 def _write_synced(path: Path, data: bytes) -> None:

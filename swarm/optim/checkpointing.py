@@ -56,8 +56,10 @@ def from_raw(raw: RawTensor) -> torch.Tensor:
     dtype = TORCH_DTYPES.get(raw.dtype)
     if dtype is None:
         raise TypeError(f"this swarm cannot load a {raw.dtype} tensor into torch")
-    data = raw.data if isinstance(raw.data, bytearray) else bytearray(raw.data)
-    if not data:
+    data = raw.data
+    if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
+        data = bytearray(data)
+    if not memoryview(data).nbytes:
         return torch.empty(raw.shape, dtype=dtype)
     return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(raw.shape)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,13 @@ from swarm.checkpoint import (
     ParamSpec,
     RawTensor,
 )
-from swarm.checkpoint.format import MANIFEST_FILE, TENSORS_FILE, from_json_tree, to_json_tree
+from swarm.checkpoint.format import (
+    MANIFEST_FILE,
+    TENSORS_FILE,
+    from_json_tree,
+    read_safetensors,
+    to_json_tree,
+)
 
 RUN = "run-a"
 
@@ -69,6 +76,31 @@ def test_a_saved_checkpoint_loads_back_bit_for_bit_and_is_a_valid_safetensors_fi
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     assert manifest["format_version"] == FORMAT_VERSION and manifest["params"][0]["name"] == "encoder.weight"
     assert len(manifest["files"][TENSORS_FILE]["sha256"]) == 64
+
+
+def test_files_the_reference_library_writes_are_read_as_they_are(tmp_path: Path) -> None:
+    arrays = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.array([1, -2], dtype=np.int64),
+              "empty": np.zeros((0, 4), dtype=np.float16)}
+    safetensors.numpy.save_file(arrays, str(tmp_path / "x.safetensors"), metadata={"k": "v"})
+    read = read_safetensors(bytearray((tmp_path / "x.safetensors").read_bytes()))
+    assert {n: (t.dtype, t.shape) for n, t in read.items()} == {"a": ("I64", (2,)), "b": ("F32", (2, 3)),
+                                                               "empty": ("F16", (0, 4))}
+    np.testing.assert_array_equal(np.frombuffer(read["b"].data, np.float32).reshape(2, 3), arrays["b"])
+
+
+@pytest.mark.parametrize(("offsets", "why"), [([[0, 8], [4, 12]], "a gap or an overlap"),
+                                              ([[0, 8], [12, 20]], "a gap or an overlap"),
+                                              ([[0, 8], [8, 16]], "fill 16 of 20 bytes"),
+                                              ([[0, 8], [8, 24]], "outside 20 bytes")])
+def test_malformed_safetensors_offsets_are_refused(offsets: list[list[int]], why: str) -> None:
+    header = json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": offsets[0]},
+                         "y": {"dtype": "F32", "shape": [(offsets[1][1] - offsets[1][0]) // 4],
+                               "data_offsets": offsets[1]}}).encode()
+    data = struct.pack("<Q", len(header)) + header + bytes(20)
+    with pytest.raises(CheckpointInvalid, match=why):
+        read_safetensors(data)
+    with pytest.raises(CheckpointInvalid, match="header of"):
+        read_safetensors(struct.pack("<Q", 1 << 40) + b"{}")
 
 
 def test_the_store_keeps_the_last_k_and_leaves_no_temporary_files(tmp_path: Path) -> None:
