@@ -51,8 +51,8 @@ def make_model(params: float, width: int = 2048) -> torch.nn.Module:
 
 
 def make_optimizer(peer: Peer, model: torch.nn.Module, checkpoint: CheckpointConfig | None,
-                   resume_from: Path | None = None) -> Optimizer:
-    return Optimizer(peer, run_id="bench-ckpt", params=model.parameters(),
+                   resume_from: Path | None = None, run_id: str = "bench-ckpt") -> Optimizer:
+    return Optimizer(peer, run_id=run_id, params=model.parameters(),
                      optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4), batch_size_per_step=BATCH,
                      config=CollaborationConfig(target_batch_size=BATCH, report_period=1.0),
                      checkpoint=checkpoint, resume_from=resume_from)
@@ -84,13 +84,16 @@ def bench_cost(args: argparse.Namespace, work: Path) -> None:
     model = make_model(args.params)
     count = sum(p.numel() for p in model.parameters())
     state_gb = count * 12 / 1e9
+    # each phase a peer and a run of its own: no record of the phase before makes it wait for a group
     with Peer(listen="/ip4/127.0.0.1/tcp/0") as peer:
-        plain = make_optimizer(peer, model, None)
+        plain = make_optimizer(peer, model, None, run_id="before")
         train(plain, model, min(5.0, args.duration))  # warm up: Adam's state exists, allocations settle
         before = train(plain, model, args.duration)
         plain.shutdown()
+    with Peer(listen="/ip4/127.0.0.1/tcp/0") as peer:
         config = CheckpointConfig(work / "cost", every_epochs=None, every_seconds=args.interval, keep=2)
-        opt = make_optimizer(peer, model, config)
+        opt = make_optimizer(peer, model, config, run_id="checkpointed")
+        train(opt, model, 0.1)  # Adam's state exists before the phase (its first step makes it)
         assert opt.checkpointer is not None
         stalls = []
         for _ in range(3):  # what the training thread waits for at each save: the snapshot
@@ -104,7 +107,9 @@ def bench_cost(args: argparse.Namespace, work: Path) -> None:
         opt.checkpointer.wait()
         saves, failures = opt.checkpointer.saves, opt.checkpointer.failures
         opt.shutdown()
-        plain = make_optimizer(peer, model, None)
+    with Peer(listen="/ip4/127.0.0.1/tcp/0") as peer:
+        plain = make_optimizer(peer, model, None, run_id="after")
+        train(plain, model, 0.1)
         after = train(plain, model, args.duration)
         plain.shutdown()
     baseline = (before + after) / 2
