@@ -85,8 +85,14 @@ def run_daemon(options: PeerOptions) -> int:
         nat=NatConfig(reachability=options.reachability, relay=options.relay, relay_port=options.relay_port),
     )
     server = None
+    archive_stop = threading.Event()
     try:
         server = _attach_services(peer, options)
+        if options.archive is not None:  # an archiver: keeps the run's state on disk (swarm/optim/archiver.py)
+            from swarm.optim.archiver import Archiver, ArchiverConfig
+
+            Archiver(peer, ArchiverConfig(options.archive, options.run or "",
+                                          float(options.archive_every or 300))).start(archive_stop)
         for addr in peer.addrs:
             print(addr, flush=True)
         if options.client_mode:
@@ -99,6 +105,7 @@ def run_daemon(options: PeerOptions) -> int:
         while not stop.wait(1.0):
             pass
     finally:
+        archive_stop.set()
         peer.shutdown()
     unsaved = _unsaved(server)
     if unsaved is not None:
