@@ -5,9 +5,16 @@ against the fingerprint most peers at the newest epoch report (`swarm.optim.live
 provider whose state differs is refused), and saves it as a checkpoint of the run
 (`swarm.checkpoint.CheckpointStore`: atomic, the last `keep` kept), unless that epoch is saved
 already. The parameters are named ``param.<i>`` in the optimizer's order (the wire carries no
-names). A trainer that finds no live peer resumes from that directory (`resume_from=DIR`).
-A download or a save that fails is logged and counted (``swarm_archive_saves_total{outcome}``)
-and the archiver tries again at its next turn.
+names). A download or a save that fails is logged and counted
+(``swarm_archive_saves_total{outcome}``) and the archiver tries again at its next turn.
+
+An archiver that accepts connections serves its newest intact checkpoint over state transfer
+under the run's archive name (`archive_name`) and announces in the DHT, in a record only it can
+sign (subkey: its owner marker), its address and the epochs it holds (``{run_id}.archives``).
+A trainer that finds no live peer resumes from a directory of checkpoints (`resume_from=DIR`) or
+from an archiver it names by multiaddr, PeerID included (`resume_from="/ip4/.../p2p/<PeerID>"`,
+`resume_from_archiver`): the connection proves that PeerID, so the user chooses whom to trust.
+A state whose fingerprint differs from the one most live peers at its epoch report is refused.
 """
 
 from __future__ import annotations
@@ -15,16 +22,41 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from swarm.averaging.state import State, StateServer, aload_state_from_peers
+from swarm.checkpoint.errors import RunCheckpointError
 from swarm.checkpoint.store import CheckpointStore
-from swarm.core.errors import ConfigError, SwarmError
+from swarm.core.errors import AveragingError, ConfigError, SwarmError
+from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
-from swarm.optim.checkpointing import param_specs, state_to_checkpoint
+from swarm.dht.validation import owner_marker
+from swarm.optim.checkpointing import checkpoint_to_state, param_specs, state_to_checkpoint
 from swarm.optim.live_state import download_live_state
+from swarm.optim.progress import PeerProgress, majority_digest
+from swarm.optim.state_transfer import StateTransferError
+from swarm.optim.training_state import TrainingState, state_digest
 
 logger = logging.getLogger(__name__)
+
+
+def archive_name(run_id: str) -> str:
+    """The name an archiver serves a run's state under (a space never occurs in a run id)."""
+    return f"{run_id} archive"
+
+
+def archives_key(run_id: str) -> str:
+    """The DHT key under which archivers of a run announce the epochs they hold."""
+    return f"{run_id}.archives"
+
+
+def is_peer_address(source: str) -> bool:
+    """Whether `resume_from` names a peer (a multiaddr with its PeerID) rather than a directory."""
+    return source.startswith(("/ip4/", "/ip6/", "/dns")) and "/p2p/" in source
 
 
 @dataclass(frozen=True)
@@ -67,6 +99,25 @@ class Archiver:
         self.config = config
         self.store = CheckpointStore(config.directory, keep=config.keep)
         self.last_error: str | None = None
+        self.server = StateServer(peer, archive_name(config.run_id), self._newest, snapshot_ttl=config.every_seconds
+                                  ) if peer.server is not None else None
+
+    def _newest(self) -> State:
+        """The state served: the newest intact checkpoint (in a worker thread of the loop)."""
+        try:
+            checkpoint = self.store.load_newest(self.config.run_id)
+        except RunCheckpointError as e:
+            raise AveragingError(f"this archiver holds no state of run {self.config.run_id!r}: {e}") from None
+        tensors, metadata = checkpoint_to_state(checkpoint).to_wire()
+        return State(metadata, tensors)
+
+    async def _announce(self) -> None:
+        dht = self.peer.dht
+        if dht is None or self.server is None or not self.peer.addrs:
+            return
+        record = {"addr": self.peer.addrs[0], "epochs": self.store.epochs()}
+        await dht.astore(archives_key(self.config.run_id), record, get_dht_time() + 2 * self.config.every_seconds,
+                         subkey=owner_marker(self.peer.peer_id))
 
     def archive_once(self) -> int | None:
         """Downloads the run's state and saves it if its epoch is new; returns the epoch saved or
@@ -106,6 +157,10 @@ class Archiver:
         """Archives now and then every `every_seconds` until `stop` is set."""
         while not stop.is_set():
             self.archive_once()
+            try:
+                self.peer.run(self._announce(), timeout=30)
+            except (SwarmError, TimeoutError, RuntimeError, OSError) as e:
+                logger.warning("[%s] could not announce the archive: %s", self.config.run_id, e)
             stop.wait(self.config.every_seconds)
 
     def start(self, stop: threading.Event) -> threading.Thread:
@@ -113,3 +168,31 @@ class Archiver:
         thread = threading.Thread(target=self.run, args=(stop,), daemon=True, name=f"archiver-{self.config.run_id}")
         thread.start()
         return thread
+
+
+def resume_from_archiver(peer: PeerHandle, run_id: str, addr: str, params: Sequence[torch.Tensor], at_least: int,
+                         reports: Sequence[PeerProgress], timeout: float) -> TrainingState | None:
+    """The state of a cold restart from the archiver at `addr`, if its epoch is at least `at_least`
+    (else None, logged: live peers hold as much).
+
+    Raises:
+        StateTransferError: the archiver did not deliver it, it is of another model, or its
+            fingerprint differs from the one most live peers at its epoch report.
+    """
+    try:
+        downloaded = peer.run(aload_state_from_peers(peer, archive_name(run_id), [addr], timeout=timeout),
+                              timeout=timeout + 5)
+        state = TrainingState.from_wire(downloaded.tensors, downloaded.metadata)
+        state.check_compatible(params)
+    except (AveragingError, TimeoutError, ValueError, TypeError) as e:
+        raise StateTransferError(f"could not resume run {run_id!r} from the archiver {addr}: {e}") from None
+    if state.epoch < at_least:
+        logger.info("[%s] not resuming from the archiver's epoch %d: live peers hold epoch %d or later", run_id,
+                    state.epoch, at_least - 1)
+        return None
+    expected = majority_digest(reports, state.epoch)
+    if expected is not None and state_digest(state.params) != expected:
+        raise StateTransferError(f"the archiver {addr} serves a state of epoch {state.epoch} that the live peers at "
+                                 f"that epoch do not hold: refused")
+    logger.info("[%s] resuming from the archiver %s (epoch %d)", run_id, addr, state.epoch)
+    return state

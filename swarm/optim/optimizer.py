@@ -50,6 +50,7 @@ import torch
 
 from swarm.core.errors import ConfigError, RPCError, SwarmError
 from swarm.dht.handle import PeerHandle
+from swarm.optim.archiver import is_peer_address, resume_from_archiver
 from swarm.optim.checkpointing import CheckpointConfig, Checkpointer, resume_state
 from swarm.optim.config import CollaborationConfig, DiLoCoConfig
 from swarm.optim.diloco import DiLoCoMode
@@ -139,8 +140,9 @@ class Optimizer:
         checkpoint_dir: save the run's state there after every collective step (the last 3 kept);
             `checkpoint` sets the schedule instead (`swarm.optim.checkpointing`).
         checkpoint: where and how often to save the run's state.
-        resume_from: a directory of the run's checkpoints: when no live peer holds a newer state,
-            this trainer starts from the newest one that verifies (a cold restart).
+        resume_from: a directory of the run's checkpoints, or an archiver's multiaddr with its
+            PeerID: when no live peer holds a newer state, this trainer starts from the newest
+            checkpoint that verifies, or from the state that archiver serves (a cold restart).
 
     Raises:
         ConfigError: inconsistent settings (no target batch in large-batch mode, ...).
@@ -232,7 +234,7 @@ class Optimizer:
             checkpoint = CheckpointConfig(checkpoint_dir)
         self.checkpointer = Checkpointer(checkpoint, run_id, self.params) if checkpoint is not None else None
         if resume_from is not None:
-            self._resume(Path(resume_from))
+            self._resume(str(resume_from))
         self._report(urgent=True)
 
     # -- the training loop's calls ------------------------------------------------------------
@@ -733,11 +735,14 @@ class Optimizer:
         self.checkpointer.save(self._snapshot(), self.samples_total, wait=True)
         return self.checkpointer.last_saved if self.checkpointer.last_error is None else None
 
-    def _resume(self, directory: Path) -> None:
-        """A cold restart: loads the newest checkpoint in `directory` unless the live peers are at
-        least as far (then their state, downloaded already, is newer or the same)."""
-        state = resume_state(directory, self.run_id, self.params, self.checkpointer,
-                             at_least=max(self.epoch, self.tracker.progress.epoch) + 1)
+    def _resume(self, source: str) -> None:
+        """A cold restart: loads the newest checkpoint in the directory `source`, or the state the
+        archiver at multiaddr `source` serves, unless the live peers are at least as far (then their
+        state, downloaded already, is newer or the same)."""
+        at_least = max(self.epoch, self.tracker.progress.epoch) + 1
+        state = resume_from_archiver(self.peer, self.run_id, source, self.params, at_least, self.tracker.reports(),
+                                     self.config.state_timeout) if is_peer_address(source) else resume_state(
+            Path(source), self.run_id, self.params, self.checkpointer, at_least)
         if state is None:
             return
         with self._lock:

@@ -17,6 +17,7 @@ from swarm.checkpoint import CheckpointStore
 from swarm.cli.config import PeerOptions
 from swarm.core.errors import ConfigError
 from swarm.optim import CollaborationConfig, Optimizer
+from swarm.optim.checkpointing import from_raw
 from swarm.peer import Peer
 
 
@@ -52,33 +53,35 @@ CONFIG = CollaborationConfig(target_batch_size=8, report_period=0.1)
 
 def test_an_archiver_keeps_the_live_state_and_a_trainer_resumes_from_it(tmp_path: Path) -> None:
     net = model()
-    with Peer(listen="/ip4/127.0.0.1/tcp/0") as peer:
-        opt = Optimizer(peer, run_id="kept", params=net.parameters(), optimizer=adam, batch_size_per_step=4,
-                        config=CONFIG)
-        x = torch.randn(4, 8)
-        while opt.epoch < 3:
-            net(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        trained = [p.detach().clone() for p in net.parameters()]
-        with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", "--initial-peers", peer.addrs[0],
-                         "--archive", str(tmp_path / "archive"), "--run", "kept", "--archive-every", "60",
-                         ready_timeout=60) as archiver:
+    with PeerProcess("--listen", "/ip4/127.0.0.1/tcp/0", "--archive", str(tmp_path / "archive"), "--run", "kept",
+                     "--archive-every", "2", ready_timeout=60) as archiver:
+        with Peer(listen="/ip4/127.0.0.1/tcp/0", initial_peers=archiver.addrs) as peer:
+            opt = Optimizer(peer, run_id="kept", params=net.parameters(), optimizer=adam, batch_size_per_step=4,
+                            config=CONFIG)
+            x = torch.randn(4, 8)
+            while opt.epoch < 3:
+                net(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            trained = [p.detach().clone() for p in net.parameters()]
             read_log_until(archiver, "archived epoch 3", 90)
-            archiver.signal(signal.SIGINT)
-            assert archiver.wait(30) == 0
-        opt.shutdown()
-    checkpoint = CheckpointStore(tmp_path / "archive").load_newest("kept")
-    assert checkpoint.epoch == 3 and [p.name for p in checkpoint.manifest.params] == ["param.0", "param.1",
-                                                                                       "param.2", "param.3"]
+            opt.shutdown()
+        checkpoint = CheckpointStore(tmp_path / "archive").load_newest("kept")
+        assert checkpoint.epoch == 3
+        assert [p.name for p in checkpoint.manifest.params] == ["param.0", "param.1", "param.2", "param.3"]
+        assert all(torch.equal(from_raw(a), b) for a, b in zip(checkpoint.params, trained))
 
-    fresh = model()
-    with Peer(listen="/ip4/127.0.0.1/tcp/0") as peer:  # every trainer gone: a cold restart from the archive
-        opt = Optimizer(peer, run_id="kept", params=fresh.parameters(), optimizer=adam, batch_size_per_step=4,
-                        config=CONFIG, resume_from=tmp_path / "archive")
-        assert opt.epoch == 3
-        assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), trained))
-        opt.shutdown()
+        # every trainer gone: a cold restart from the state the archiver serves, named by its address
+        for source in (archiver.addrs[0], str(tmp_path / "archive")):
+            fresh = model()
+            with Peer(listen="/ip4/127.0.0.1/tcp/0", initial_peers=archiver.addrs) as peer:
+                opt = Optimizer(peer, run_id="kept", params=fresh.parameters(), optimizer=adam,
+                                batch_size_per_step=4, config=CONFIG, resume_from=source)
+                assert opt.epoch == 3, source
+                assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), trained)), source
+                opt.shutdown()
+        archiver.signal(signal.SIGINT)
+        assert archiver.wait(30) == 0
 
 
 def test_archive_options_go_together() -> None:
