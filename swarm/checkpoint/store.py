@@ -256,12 +256,14 @@ def load_checkpoint(path: Path, run_id: str | None = None, model: Sequence[Param
 
 
 def check_model(saved: Sequence[ParamSpec], model: Sequence[ParamSpec], where: Path | str) -> None:
-    """Raises `CheckpointRefused` unless `saved` and `model` name the same parameters alike."""
+    """Raises `CheckpointRefused` unless `saved` and `model` hold the same parameters alike: same
+    count, dtypes and shapes, and the same names where `model` names them (an empty name matches
+    any: a loader that does not know its parameters' names)."""
     if len(saved) != len(model):
         raise CheckpointRefused(f"{where} is a checkpoint of another model: {len(saved)} parameters, "
                                 f"this model has {len(model)}")
     for i, (theirs, mine) in enumerate(zip(saved, model)):
-        if theirs != mine:
+        if (theirs.dtype, theirs.shape) != (mine.dtype, mine.shape) or (mine.name and theirs.name != mine.name):
             raise CheckpointRefused(f"{where} is a checkpoint of another model: parameter {i} is "
                                     f"{theirs.name!r} {theirs.dtype}{list(theirs.shape)} there, "
                                     f"{mine.name!r} {mine.dtype}{list(mine.shape)} here")

@@ -146,13 +146,16 @@ def resume_state(directory: str | Path, run_id: str, params: Sequence[torch.Tens
                  checkpointer: Checkpointer | None, at_least: int) -> TrainingState | None:
     """The state of a cold restart: the newest verified checkpoint in `directory`, if its epoch is at
     least `at_least` (an older one is no better than what live peers hold); None (logged) if there is
-    none. The parameters are named as `checkpointer` names them (``param.<i>`` without one).
+    none. The parameters must carry the names `checkpointer` gives them; without names any match.
 
     Raises:
         CheckpointRefused: the newest well-formed checkpoint is another run's or model's, or of a
             newer format.
     """
-    specs = param_specs(params, checkpointer.config.param_names if checkpointer is not None else None)
+    names = checkpointer.config.param_names if checkpointer is not None else None
+    specs = param_specs(params, names)
+    if names is None:  # names unknown here: any names match, dtypes and shapes must
+        specs = [ParamSpec("", s.dtype, s.shape) for s in specs]
     try:
         state, checkpoint = load_resume_state(directory, run_id, specs)
     except CheckpointNotFound as e:

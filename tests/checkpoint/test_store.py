@@ -173,6 +173,11 @@ def test_another_run_another_model_or_a_newer_format_is_refused_with_the_reason(
         store.load_newest(RUN, other)
     with pytest.raises(CheckpointRefused, match="another model: 3 parameters, this model has 2"):
         store.load_newest(RUN, MODEL[:2])
+    renamed = [ParamSpec("decoder.weight", "F32", (4, 3)), *MODEL[1:]]
+    with pytest.raises(CheckpointRefused, match="parameter 0 is 'encoder.weight' F32\\[4, 3\\] there, 'decoder.weight'"):
+        store.load_newest(RUN, renamed)
+    unnamed = [ParamSpec("", s.dtype, s.shape) for s in MODEL]  # a loader that knows no names: shapes decide
+    assert store.load_newest(RUN, unnamed).epoch == 1
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     manifest["format_version"] = FORMAT_VERSION + 1
     (path / MANIFEST_FILE).write_text(json.dumps(manifest))

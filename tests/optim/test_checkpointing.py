@@ -134,3 +134,20 @@ def test_saves_into_a_full_filesystem_fail_but_training_goes_on_and_older_checkp
         assert CheckpointStore(where).load_newest(RUN).epoch == 1  # intact
         assert [e.name for e in where.iterdir() if e.name.startswith(".tmp")] == []
         opt.shutdown()
+
+
+def test_a_trainer_that_does_not_name_its_parameters_resumes_from_a_named_checkpoint(
+        tmp_path: Path, lone_peer: Peer) -> None:
+    model = make_model()
+    opt = make_optimizer(lone_peer, model, CheckpointConfig(tmp_path, param_names=names(model)))
+    train_until(opt, model, 2)
+    assert opt.save_checkpoint() is not None
+    saved_epoch = opt.epoch
+    opt.shutdown()
+    # the demo's other trainers: they save nothing, so they know no names; dtypes and shapes decide
+    resumed = make_model(seed=5)
+    opt = Optimizer(lone_peer, run_id=RUN, params=resumed.parameters(), optimizer=adam, config=CONFIG,
+                    resume_from=tmp_path)
+    assert opt.epoch == saved_epoch
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), model.parameters()))
+    opt.shutdown()
