@@ -8,8 +8,9 @@ the loss curve as a PNG. Ctrl+C stops the whole swarm cleanly: each child gets o
 finishes what it is doing and exits 0; a second Ctrl+C kills them at once.
 
 The first trainer saves the run's state every few seconds and when it stops, into
-``OUT_DIR/checkpoints``; ``--resume-from OUT_DIR/checkpoints`` starts the whole swarm again from
-there, its loss curve continuing where it was (`swarm.demo.resume`).
+``OUT_DIR/checkpoints`` (the expert server its experts, into ``OUT_DIR/checkpoints/experts``);
+``--resume-from OUT_DIR/checkpoints`` starts the whole swarm again from there, its loss curve
+continuing where it was (`swarm.demo.resume`).
 """
 
 from __future__ import annotations
@@ -172,7 +173,9 @@ class Launcher:
     def start_server(self) -> str:
         m = self.config.model
         argv = [sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--experts", m.expert_pattern,
-                "--expert-cls", "ffn", "--hidden-dim", str(m.hidden_dim), "--log-level", "WARNING"]
+                "--expert-cls", "ffn", "--hidden-dim", str(m.hidden_dim), "--log-level", "WARNING",
+                # the experts are half the model: saved beside the run's checkpoints, loaded on a resume
+                "--checkpoint-dir", str(self.config.checkpoint_dir / "experts")]
         self.server = Child("expert-server", argv, self.log_dir)
         line = self.server.stdout.readline().strip()
         if not line.startswith("/"):
