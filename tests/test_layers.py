@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "swarm"
 LAYERS: list[tuple[str, ...]] = [
     ("swarm.core",),
     ("swarm.metrics",),  # instrumentation: the network, averaging and experts count into it
+    ("swarm.checkpoint",),  # a run's checkpoints on disk: pure, no torch, no network
     ("swarm.proto",),
     ("swarm.net",),
     ("swarm.dht",),

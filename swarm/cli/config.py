@@ -44,6 +44,10 @@ class PeerOptions:
     membership: str | None = None
     swarm_key: str | None = None
     revocations: str | None = None
+    # an archiver (docs/operations.md, "Checkpoints and a cold restart")
+    archive: str | None = None
+    run: str | None = None
+    archive_every: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,11 +74,15 @@ class PeerOptions:
             raise ConfigError("--swarm-key or --swarm-authority/--membership, not both")
         if self.client_mode and self.experts:
             raise ConfigError("a client-mode peer cannot serve experts (it accepts no connections)")
+        if (self.archive is None) != (self.run is None):
+            raise ConfigError("--archive DIR and --run RUN_ID go together (an archiver keeps one run's state)")
+        if self.archive_every is not None and self.archive_every < 1:
+            raise ConfigError(f"--archive-every must be a positive number of seconds, got {self.archive_every}")
 
 
 _LIST_OPTIONS = {"announce", "initial_peers", "dashboard_run", "dashboard_experts"}
 _BOOL_OPTIONS = {"client_mode", "insecure"}
-_INT_OPTIONS = {"hidden_dim", "metrics_port", "relay_port", "dashboard_port"}
+_INT_OPTIONS = {"hidden_dim", "metrics_port", "relay_port", "dashboard_port", "archive_every"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relay", help="auto (default: relay for peers behind NAT when publicly reachable), on or off")
     parser.add_argument("--relay-port", type=int, help="TCP port of the relay service (default: any free port)")
     parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
+    parser.add_argument("--archive", help="keep the state of the run named by --run in this directory (an archiver)")
+    parser.add_argument("--run", help="the run an archiver keeps")
+    parser.add_argument("--archive-every", type=int, help="seconds between an archiver's downloads (default 300)")
     private = parser.add_argument_group("private swarm (docs/security.md)")
     private.add_argument("--swarm-authority", help="the authority's public key (swarm-authority:…): talk only to "
                                                    "peers holding its certificates")

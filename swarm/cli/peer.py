@@ -92,8 +92,14 @@ def run_daemon(options: PeerOptions) -> int:
         **private_peer_arguments(options),
     )
     server = None
+    archive_stop = threading.Event()
     try:
         server = _attach_services(peer, options)
+        if options.archive is not None:  # an archiver: keeps the run's state on disk (swarm/optim/archiver.py)
+            from swarm.optim.archiver import Archiver, ArchiverConfig
+
+            Archiver(peer, ArchiverConfig(options.archive, options.run or "",
+                                          float(options.archive_every or 300))).start(archive_stop)
         for addr in peer.addrs:
             print(addr, flush=True)
         if options.client_mode:
@@ -106,6 +112,7 @@ def run_daemon(options: PeerOptions) -> int:
         while not stop.wait(1.0):
             pass
     finally:
+        archive_stop.set()
         peer.shutdown()
     unsaved = _unsaved(server)
     if unsaved is not None:
@@ -130,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from swarm.cli.private import main as private_main
 
         return private_main(argv)
+    if argv and argv[0] == "export":  # a model's parameters out of a checkpoint or a live run
+        from swarm.cli.export import main as export_main
+
+        return export_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         options = resolve(args)

@@ -8,6 +8,11 @@ the loss curve as a PNG. With `--hostile-experts MODE` the grid's last row is se
 second expert server that lies in every answer (`swarm.moe.server.hostile`), to show the trainers'
 mixtures catching it and training on. Ctrl+C stops the whole swarm cleanly: each child gets one SIGINT,
 finishes what it is doing and exits 0; a second Ctrl+C kills them at once.
+
+The first trainer saves the run's state every few seconds and when it stops, into
+``OUT_DIR/checkpoints`` (the expert server its experts, into ``OUT_DIR/checkpoints/experts``);
+``--resume-from OUT_DIR/checkpoints`` starts the whole swarm again from there, its loss curve
+continuing where it was (`swarm.demo.resume`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from swarm.demo.events import Evaluation, Notice, Progress, TextSample, from_jso
 from swarm.demo.mode import ModeChoice, pick_mode
 from swarm.demo.model import ModelConfig
 from swarm.demo.plot import BLACK, PALETTE, PlotUnavailable, Series, plot
+from swarm.demo.resume import prior_curve
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class DemoConfig:
         hostile_experts: split the grid over two expert servers, the second (the last row of the
             grid's first dimension) hostile in this way (`swarm.moe.server.hostile`); None: one honest
             server holds the whole grid.
+        resume_from: a checkpoint directory of an earlier demo to continue from (and save into).
+        checkpoint_every: seconds between the first trainer's checkpoints.
     """
 
     trainers: int = 3
@@ -74,6 +82,12 @@ class DemoConfig:
     attack: str = "sign_flip"
     dashboard_port: int | None = 0
     hostile_experts: str | None = None
+    resume_from: Path | None = None
+    checkpoint_every: float = 10.0
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.resume_from if self.resume_from is not None else self.out_dir / "checkpoints"
 
     def __post_init__(self) -> None:
         if not 1 <= self.trainers <= 16:
@@ -160,6 +174,11 @@ class Launcher:
         self.trainers: list[Child] = []
         self.curves: dict[str, list[tuple[float, float]]] = {n: [] for n in self.names}
         self.evals: list[tuple[float, float]] = []
+        if config.resume_from is not None:  # the curve so far, kept in the checkpoint it resumes from
+            prior = prior_curve(config.resume_from)
+            for name, points in prior.curves.items():
+                self.curves.setdefault(name, []).extend(points)
+            self.evals.extend(prior.evals)
         self.samples: dict[str, str] = {}
         self.final: dict[str, Progress] = {}
         self.started = time.monotonic()
@@ -177,7 +196,9 @@ class Launcher:
 
         def argv(experts: str) -> list[str]:
             return [sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--experts", experts,
-                    "--expert-cls", "ffn", "--hidden-dim", str(m.hidden_dim), "--log-level", "WARNING"]
+                    "--expert-cls", "ffn", "--hidden-dim", str(m.hidden_dim), "--log-level", "WARNING",
+                    # the experts are half the model: saved beside the run's checkpoints, loaded on a resume
+                    "--checkpoint-dir", str(self.config.checkpoint_dir / ("experts" if experts == pattern else "hostile"))]
 
         served = argv(pattern)
         dashboard = self.dashboard_url()
@@ -228,6 +249,9 @@ class Launcher:
                 argv += ["--attack", c.attack]
             if i == 0:
                 argv += ["--sample", "--sample-length", str(c.sample_length)]
+                argv += ["--checkpoint-dir", str(c.checkpoint_dir), "--checkpoint-every", str(c.checkpoint_every)]
+            if c.resume_from is not None:
+                argv += ["--resume-from", str(c.resume_from)]
             self.trainers.append(Child(name, argv, self.log_dir))
 
     def on_signal(self, signum: int, _frame: object) -> None:
@@ -280,14 +304,14 @@ class Launcher:
 
     def on_line(self, child: Child, line: str) -> None:
         event = from_json(line)
-        now = time.monotonic() - self.started
+        # points on the run's time axis (a resumed run's trainers continue the one before)
         if isinstance(event, Progress):
             self.board.update(event)
             self.final[event.name] = event
             if event.loss == event.loss:  # not NaN
-                self.curves[event.name].append((now, event.loss))
+                self.curves[event.name].append((event.elapsed, event.loss))
         elif isinstance(event, Evaluation):
-            self.evals.append((now, event.loss))
+            self.evals.append((event.elapsed, event.loss))
         elif isinstance(event, TextSample):
             self.samples[event.when] = event.prompt + event.text
             self.board.notice(f"{event.name}: text {event.when} training: {printable(event.prompt + event.text)}")
@@ -394,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hostile-experts", default=None, choices=["x1e6", "nan", "shape", "sometimes"],
                         help="serve the grid's last row from a second, hostile expert server that lies this way "
                              "(default: one honest server holds every expert)")
+    parser.add_argument("--resume-from", type=Path, default=None,
+                        help="continue an earlier demo from its checkpoints (e.g. demo-out/checkpoints)")
+    parser.add_argument("--checkpoint-every", type=float, default=d.checkpoint_every,
+                        help="seconds between checkpoints of the run's state (default 10)")
     return parser
 
 
@@ -405,7 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             max_staleness=args.max_staleness, sample_length=args.sample_length, out_dir=args.out_dir, model=ModelConfig(hidden_dim=args.hidden_dim),
                             aggregation=args.aggregation, byzantine=args.byzantine, attack=args.attack,
                             dashboard_port=None if args.no_dashboard else args.dashboard_port,
-                            hostile_experts=args.hostile_experts)
+                            hostile_experts=args.hostile_experts,
+                            resume_from=args.resume_from, checkpoint_every=args.checkpoint_every)
     except ValueError as e:
         print(f"swarm demo: error: {e}", file=sys.stderr)
         return 2

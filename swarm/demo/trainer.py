@@ -32,6 +32,7 @@ from swarm.demo.data import ByteDataset, load_corpus
 from swarm.demo.events import Evaluation, Event, EventWriter, Notice, Progress, TextSample
 from swarm.demo.mode import MODES, STALENESS, ModeChoice, mode_key, pick_mode
 from swarm.demo.model import ByteLM, LocalExperts, ModelConfig
+from swarm.demo.resume import RunCurve, prior_curve
 
 if TYPE_CHECKING:
     from swarm.optim import Optimizer
@@ -73,6 +74,9 @@ class TrainerConfig:
         model: model sizes; the experts' hidden size must equal `model.hidden_dim`.
         aggregation: how the swarm averages ("mean", or "centered_clip": byzantine-robust).
         attack: make this trainer byzantine with this attack (`swarm.demo.byzantine`); None: honest.
+        checkpoint_dir: save the run's state (and this trainer's loss curve) there (`swarm.demo.resume`).
+        checkpoint_every: seconds between checkpoints.
+        resume_from: a directory of the run's checkpoints to start from when no live peer is further.
     """
 
     name: str = "trainer"
@@ -100,6 +104,9 @@ class TrainerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     aggregation: str = "mean"
     attack: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: float = 10.0
+    resume_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.duration <= 0 or self.batch_size < 1 or self.target_batch_size < 1 or self.lr <= 0:
@@ -142,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--aggregation", default=d.aggregation, help="mean (default) or centered_clip (robust)")
     parser.add_argument("--attack", default=None, help="make this trainer byzantine: x1000, sign_flip, random, constant")
+    parser.add_argument("--checkpoint-dir", default=None, help="save the run's state (and the loss curve) there")
+    parser.add_argument("--checkpoint-every", type=float, default=d.checkpoint_every, help="seconds between checkpoints")
+    parser.add_argument("--resume-from", default=None,
+                        help="start from the newest checkpoint in this directory when no live peer is further")
     return parser
 
 
@@ -153,7 +164,8 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         max_staleness=args.max_staleness, seed=args.seed,
         threads=args.threads, sample=args.sample, sample_length=args.sample_length, eval_every=args.eval_every, json_events=args.json,
         local_experts=args.local_experts, model=ModelConfig(hidden_dim=args.hidden_dim),
-        aggregation=args.aggregation, attack=args.attack,
+        aggregation=args.aggregation, attack=args.attack, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume_from=args.resume_from,
     )
 
 
@@ -185,6 +197,7 @@ class Trainer:
             self.peer, in_features=mcfg.hidden_dim, grid_size=mcfg.grid_size, uid_prefix=mcfg.uid_prefix,
             k_best=mcfg.k_best, k_min=1, forward_timeout=20.0, backward_timeout=20.0)
         self.model = ByteLM(mcfg, mixture)
+        self.curve = prior_curve(config.resume_from, config.run_id) if config.resume_from else RunCurve()
         self.mode = self._pick_mode()
         self.optimizer = self._make_optimizer()
         self.expert_bytes = 0
@@ -221,6 +234,7 @@ class Trainer:
 
     def _make_optimizer(self) -> Optimizer:
         from swarm.optim import CollaborationConfig, DiLoCoConfig, Optimizer
+        from swarm.optim.checkpointing import CheckpointConfig
 
         cfg = self.config
         collaboration = CollaborationConfig(target_batch_size=cfg.target_batch_size, averaging_timeout=20.0,
@@ -231,15 +245,22 @@ class Trainer:
         def adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             return torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.98))
 
+        checkpoint = CheckpointConfig(
+            cfg.checkpoint_dir, every_epochs=None, every_seconds=cfg.checkpoint_every,
+            param_names=tuple(n for n, p in self.model.named_parameters() if p.requires_grad),
+            extra=lambda: self.curve.to_extra(self.curve.elapsed + time.monotonic() - self.started),
+        ) if cfg.checkpoint_dir else None
         if self.mode.mode == "diloco":
             assert self.mode.local_steps is not None
             return Optimizer(self.peer, run_id=cfg.run_id, params=self.model.dense_parameters(),
                              optimizer=adam, batch_size_per_step=cfg.batch_size, config=collaboration,
-                             diloco=DiLoCoConfig(local_steps=self.mode.local_steps))
+                             diloco=DiLoCoConfig(local_steps=self.mode.local_steps), checkpoint=checkpoint,
+                             resume_from=cfg.resume_from)
         return Optimizer(
             self.peer, run_id=cfg.run_id, params=self.model.dense_parameters(), optimizer=adam,
             target_batch_size=cfg.target_batch_size, batch_size_per_step=cfg.batch_size, config=collaboration,
             scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: min(1.0, (epoch + 1) / warmup)),
+            checkpoint=checkpoint, resume_from=cfg.resume_from,
         )
 
     # -- phases -------------------------------------------------------------------------------
@@ -285,7 +306,8 @@ class Trainer:
         except SwarmError as e:
             self.emit(Notice(self.config.name, f"skipped a held-out evaluation: {e}"))
             return
-        self.emit(Evaluation(self.config.name, elapsed, loss))
+        self.curve.add_eval(self.curve.elapsed + elapsed, loss)
+        self.emit(Evaluation(self.config.name, self.curve.elapsed + elapsed, loss))
 
     def train(self) -> None:
         """The training loop: until `duration` or `stop`."""
@@ -340,7 +362,9 @@ class Trainer:
                 throughput = window_samples / max(now - window_start, 1e-9)
                 window_start, window_samples = now, 0
                 progress = opt.progress
-                self.emit(Progress(cfg.name, now - self.started, step, smoothed, throughput, progress.num_peers,
+                run_seconds = self.curve.elapsed + now - self.started  # continues a resumed run's curve
+                self.curve.add(cfg.name, run_seconds, smoothed)
+                self.emit(Progress(cfg.name, run_seconds, step, smoothed, throughput, progress.num_peers,
                                    opt.epoch, samples, opt.bytes_sent, self.expert_bytes))
                 next_report = now + cfg.report_every
         now = time.monotonic()
@@ -352,8 +376,12 @@ class Trainer:
             self.emit(Notice(cfg.name, f"expert answers: {guard.rejected} rejected, {guard.clipped_rows} of "
                                        f"{guard.checked_rows} rows clipped"))
         progress = opt.progress
-        self.emit(Progress(cfg.name, now - self.started, step, smoothed, throughput, progress.num_peers, opt.epoch,
-                           samples, opt.bytes_sent, self.expert_bytes))
+        self.emit(Progress(cfg.name, self.curve.elapsed + now - self.started, step, smoothed, throughput,
+                           progress.num_peers, opt.epoch, samples, opt.bytes_sent, self.expert_bytes))
+        if opt.checkpointer is not None:  # the state it stops at: a restart continues from here
+            saved = opt.save_checkpoint()
+            self.emit(Notice(cfg.name, f"saved the run's state at epoch {opt.epoch} in {saved}" if saved else
+                                       f"could not save the run's state: {opt.checkpointer.last_error}"))
 
     def close(self) -> None:
         try:

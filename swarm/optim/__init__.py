@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 from swarm.core.optional import require_torch
 
 if TYPE_CHECKING:
+    from swarm.optim.checkpointing import CheckpointConfig
     from swarm.optim.config import CollaborationConfig, DiLoCoConfig
     from swarm.optim.optimizer import Optimizer
     from swarm.optim.outcome import RoundOutcome, StepOutcome
     from swarm.optim.progress import PeerProgress, SwarmProgress
 
 _EXPORTS = {
+    "CheckpointConfig": "swarm.optim.checkpointing",
     "CollaborationConfig": "swarm.optim.config",
     "DiLoCoConfig": "swarm.optim.config",
     "Optimizer": "swarm.optim.optimizer",
@@ -28,7 +30,7 @@ _EXPORTS = {
     "SwarmProgress": "swarm.optim.progress",
 }
 
-__all__ = ["CollaborationConfig", "DiLoCoConfig", "Optimizer", "PeerProgress", "RoundOutcome", "StepOutcome",
+__all__ = ["CheckpointConfig", "CollaborationConfig", "DiLoCoConfig", "Optimizer", "PeerProgress", "RoundOutcome", "StepOutcome",
            "SwarmProgress"]
 
 

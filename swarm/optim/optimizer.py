@@ -43,12 +43,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from swarm.core.errors import ConfigError, RPCError, SwarmError
 from swarm.dht.handle import PeerHandle
+from swarm.optim.archiver import is_peer_address, resume_from_archiver
+from swarm.optim.checkpointing import CheckpointConfig, Checkpointer, resume_state
 from swarm.optim.config import CollaborationConfig, DiLoCoConfig
 from swarm.optim.diloco import DiLoCoMode
 from swarm.optim.group_averaging import AveragerLike, RoundResult, make_swarm_averager
@@ -150,6 +153,12 @@ class Optimizer:
             `swarm.Averager` of this peer (replace it to use another group-forming strategy).
         mode_wrapper: wraps the mode built from these settings (`swarm.optim.distributed` puts a
             `torchrun` job's local ranks behind it, so the machine is one peer).
+        checkpoint_dir: save the run's state there after every collective step (the last 3 kept);
+            `checkpoint` sets the schedule instead (`swarm.optim.checkpointing`).
+        checkpoint: where and how often to save the run's state.
+        resume_from: a directory of the run's checkpoints, or an archiver's multiaddr with its
+            PeerID: when no live peer holds a newer state, this trainer starts from the newest
+            checkpoint that verifies, or from the state that archiver serves (a cold restart).
 
     Raises:
         ConfigError: inconsistent settings (no target batch in large-batch mode, ...).
@@ -169,6 +178,9 @@ class Optimizer:
         config: CollaborationConfig | None = None,
         averager_factory: AveragerFactory | None = None,
         mode_wrapper: ModeWrapper | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        resume_from: str | Path | None = None,
     ) -> None:
         if not isinstance(run_id, str) or not run_id or any(c.isspace() for c in run_id):
             raise ConfigError(f"run_id must be a non-empty string without spaces, got {run_id!r}")
@@ -230,6 +242,11 @@ class Optimizer:
         peer.attach(self)
         if config.load_state_on_start and self.tracker.peers_at(0):
             self.load_state_from_peers()
+        if checkpoint is None and checkpoint_dir is not None:
+            checkpoint = CheckpointConfig(checkpoint_dir)
+        self.checkpointer = Checkpointer(checkpoint, run_id, self.params) if checkpoint is not None else None
+        if resume_from is not None:
+            self._resume(str(resume_from))
         self._report(urgent=True)
 
     # -- the training loop's calls ------------------------------------------------------------
@@ -603,6 +620,8 @@ class Optimizer:
             self.failed_rounds = 0
             logger.info("[%s] epoch %d -> %d: %s in %.2f s", self.run_id, outcome.epoch, self.epoch, summary,
                         outcome.seconds)
+            if self.checkpointer is not None and self.checkpointer.due(self.epoch):
+                self.checkpointer.save(self._snapshot(), self.samples_total)
         elif self.tracker.progress.epoch > outcome.epoch:
             # not a fault: the swarm stepped without this peer, which now downloads its state
             logger.info("[%s] epoch %d: the swarm moved on to epoch %d during this peer's round (%s)",
@@ -720,6 +739,30 @@ class Optimizer:
             self._digest = state_digest(self.mode.shared_tensors)
         self._report(urgent=True)
 
+    def save_checkpoint(self) -> Path | None:
+        """Saves the state now (after landing the round in flight) and waits until it is written;
+        returns its directory, or None when it failed (logged; `checkpointer.last_error` says why)."""
+        if self.checkpointer is None:
+            raise ConfigError("this optimizer has no checkpoint directory")
+        self.flush()
+        self.checkpointer.save(self._snapshot(), self.samples_total, wait=True)
+        return self.checkpointer.last_saved if self.checkpointer.last_error is None else None
+
+    def _resume(self, source: str) -> None:
+        """A cold restart: loads the newest checkpoint in the directory `source`, or the state the
+        archiver at multiaddr `source` serves, unless the live peers are at least as far (then their
+        state, downloaded already, is newer or the same)."""
+        at_least = max(self.epoch, self.tracker.progress.epoch) + 1
+        state = resume_from_archiver(self.peer, self.run_id, source, self.params, at_least, self.tracker.reports(),
+                                     self.config.state_timeout) if is_peer_address(source) else resume_state(
+            Path(source), self.run_id, self.params, self.checkpointer, at_least)
+        if state is None:
+            return
+        with self._lock:
+            self.mode.load_state(state)
+            self.epoch = state.epoch
+            self._digest = state_digest(self.mode.shared_tensors)
+
     async def ashutdown(self) -> None:
         """Stops reporting and serving state (called by the peer at shutdown, or directly)."""
         if self._closed:
@@ -745,6 +788,8 @@ class Optimizer:
         if not self._closed and not self.peer.loop.loop.is_closed():
             self._drop_in_flight()
             self.peer.run(self.ashutdown(), timeout=10)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # a save being written finishes: it is the newest state
         self.peer.detach(self)
 
     def __repr__(self) -> str:
