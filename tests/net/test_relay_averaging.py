@@ -152,14 +152,12 @@ def test_a_direct_peer_leads_when_there_is_one():
         """Two live declarations; the relayed peer's expires first (it would lead by expiration)."""
 
         async def aget(self, key: str, latest: bool = False) -> object:
-            from types import SimpleNamespace
-
-            from swarm.dht import owner_marker
+            from swarm.dht import ValueWithExpiration, owner_marker
 
             now = get_dht_time()
-            entries = {owner_marker(pid): SimpleNamespace(value={"addr": addr, "ready_at": now}, expiration_time=now + t)
+            entries = {owner_marker(pid): ValueWithExpiration({"addr": addr, "ready_at": now}, now + t)
                        for pid, addr, t in ((relayed_id, relayed, 10), (direct_id, direct, 20))}
-            return SimpleNamespace(value=entries, expiration_time=now + 20)
+            return ValueWithExpiration(entries, now + 20)
 
         async def astore(self, *args: object, **kwargs: object) -> bool:
             return True
