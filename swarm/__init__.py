@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from swarm.averaging.averager import Averager, AveragerConfig
     from swarm.averaging.config import AllReduceConfig
     from swarm.averaging.matchmaking import MatchmakingConfig
+    from swarm.averaging.reputation import ReputationConfig
     from swarm.averaging.round import AveragingResult
     from swarm.compression.base import CompressionError, CompressionType
     from swarm.core.errors import (
@@ -45,14 +46,20 @@ if TYPE_CHECKING:
     from swarm.dht.config import DHTConfig
     from swarm.dht.dht import DHT
     from swarm.dht.expiring import ValueWithExpiration
+    from swarm.moe.client.answer_checks import AnswerChecks
     from swarm.moe.client.expert import RemoteExpert
-    from swarm.moe.client.mixture import RemoteMixtureOfExperts
+    from swarm.moe.client.mixture import MixtureConfig, RemoteMixtureOfExperts
     from swarm.moe.client.switch import RemoteSwitchMixtureOfExperts
     from swarm.moe.server.checkpoints import CheckpointError
     from swarm.moe.server.config import ExpertServerConfig
     from swarm.moe.server.expert_server import ExpertServer
+    from swarm.moe.server.hosted import BatchingConfig
     from swarm.net.channels import ChannelConfig
+    from swarm.net.holepunch import PunchConfig
+    from swarm.net.nat import NatConfig
+    from swarm.net.relay import RelayConfig, ReservationsConfig
     from swarm.net.server import ServerConfig
+    from swarm.optim.checkpointing import CheckpointConfig
     from swarm.optim.config import CollaborationConfig, DiLoCoConfig
     from swarm.optim.distributed import DistributedOptimizer
     from swarm.optim.optimizer import Optimizer
@@ -97,17 +104,30 @@ _EXPORTS = {
     "PeerProgress": "swarm.optim.progress",
     "SwarmProgress": "swarm.optim.progress",
     "StateTransferError": "swarm.optim.state_transfer",
+    # the settings the constructors above take (docs/settings.md lists every one)
+    "NatConfig": "swarm.net.nat",
+    "RelayConfig": "swarm.net.relay",
+    "ReservationsConfig": "swarm.net.relay",
+    "PunchConfig": "swarm.net.holepunch",
+    "ReputationConfig": "swarm.averaging.reputation",
+    "MixtureConfig": "swarm.moe.client.mixture",
+    "AnswerChecks": "swarm.moe.client.answer_checks",
+    "BatchingConfig": "swarm.moe.server.hosted",
+    "CheckpointConfig": "swarm.optim.checkpointing",
     **{name: "swarm.core.errors" for name in _ERRORS},
 }
 
 __all__ = [
     "DHT",
     "AllReduceConfig",
+    "AnswerChecks",
     "Averager",
     "AveragerConfig",
     "AveragingError",
     "AveragingResult",
+    "BatchingConfig",
     "ChannelConfig",
+    "CheckpointConfig",
     "CheckpointError",
     "CollaborationConfig",
     "CompressionError",
@@ -125,18 +145,24 @@ __all__ = [
     "InvalidRequest",
     "MatchmakingConfig",
     "MissingDependency",
+    "MixtureConfig",
     "MoEError",
     "MultiaddrError",
+    "NatConfig",
     "NotFound",
     "Optimizer",
     "Peer",
     "PeerProgress",
     "PeerUnreachable",
+    "PunchConfig",
     "RPCError",
+    "RelayConfig",
     "RemoteError",
     "RemoteExpert",
     "RemoteMixtureOfExperts",
     "RemoteSwitchMixtureOfExperts",
+    "ReputationConfig",
+    "ReservationsConfig",
     "ResourceExhausted",
     "RoundOutcome",
     "ServerConfig",
