@@ -750,9 +750,11 @@ class Optimizer:
 
     def _resume(self, source: str) -> None:
         """A cold restart: loads the newest checkpoint in the directory `source`, or the state the
-        archiver at multiaddr `source` serves, unless the live peers are at least as far (then their
-        state, downloaded already, is newer or the same)."""
-        at_least = max(self.epoch, self.tracker.progress.epoch) + 1
+        archiver at multiaddr `source` serves, unless this trainer already holds a state at least as
+        far (the live peers', downloaded before this)."""
+        # newer than what this trainer holds: a live peer's state, when its download succeeded, is
+        # held already; a progress record whose peer is gone (its download failed) counts for nothing
+        at_least = self.epoch + 1
         state = resume_from_archiver(self.peer, self.run_id, source, self.params, at_least, self.tracker.reports(),
                                      self.config.state_timeout) if is_peer_address(source) else resume_state(
             Path(source), self.run_id, self.params, self.checkpointer, at_least)
