@@ -121,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() >= deadline:
             print(f"budget of {args.budget:.0f} s spent after {done} run(s)")
             break
-        run = cold_start(args.peers, args.numel, args.rounds, args.step_timeout, deadline)
+        try:
+            run = cold_start(args.peers, args.numel, args.rounds, args.step_timeout, deadline)
+        except subprocess.TimeoutExpired:  # the budget ran out inside a run (a peer waiting out its timeout)
+            print(f"run {i}: cut short by the budget of {args.budget:.0f} s (its peers were killed)")
+            break
         done += 1
         steps += len(run.steps)
         left_out += len(run.failed)
