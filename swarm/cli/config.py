@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from swarm.core.errors import ConfigError
@@ -48,7 +48,6 @@ class PeerOptions:
     archive: str | None = None
     run: str | None = None
     archive_every: int | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.hidden_dim <= 0:
