@@ -21,3 +21,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
+# The suite and the demo start hundreds of Python processes. Where the environment turns bytecode
+# caching off (PYTHONDONTWRITEBYTECODE, as some CI images and sandboxes do), every one of them
+# compiles torch's and swarm's modules again (about 1.5 s of CPU each); with it on, the first
+# process to import a module caches it for the rest.
+unset PYTHONDONTWRITEBYTECODE
