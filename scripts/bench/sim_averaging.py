@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
+import logging
 import math
 import os
 import random
@@ -51,8 +53,19 @@ import simnet
 simnet.install_virtual_time()  # before swarm is imported: some of it binds time.time as a default
 simnet.share_parsing()
 
+PEER: contextvars.ContextVar[str] = contextvars.ContextVar("sim_peer", default="-")  # `--trace`: whose step logs
+
 AVERAGING = ("/swarm.Averaging/Reduce", "/swarm.Averaging/Report", "/swarm.Averaging/Fetch")
 MATCHMAKING = ("/swarm.Averaging/Join",)
+
+
+TRACE = logging.getLogger("sim")
+
+
+def _stamp(record: logging.LogRecord) -> bool:
+    record.vtime = simnet.CLOCK.now
+    record.peer = PEER.get()
+    return True
 
 
 def grid_for(n: int, group: int) -> list[int]:
@@ -162,6 +175,7 @@ class AveragingSimulation:
         token = simnet.TAG.set("averaging")
         try:
             for peer_id in sorted(self.live):
+                PEER.set(peer_id[-8:])  # the step's tasks inherit it (`--trace` labels their lines)
                 weight = 1.0 if weight_of is None else weight_of(peer_id)
                 step = astep_retrying if args.retry else type(self.averagers[peer_id]).astep
                 steps[peer_id] = asyncio.ensure_future(step(
@@ -169,6 +183,7 @@ class AveragingSimulation:
                     expected_size=None if size_of is None else size_of(peer_id)))
         finally:
             simnet.TAG.reset(token)
+            PEER.set("-")
         killers = []
         if deaths:
             victims = self.rng.sample(sorted(self.live), deaths)
@@ -189,6 +204,15 @@ class AveragingSimulation:
             result = step.result()
             results[peer_id] = result
             groups[result.round_id] = result.group
+        if args.trace:
+            # every leader's account of why it started when it did, for tracing a split
+            for round_id, group in groups.items():
+                start_info = self.averagers[group[0]].matchmaking.last_start if group[0] in self.averagers else None
+                TRACE.info("round %d: %s led %s (%d members): %s", r, group[0][-8:], round_id[:8], len(group),
+                           start_info)
+            for peer_id, step in steps.items():
+                if peer_id in self.live and not step.cancelled() and step.exception() is not None:
+                    TRACE.info("round %d: %s failed: %s", r, peer_id[-8:], step.exception())
         sizes = [len(g) for g in groups.values()]
         traffic = Counter(self.net.traffic.by_method)
         traffic.subtract(before)
@@ -356,15 +380,23 @@ def main() -> None:
     parser.add_argument("--no-leader-checks", action="store_true",
                         help="followers never give up a silent leader (the behaviour before the fix)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", help="write matchmaking's debug log here (virtual time, the stepping peer) and "
+                                        "each leader's reason to start")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     target_rounds = math.ceil(math.log(args.peers, args.group) - 1e-9) + 1
     if not args.rounds:
         args.rounds = target_rounds + 1
 
-    import logging
-
     logging.basicConfig(level=logging.WARNING)
+    if args.trace:
+        handler = logging.FileHandler(args.trace, mode="w")
+        handler.addFilter(_stamp)
+        handler.setFormatter(logging.Formatter("%(vtime)9.3f %(peer)s %(name)s: %(message)s"))
+        for name in ("swarm.averaging.matchmaking", "swarm.averaging.election", "swarm.averaging.moshpit", TRACE.name):
+            logging.getLogger(name).setLevel(logging.DEBUG)
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).propagate = False
     if args.full_refresh:
         from swarm.dht.node import DHTNode
 
