@@ -166,6 +166,8 @@ class PeerChannel:
                 proxy = (paths.proxy_for(self.addr) if paths is not None else None) or target
                 options.append(("grpc.http_proxy", f"http://{proxy}"))
                 target = f"{self.peer_id}:{relay.GRPC_PORT}"  # what the CONNECT asks the relay for
+                if self.pool.gate is not None:  # a private swarm's relay serves members only
+                    options.append(("grpc.http_connect_headers", f"{relay.MEMBER_HEADER}:{self._member_header()}"))
             if cfg.tls:
                 # the only root is the dialed PeerID's key: nothing else can complete the handshake
                 credentials = grpc.ssl_channel_credentials(root_certificates=trust_anchor(self.peer_id))
@@ -174,6 +176,13 @@ class PeerChannel:
             else:
                 self._channel = grpc.aio.insecure_channel(target, options=options)
         return self._channel
+
+    def _member_header(self) -> str:
+        """In a private swarm, what proves this peer's membership to the callee's relay (else "")."""
+        gate = self.pool.gate
+        if gate is None or not self.addr.relay_id:
+            return ""
+        return relay.member_header(self.pool.identity, gate.policy.proof, self.addr.relay_id, self.peer_id)
 
     @property
     def encrypted(self) -> bool:
@@ -524,10 +533,10 @@ class PeerChannel:
         """How a relayed peer's bulk port is dialed: a circuit through its relay (docs/relay.md)."""
         if not self.addr.relay_id:
             return None
-        addr, paths = self.addr, self.pool.direct_paths
+        addr, paths, member = self.addr, self.pool.direct_paths, self._member_header()
         if paths is not None and paths.should_punch(self.peer_id):
-            return lambda timeout: paths.dial(addr, port, timeout)  # direct if a hole punch works (holepunch.py)
-        return lambda timeout: relay.open_circuit(addr, port, timeout)
+            return lambda timeout: paths.dial(addr, port, timeout, member=member)  # direct if a punch works
+        return lambda timeout: relay.open_circuit(addr, port, timeout, member=member)
 
     async def stream_unary(
         self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None

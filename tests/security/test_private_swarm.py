@@ -17,7 +17,14 @@ from torch import nn
 
 from swarm.averaging import Averager
 from swarm.averaging.state import State, StateServer
-from swarm.core.errors import ConfigError, DHTError, PermissionDenied, ValidationError
+from swarm.core.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    DHTError,
+    PeerUnreachable,
+    PermissionDenied,
+    ValidationError,
+)
 from swarm.core.identity import Identity
 from swarm.core.membership import (
     Authority,
@@ -26,11 +33,13 @@ from swarm.core.membership import (
     RevocationList,
     SwarmKey,
 )
+from swarm.core.multiaddr import Multiaddr
 from swarm.dht.revocations import REVOCATION_TTL
 from swarm.moe.server.expert_server import ExpertServer
 from swarm.net.channels import ChannelPool
 from swarm.net.membership import METADATA_KEY, MembershipGate
-from swarm.net.relay import reserve_payload
+from swarm.net.nat import NatConfig
+from swarm.net.relay import GRPC_PORT, MEMBER_HEADER, member_header, reserve_payload
 from swarm.optim import CollaborationConfig, Optimizer
 from swarm.peer import Peer
 
@@ -382,3 +391,55 @@ def test_invited_peers_train_with_the_optimizer_as_before(swarm: Swarm) -> None:
         assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
     for o in opts:
         o.shutdown()
+
+
+def _connect(port: int, target: str, header: str | None) -> str:
+    """A raw CONNECT to a relay, as a stranger's own code would send it; the relay's status line and reason."""
+    async def go() -> str:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            extra = f"{MEMBER_HEADER}: {header}\r\n" if header is not None else ""
+            writer.write(f"CONNECT {target}:{GRPC_PORT} HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            return head.decode()
+        finally:
+            writer.close()
+
+    return asyncio.run(go())
+
+
+def test_a_relay_opens_circuits_for_members_only(swarm: Swarm, make_peer: Callable[..., Peer]) -> None:
+    relay_peer = swarm.invite(("trainer", "relay"), relay="on")
+    natted = swarm.invite(("trainer",), nat=NatConfig(reachability="private", first_reservation_timeout=10.0))
+    caller = swarm.invite(("trainer",), relay=False)
+    assert relay_peer.nat is not None and relay_peer.nat.relay is not None and natted.gate is not None
+    relay = relay_peer.nat.relay
+    assert relay.port is not None and Multiaddr.parse(natted.addrs[0]).relay_id == relay_peer.peer_id
+    assert caller.membership is not None and natted.membership is not None
+
+    async def info(peer: Peer) -> str:
+        return (await peer.pool.get(natted.addrs[0]).info(timeout=10)).peer_id
+
+    assert caller.run(info(caller), timeout=30) == natted.peer_id  # a member: through the relay, as before
+    natted_refusals = sum(natted.gate.refused.values())
+    spliced = relay.spliced_bytes
+    thief = Identity.generate()
+    stolen = caller.membership.proof  # a member's certificate, seen somewhere
+    forged = f"{caller.peer_id} {thief.sign(b'anything').hex()} {stolen.hex()}"  # claims the member's PeerID
+    own_key = member_header(thief, stolen, relay_peer.peer_id, natted.peer_id)  # its own PeerID, the member's proof
+    other_callee = member_header(caller.identity, stolen, relay_peer.peer_id, relay_peer.peer_id)  # replayed elsewhere
+    cases = {None: "(missing)", forged: "(unproven PeerID)", own_key: "(wrong PeerID)",
+             other_callee: "(unproven PeerID)", "garbage": "(unproven PeerID)"}
+    for header, reason in cases.items():
+        answer = _connect(relay.port, natted.peer_id, header)
+        assert answer.startswith("HTTP/1.1 403") and reason in answer, (header, answer)
+    # a member of another swarm, dialing through the relay with its own, valid-elsewhere proof
+    other = Swarm(make_peer).invite(("trainer",), relay=False)
+    with pytest.raises((PeerUnreachable, DeadlineExceeded)):
+        other.run(info(other), timeout=30)
+    assert relay.refused["not a member"] >= len(cases) + 1
+    assert relay_peer.gate is not None and relay_peer.gate.refused["wrong authority"] >= 1
+    # the reserved member heard of none of it: no circuit offered, no handshake, no byte spliced
+    assert sum(natted.gate.refused.values()) == natted_refusals
+    assert relay.refused["not accepted"] == 0 and relay.spliced_bytes == spliced
+    assert caller.run(info(caller), timeout=30) == natted.peer_id
