@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +36,10 @@ from swarm.core.membership import (
 )
 from swarm.core.multiaddr import Multiaddr
 from swarm.dht.revocations import REVOCATION_TTL
+from swarm.dht.routing import NodeInfo
+from swarm.dht.validation import DHTRecord
+from swarm.dht.wire import STORED, node_id_of, store_item
+from swarm.moe.dht_declare import DHTExpertSource, declarations, declare_experts
 from swarm.moe.server.expert_server import ExpertServer
 from swarm.net.channels import ChannelPool
 from swarm.net.membership import METADATA_KEY, MembershipGate
@@ -443,3 +448,51 @@ def test_a_relay_opens_circuits_for_members_only(swarm: Swarm, make_peer: Callab
     assert sum(natted.gate.refused.values()) == natted_refusals
     assert relay.refused["not accepted"] == 0 and relay.spliced_bytes == spliced
     assert caller.run(info(caller), timeout=30) == natted.peer_id
+
+
+def _signed_declarations(peer: Peer, uid: str) -> list[DHTRecord]:
+    """`peer`'s declarations of `uid`, signed by it, as its DHT would send them (its own checks skipped)."""
+    assert peer.dht is not None
+    expiration = time.time() + 60
+    records = [DHTRecord.create(key, value, expiration, subkey) for key, subkey, value in
+               declarations([uid], peer.addrs[0], peer.peer_id)]
+    return [dataclasses.replace(r, value=peer.dht.validator.sign_value(r)) for r in records]
+
+
+def _send(sender: Peer, receiver: Peer, records: list[DHTRecord]) -> list[str]:
+    """What `receiver`'s DHT node answers each of `records` sent by `sender` (a reason, or "stored")."""
+    assert sender.dht is not None
+    node = NodeInfo(node_id_of(receiver.peer_id), receiver.peer_id, receiver.addrs[0])
+    found = sender.run(sender.dht.node.protocol.call_store(node, [store_item(r) for r in records]), timeout=30)
+    assert found is not None
+    return ["stored" if r.status == STORED else r.reason for r in found]
+
+
+def test_only_servers_declare_experts(swarm: Swarm, caplog: pytest.LogCaptureFixture) -> None:
+    server = swarm.invite(("server",))
+    trainer = swarm.invite(("trainer",))  # a member, but no server
+    client = swarm.invite(("trainer",))
+    assert server.dht is not None  # a server declares as before
+    assert server.run(declare_experts(server.dht, ["ffn.1.0"], server.addrs[0], time.time() + 60), timeout=30) == 3
+    forged = _signed_declarations(trainer, "ffn.0.0")
+    # refused where it would be stored: the node knows the sender's certificate (its gate checked it)
+    for node in (server, client):
+        answers = _send(trainer, node, forged)
+        assert len(answers) == 3 and all("lacks the server role" in a for a in answers), answers
+    assert trainer.dht is not None
+    with pytest.raises(ValidationError, match="lacks the server role"):  # and by its own DHT, before sending
+        trainer.dht.store("ffn.0.0", trainer.addrs[0], time.time() + 60, subkey=f"[owner:{trainer.peer_id}]")
+    # a member that keeps them anyway (it lies, or colludes) serves them to lookups: a client that
+    # knows the trainer's roles (its gate checked its certificate) drops them when it resolves experts
+    for holder in (server, swarm.invite(("trainer",))):
+        assert holder.dht is not None
+        for r in forged:
+            assert holder.dht.node.storage.store(r.key, r.value, r.expiration_time, r.subkey, r.raw_key,
+                                                 writer=trainer.peer_id)
+    assert client.dht is not None and client.gate is not None and client.gate.roles_of(trainer.peer_id) == {"trainer"}
+    source = DHTExpertSource(client.dht)
+    with caplog.at_level(logging.DEBUG, logger="swarm.dht.retrieval"):
+        experts = client.run(source.get_experts(["ffn.0.0", "ffn.1.0"]), timeout=30)
+    assert experts == {"ffn.1.0": server.addrs[0]}
+    assert any("dropped" in r.message and "lacks the server role" in r.message for r in caplog.records)
+    assert client.run(source.get_successors(["ffn."]), timeout=30) == {"ffn.": {1: ("ffn.1.0", server.addrs[0])}}
