@@ -32,6 +32,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from swarm.core.errors import ConfigError, PermissionDenied
 from swarm.core.membership import (
@@ -47,6 +48,9 @@ from swarm.core.membership import (
 )
 
 logger = logging.getLogger(__name__)
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 METADATA_KEY = "swarm-membership-bin"
 MEMBERSHIP = "/swarm.Peer/Membership"
@@ -252,7 +256,7 @@ class MembershipGate:
                 callback(dropped)
         return dropped
 
-    def _remember(self, cache: OrderedDict, key: object, value: object) -> None:  # type: ignore[type-arg]
+    def _remember(self, cache: OrderedDict[K, V], key: K, value: V) -> None:
         cache[key] = value
         cache.move_to_end(key)
         while len(cache) > self.config.cache_size:
