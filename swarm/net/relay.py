@@ -297,6 +297,8 @@ class Relay:
             valid = False
         if not valid:
             self._refuse("bad signature")
+            if self.gate is not None:  # counts toward the address's limit like any refused proof
+                self.gate.refuse(peer_id, ip, "relay client", UNPROVEN, "its RESERVE signature does not verify")
             writer.write(b"NO bad signature\n")
             return
         if self.gate is not None:

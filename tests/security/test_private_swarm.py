@@ -323,14 +323,14 @@ def test_a_relay_reserves_only_for_members(swarm: Swarm, make_peer: Callable[...
     relay = relay_peer.nat.relay
     assert member.membership is not None
 
-    async def reserve(identity: Identity, proof: bytes) -> str:
+    async def reserve(identity: Identity, proof: bytes, claim: str = "") -> str:
         reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
         try:
             writer.write(b"RESERVE\n")
             nonce = bytes.fromhex((await reader.readline())[6:].strip().decode())
             signature = identity.sign(reserve_payload(nonce, relay_peer.peer_id))
             tail = f" {proof.hex()}" if proof else ""
-            writer.write(f"{identity.peer_id} {signature.hex()}{tail}\n".encode())
+            writer.write(f"{claim or identity.peer_id} {signature.hex()}{tail}\n".encode())
             return (await asyncio.wait_for(reader.readline(), 5)).decode()
         finally:
             writer.close()
@@ -338,6 +338,10 @@ def test_a_relay_reserves_only_for_members(swarm: Swarm, make_peer: Callable[...
     stranger = Identity.generate()
     assert relay_peer.run(reserve(stranger, b""), timeout=20).startswith("NO not a member of this private swarm (missing)")
     assert relay.refused["not a member"] == 1
+    # a thief with a member's certificate, who cannot sign for its PeerID: refused, counted per address
+    thief = relay_peer.run(reserve(stranger, member.membership.proof, claim=member.peer_id), timeout=20)
+    assert thief.startswith("NO bad signature")
+    assert relay_peer.gate is not None and relay_peer.gate.refused["unproven PeerID"] == 1
     assert relay_peer.run(reserve(member.identity, member.membership.proof), timeout=20).startswith("OK ")
     # a peer without the relay role runs no relay, and NAT'd members choose relays by role
     assert member.nat is not None and member.nat.relay is None
