@@ -304,6 +304,8 @@ class PeerChannel:
     async def _explain_failure(self, timeout: float) -> None:
         """Raises the reason the channel failed to connect; returns if the address looks fine now."""
         if self.addr.relay_id:  # the relay answered the CONNECT, or not: nothing more to learn by probing
+            if self.pool.gate is not None:  # but a private swarm's relay says why it refused (relay.py)
+                await self._explain_circuit(self.pool.gate, timeout)
             raise PeerUnreachable(f"cannot reach {self.addr} through its relay", peer_id=self.peer_id)
         found = await tls_probe(self.addr.host, self.addr.port or 0, timeout)
         if not found.reachable:
@@ -318,6 +320,18 @@ class PeerChannel:
                 f"peer at {self.addr} is not {self.peer_id}: its TLS certificate proves "
                 f"{found.peer_id or 'no libp2p identity'}{f' ({found.error})' if found.error else ''}",
                 peer_id=self.peer_id)
+
+    async def _explain_circuit(self, gate: MembershipGate, timeout: float) -> None:
+        """Raises `PermissionDenied` with the reason if the callee's relay refuses this peer a circuit."""
+        try:
+            sock = await relay.open_circuit(self.addr, relay.GRPC_PORT, timeout, member=self._member_header())
+        except relay.CircuitRefused as e:
+            gate.refused["refused by the relay"] += 1
+            logger.warning("private swarm: %s", e)
+            raise PermissionDenied(str(e), peer_id=self.peer_id) from None
+        except PeerUnreachable:
+            return
+        sock.close()
 
     async def unary(
         self, method: str, request: Message | bytes, response_type: type[Message] | None = None,

@@ -102,6 +102,14 @@ class RelayConfig:
             raise ConfigError("relay timeouts must be positive")
 
 
+class CircuitRefused(PeerUnreachable):
+    """A private swarm's relay refused to open a circuit for this peer (`403`); `reason` is why."""
+
+    def __init__(self, message: str, reason: str, *, peer_id: str | None = None) -> None:
+        super().__init__(message, peer_id=peer_id)
+        self.reason = reason
+
+
 def reserve_payload(nonce: bytes, relay_id: str) -> bytes:
     """What a reserving peer signs: the relay's nonce, bound to the relay's PeerID."""
     return _RESERVE_CONTEXT + nonce + relay_id.encode()
@@ -459,7 +467,14 @@ async def open_circuit(relayed: Multiaddr, port: int, timeout: float, *, member:
             if not chunk or len(head) > _HEAD_LIMIT:
                 raise OSError("the relay closed the connection")
             head += chunk
-        status = head.split(b"\r\n", 1)[0].decode(errors="replace")
+        lines = head.decode(errors="replace").split("\r\n")
+        status = lines[0]
+        if status.split()[1:2] == ["403"]:
+            why = next((line.partition(":")[2].strip() for line in lines if line.lower().startswith("x-swarm-relay:")),
+                       "forbidden")
+            sock.close()
+            raise CircuitRefused(f"the relay {relayed.relay_id} refused a circuit to {relayed.peer_id}: {why}", why,
+                                 peer_id=relayed.peer_id)
         if status.split()[1:2] != ["200"]:
             raise OSError(f"the relay answered {status!r}")
         return sock
