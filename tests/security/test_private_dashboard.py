@@ -18,10 +18,13 @@ import pytest
 from procs import read_stdout_lines
 
 from swarm.core.identity import Identity, IdentityFile
+from swarm.core.loop import LoopThread
 from swarm.core.membership import Authority
+from swarm.dashboard.access import DashboardAccess
 from swarm.dashboard.collector import DashboardConfig
 from swarm.dashboard.server import DashboardServer
 from swarm.dashboard.service import serve_dashboard
+from swarm.dashboard.synthetic import SyntheticSwarm
 from swarm.peer import Peer
 
 pytest.importorskip("starlette")
@@ -108,3 +111,27 @@ def test_the_page_only_client_joins_a_private_swarm_and_prints_the_url_with_its_
         assert proc.stdout is not None and proc.stderr is not None
         proc.stdout.close()
         proc.stderr.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_browser_opening_the_printed_url_gets_the_live_page_and_one_without_the_token_gets_nothing(
+        tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "dashboard"))
+    from browser import chrome
+
+    loop = LoopThread("private-dashboard-test")
+    server = DashboardServer(SyntheticSwarm(peers=3, experts=4, runs=1, trainers=2, servers=1),
+                             DashboardConfig(refresh_period=0.3), DashboardAccess.for_swarm(private=True, public=False))
+    loop.run(server.astart(), timeout=30)
+    try:
+        with chrome(tmp_path) as driver:
+            driver.get(server.url)  # without the token: the refusal, and no page
+            assert "private swarm" in driver.page_source and driver.execute_script("return !window.dashboardStats")
+            driver.get(server.page_url)  # the page's own requests (files, stream) then ride on the cookie
+            from selenium.webdriver.support.ui import WebDriverWait
+
+            WebDriverWait(driver, 30, poll_frequency=0.1).until(lambda d: d.execute_script(
+                "return window.dashboardStats && window.dashboardStats.snapshots >= 2"))
+    finally:
+        loop.run(server.ashutdown(), timeout=30)
+        loop.loop.call_soon_threadsafe(loop.loop.stop)
