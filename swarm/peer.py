@@ -26,6 +26,7 @@ from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
 from swarm.dht.revocations import RevocationValidator, RevocationWatcher
 from swarm.metrics.registry import Registry
+from swarm.moe.server_role import ServerRoleValidator
 from swarm.net import sealed
 from swarm.net.channels import ChannelConfig, ChannelPool
 from swarm.net.membership import GateConfig, MembershipGate, certificate_policy, swarm_key_policy
@@ -139,9 +140,10 @@ class Peer:
         """A private swarm's gate (docs/security.md, "Private swarms"); None in an open swarm."""
         self.revocations: RevocationWatcher | None = None
         self._revocation_interval = revocation_interval
-        if self._certificates is not None:
+        if self._certificates is not None and self.gate is not None:  # roles: only servers declare experts
             dht_config = dataclasses.replace(dht_config or DHTConfig(), validators=(
-                *(dht_config or DHTConfig()).validators, RevocationValidator(self._certificates.authority)))
+                *(dht_config or DHTConfig()).validators, RevocationValidator(self._certificates.authority),
+                ServerRoleValidator(self.gate)))
         self.pool = ChannelPool(self.identity, channel_config, gate=self.gate)
         self.server: RPCServer | None = None
         self.dht: DHT | None = None

@@ -39,6 +39,7 @@ class PeerOptions:
     dashboard_host: str = "127.0.0.1"
     dashboard_run: tuple[str, ...] = ()
     dashboard_experts: tuple[str, ...] = ()
+    dashboard_public: bool = False  # a private swarm's page without its token (swarm.dashboard.access)
     # a private swarm (docs/security.md, "Private swarms")
     swarm_authority: str | None = None
     membership: str | None = None
@@ -80,7 +81,7 @@ class PeerOptions:
 
 
 _LIST_OPTIONS = {"announce", "initial_peers", "dashboard_run", "dashboard_experts"}
-_BOOL_OPTIONS = {"client_mode", "insecure"}
+_BOOL_OPTIONS = {"client_mode", "insecure", "dashboard_public"}
 _INT_OPTIONS = {"hidden_dim", "metrics_port", "relay_port", "dashboard_port", "archive_every"}
 
 
@@ -114,15 +115,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--archive", help="keep the state of the run named by --run in this directory (an archiver)")
     parser.add_argument("--run", help="the run an archiver keeps")
     parser.add_argument("--archive-every", type=int, help="seconds between an archiver's downloads (default 300)")
+    private = add_private_arguments(parser)
+    private.add_argument("--revocations", help="a revocation list file (from `swarm-peer revoke`) to apply "
+                                               "and spread through the DHT")
+    add_dashboard_arguments(parser)
+
+
+def add_private_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """A private swarm's membership options (the daemon's, and `swarm-peer dashboard`'s)."""
     private = parser.add_argument_group("private swarm (docs/security.md)")
     private.add_argument("--swarm-authority", help="the authority's public key (swarm-authority:…): talk only to "
                                                    "peers holding its certificates")
     private.add_argument("--membership", help="this peer's certificate file (from `swarm-peer invite`)")
     private.add_argument("--swarm-key", help="a pre-shared swarm key file instead (small groups; no roles, "
                                              "no revocation)")
-    private.add_argument("--revocations", help="a revocation list file (from `swarm-peer revoke`) to apply "
-                                               "and spread through the DHT")
-    add_dashboard_arguments(parser)
+    return private
 
 
 def add_dashboard_arguments(parser: argparse.ArgumentParser, port_flag: str = "--dashboard-port") -> None:
@@ -135,6 +142,9 @@ def add_dashboard_arguments(parser: argparse.ArgumentParser, port_flag: str = "-
     parser.add_argument("--dashboard-experts", action="append", metavar="PREFIX",
                         help="an expert grid to read from the DHT, e.g. 'ffn.' (repeatable; grids the "
                              "peers serve are found anyway)")
+    parser.add_argument("--dashboard-public", action="store_const", const=True,
+                        help="in a private swarm, show the page to anyone who reaches it (by default only to "
+                             "a browser with the token in the URL printed at start; docs/security.md)")
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:

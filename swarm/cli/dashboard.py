@@ -3,8 +3,11 @@
 
     swarm-peer dashboard --initial-peers MADDR... [--port N] [--dashboard-host ADDR]
                          [--dashboard-run RUN_ID]... [--dashboard-experts PREFIX]... [--insecure]
+                         [--identity FILE --swarm-authority KEY --membership FILE | --swarm-key FILE]
+                         [--dashboard-public]
 
-Prints the page's URL on stdout once it serves, then keeps serving until SIGINT/SIGTERM (exit 0).
+Prints the page's URL on stdout once it serves (in a private swarm, with the token a browser
+must present: `swarm.dashboard.access`), then keeps serving until SIGINT/SIGTERM (exit 0).
 Exit status 2 on bad options, a port that cannot be bound, or a missing `dashboard` extra.
 """
 
@@ -17,7 +20,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from swarm.cli.config import PeerOptions, add_dashboard_arguments
+from swarm.cli.config import PeerOptions, add_dashboard_arguments, add_private_arguments
 from swarm.core.errors import ConfigError, SwarmError
 from swarm.core.signals import handle_stop_signals
 from swarm.dashboard.collector import DashboardConfig
@@ -45,7 +48,10 @@ def attach_dashboard(peer: Peer, options: PeerOptions) -> DashboardServer:
     assert options.dashboard_port is not None
     config = dashboard_config(options.dashboard_port, options.dashboard_host, options.dashboard_run,
                               options.dashboard_experts)
-    return serve_dashboard(peer, config)
+    server = serve_dashboard(peer, config, public=options.dashboard_public)
+    if not server.access.public:  # the operator needs the token, whatever the log level
+        print(f"# the dashboard of this private swarm: {server.page_url}", file=sys.stderr, flush=True)
+    return server
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dashboard_arguments(parser, port_flag="--port")
     parser.add_argument("--insecure", action="store_true", default=False,
                         help="dial in plaintext, to peers started with --insecure")
+    parser.add_argument("--identity", help="key file (its PeerID is the one a private swarm's certificate names)")
+    add_private_arguments(parser)
     parser.add_argument("--log-level", default=os.environ.get("SWARM_LOG_LEVEL", "WARNING"))
     return parser
 
@@ -75,13 +83,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = dashboard_config(args.dashboard_port or 0, args.dashboard_host, args.dashboard_run,
                                   args.dashboard_experts)
         handle_stop_signals(lambda signum: stop.set())
-        peer = Peer(initial_peers=raw, client_mode=True, insecure=args.insecure)
+        peer = Peer(initial_peers=raw, client_mode=True, insecure=args.insecure, identity_path=args.identity,
+                    swarm_authority=args.swarm_authority or os.environ.get("SWARM_SWARM_AUTHORITY") or None,
+                    membership=args.membership or os.environ.get("SWARM_MEMBERSHIP") or None,
+                    swarm_key=args.swarm_key or os.environ.get("SWARM_SWARM_KEY") or None)
     except SwarmError as e:
         print(f"swarm-peer dashboard: error: {e}", file=sys.stderr)
         return 2
     try:
-        server = serve_dashboard(peer, config)
-        print(server.url, flush=True)
+        server = serve_dashboard(peer, config, public=bool(args.dashboard_public))
+        print(server.page_url, flush=True)
         while not stop.wait(1.0):
             pass
     except SwarmError as e:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TypedDict
 
 from swarm.cli.config import HelpFormatter, PeerOptions
 from swarm.core.errors import SwarmError
@@ -117,7 +117,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def peer_arguments(options: PeerOptions) -> Mapping[str, Any]:
+class PrivatePeerArguments(TypedDict):
+    """The `swarm.Peer` arguments of a private swarm, as the daemon's options give them."""
+
+    swarm_authority: str | None
+    membership: str | None
+    swarm_key: str | None
+    revocations: str | None
+
+
+def peer_arguments(options: PeerOptions) -> PrivatePeerArguments:
     """The `swarm.Peer` arguments of the daemon's private-swarm options."""
     return {"swarm_authority": options.swarm_authority, "membership": options.membership,
             "swarm_key": options.swarm_key, "revocations": options.revocations}

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from swarm.core.errors import ConfigError
 from swarm.core.loop import spawn
+from swarm.dashboard.access import DashboardAccess
 from swarm.dashboard.collector import DashboardConfig
 
 __all__ = ["DashboardServer", "SnapshotSource"]
@@ -67,11 +68,13 @@ class DashboardServer:
     Args:
         source: what builds each snapshot.
         config: address, port, refresh period, client cap.
+        access: who may see the page (a private swarm's token; `swarm.dashboard.access`); public by default.
     """
 
-    def __init__(self, source: SnapshotSource, config: DashboardConfig) -> None:
+    def __init__(self, source: SnapshotSource, config: DashboardConfig, access: DashboardAccess | None = None) -> None:
         self.source = source
         self.config = config
+        self.access = access or DashboardAccess()
         self.port = config.port
         self._snapshot = "{}"
         self._experts = "{}"
@@ -91,6 +94,11 @@ class DashboardServer:
     def url(self) -> str:
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         return f"http://{host}:{self.port}/"
+
+    @property
+    def page_url(self) -> str:
+        """The URL the operator opens: `url`, with the token of a private swarm's page."""
+        return self.access.url(self.url)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -197,13 +205,13 @@ class DashboardServer:
                 response.headers.update(HEADERS)
                 return response
 
-        return Starlette(routes=[
+        return self.access.wrap(Starlette(routes=[
             Route("/", index, methods=["GET", "HEAD"]),
             Route("/api/snapshot", snapshot, methods=["GET"]),
             Route("/api/history", history, methods=["GET"]),
             Route("/api/events", events, methods=["GET"]),
             Mount("/static", Static(directory=STATIC), name="static"),
-        ])
+        ]))
 
     async def _wait_past(self, version: int) -> bool:
         """Waits for a snapshot newer than `version` (or the end); False after a quiet heartbeat."""

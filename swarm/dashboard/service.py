@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from swarm.core.errors import ConfigError
+from swarm.dashboard.access import DashboardAccess
 from swarm.dashboard.collector import Collector, DashboardConfig
 from swarm.dashboard.server import DashboardServer
 from swarm.peer import Peer
@@ -28,12 +29,14 @@ class PeerDashboard:
         return self.collector.history.to_json()
 
 
-def serve_dashboard(peer: Peer, config: DashboardConfig) -> DashboardServer:
+def serve_dashboard(peer: Peer, config: DashboardConfig, public: bool = False) -> DashboardServer:
     """Serves the swarm's page from `peer` until it shuts down.
 
     Args:
         peer: a started `swarm.Peer` (a daemon, or a client-mode peer that only watches).
         config: where to serve and what to show.
+        public: in a private swarm, serve the page to anyone who reaches it; by default only to a
+            browser with the token in `page_url` (`swarm.dashboard.access`). An open swarm's is public.
 
     Returns:
         The running server (its `url` names the page); stopped with the peer.
@@ -46,8 +49,9 @@ def serve_dashboard(peer: Peer, config: DashboardConfig) -> DashboardServer:
         import uvicorn  # noqa: F401
     except ImportError:
         raise ConfigError("the dashboard needs the 'dashboard' extra: pip install 'swarm-peer[dashboard]'") from None
-    server = DashboardServer(PeerDashboard(Collector(peer, config)), config)
+    access = DashboardAccess.for_swarm(private=peer.gate is not None, public=public)
+    server = DashboardServer(PeerDashboard(Collector(peer, config)), config, access)
     peer.run(server.astart(), timeout=30)
     peer.attach(server)
-    logger.info("serving the swarm's dashboard at %s", server.url)
+    logger.info("serving the swarm's dashboard at %s", server.page_url)
     return server

@@ -166,6 +166,8 @@ class PeerChannel:
                 proxy = (paths.proxy_for(self.addr) if paths is not None else None) or target
                 options.append(("grpc.http_proxy", f"http://{proxy}"))
                 target = f"{self.peer_id}:{relay.GRPC_PORT}"  # what the CONNECT asks the relay for
+                if self.pool.gate is not None:  # a private swarm's relay serves members only
+                    options.append(("grpc.http_connect_headers", f"{relay.MEMBER_HEADER}:{self._member_header()}"))
             if cfg.tls:
                 # the only root is the dialed PeerID's key: nothing else can complete the handshake
                 credentials = grpc.ssl_channel_credentials(root_certificates=trust_anchor(self.peer_id))
@@ -174,6 +176,13 @@ class PeerChannel:
             else:
                 self._channel = grpc.aio.insecure_channel(target, options=options)
         return self._channel
+
+    def _member_header(self) -> str:
+        """In a private swarm, what proves this peer's membership to the callee's relay (else "")."""
+        gate = self.pool.gate
+        if gate is None or not self.addr.relay_id:
+            return ""
+        return relay.member_header(self.pool.identity, gate.policy.proof, self.addr.relay_id, self.peer_id)
 
     @property
     def encrypted(self) -> bool:
@@ -295,6 +304,8 @@ class PeerChannel:
     async def _explain_failure(self, timeout: float) -> None:
         """Raises the reason the channel failed to connect; returns if the address looks fine now."""
         if self.addr.relay_id:  # the relay answered the CONNECT, or not: nothing more to learn by probing
+            if self.pool.gate is not None:  # but a private swarm's relay says why it refused (relay.py)
+                await self._explain_circuit(self.pool.gate, timeout)
             raise PeerUnreachable(f"cannot reach {self.addr} through its relay", peer_id=self.peer_id)
         found = await tls_probe(self.addr.host, self.addr.port or 0, timeout)
         if not found.reachable:
@@ -309,6 +320,18 @@ class PeerChannel:
                 f"peer at {self.addr} is not {self.peer_id}: its TLS certificate proves "
                 f"{found.peer_id or 'no libp2p identity'}{f' ({found.error})' if found.error else ''}",
                 peer_id=self.peer_id)
+
+    async def _explain_circuit(self, gate: MembershipGate, timeout: float) -> None:
+        """Raises `PermissionDenied` with the reason if the callee's relay refuses this peer a circuit."""
+        try:
+            sock = await relay.open_circuit(self.addr, relay.GRPC_PORT, timeout, member=self._member_header())
+        except relay.CircuitRefused as e:
+            gate.refused["refused by the relay"] += 1
+            logger.warning("private swarm: %s", e)
+            raise PermissionDenied(str(e), peer_id=self.peer_id) from None
+        except PeerUnreachable:
+            return
+        sock.close()
 
     async def unary(
         self, method: str, request: Message | bytes, response_type: type[Message] | None = None,
@@ -524,10 +547,10 @@ class PeerChannel:
         """How a relayed peer's bulk port is dialed: a circuit through its relay (docs/relay.md)."""
         if not self.addr.relay_id:
             return None
-        addr, paths = self.addr, self.pool.direct_paths
+        addr, paths, member = self.addr, self.pool.direct_paths, self._member_header()
         if paths is not None and paths.should_punch(self.peer_id):
-            return lambda timeout: paths.dial(addr, port, timeout)  # direct if a hole punch works (holepunch.py)
-        return lambda timeout: relay.open_circuit(addr, port, timeout)
+            return lambda timeout: paths.dial(addr, port, timeout, member=member)  # direct if a punch works
+        return lambda timeout: relay.open_circuit(addr, port, timeout, member=member)
 
     async def stream_unary(
         self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None

@@ -246,16 +246,18 @@ async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, obs
     await relay.splice(direct_reader, direct_writer, local[0], local[1])
 
 
-async def punch(relayed: Multiaddr, port: int, my_ip: str, config: PunchConfig | None = None) -> socket.socket:
+async def punch(relayed: Multiaddr, port: int, my_ip: str, config: PunchConfig | None = None, *,
+                member: str = "") -> socket.socket:
     """The caller's side: a direct, connected, non-blocking socket to `port` of the peer behind
-    `relayed` (`relay.GRPC_PORT` or its bulk port); raises PeerUnreachable if the punch failed."""
+    `relayed` (`relay.GRPC_PORT` or its bulk port); raises PeerUnreachable if the punch failed.
+    `member`: in a private swarm, the caller's proof for the relay (`relay.member_header`)."""
     cfg = config or PunchConfig()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + cfg.punch_timeout
     holder: socket.socket | None = None
     writer: asyncio.StreamWriter | None = None
     try:
-        circuit = await relay.open_circuit(relayed, relay.PUNCH_PORT, cfg.punch_timeout)
+        circuit = await relay.open_circuit(relayed, relay.PUNCH_PORT, cfg.punch_timeout, member=member)
         reader, writer = await asyncio.open_connection(sock=circuit, limit=_LINE_LIMIT)
         holder = _bound(0)
         my_port = holder.getsockname()[1]
@@ -306,13 +308,14 @@ class DirectPaths:
         failed = self.failed.get(peer_id)
         return self.my_ip() is not None and (failed is None or time.monotonic() - failed >= self.config.retry_after)
 
-    async def dial(self, relayed: Multiaddr, port: int, timeout: float) -> socket.socket:
-        """A socket to `port` of the peer behind `relayed`: punched if possible, else a circuit."""
+    async def dial(self, relayed: Multiaddr, port: int, timeout: float, *, member: str = "") -> socket.socket:
+        """A socket to `port` of the peer behind `relayed`: punched if possible, else a circuit
+        (`member`: the caller's proof for a private swarm's relay, `relay.member_header`)."""
         peer_id = relayed.peer_id or ""
         my_ip = self.my_ip()
         if my_ip is not None and self.should_punch(peer_id):
             try:
-                sock = await punch(relayed, port, my_ip, self.config)
+                sock = await punch(relayed, port, my_ip, self.config, member=member)
                 self.direct[peer_id] = self.direct.get(peer_id, 0) + 1
                 return sock
             except PeerUnreachable as e:
@@ -320,7 +323,7 @@ class DirectPaths:
                 self.failed[peer_id] = time.monotonic()
                 self.last_error = str(e)
         self.relayed[peer_id] = self.relayed.get(peer_id, 0) + 1
-        return await relay.open_circuit(relayed, port, timeout)
+        return await relay.open_circuit(relayed, port, timeout, member=member)
 
     # -- the local proxy grpc dials -------------------------------------------------------------
 
@@ -348,7 +351,9 @@ class DirectPaths:
                 writer.write(b"HTTP/1.1 404 Not Found\r\n\r\n")
                 writer.close()
                 return
-            sock = await self.dial(relayed, int(port_text), self.config.punch_timeout)
+            member = next((line.partition(b":")[2].strip().decode(errors="replace") for line in head.split(b"\r\n")
+                           if line.lower().startswith(relay.MEMBER_HEADER.lower().encode() + b":")), "")
+            sock = await self.dial(relayed, int(port_text), self.config.punch_timeout, member=member)
         except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                 PeerUnreachable) as e:
             logger.debug("local proxy: %s", e)

@@ -32,6 +32,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from swarm.core.errors import ConfigError, PermissionDenied
 from swarm.core.membership import (
@@ -47,6 +48,9 @@ from swarm.core.membership import (
 )
 
 logger = logging.getLogger(__name__)
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 METADATA_KEY = "swarm-membership-bin"
 MEMBERSHIP = "/swarm.Peer/Membership"
@@ -183,11 +187,41 @@ class MembershipGate:
             return member
         return self._check(peer_id, proof, address, side)
 
+    def roles_of(self, peer_id: str) -> frozenset[str] | None:
+        """The roles `peer_id` holds as far as this peer knows (its own, or those a member proved
+        to it and still holds); None for a peer not known here."""
+        if peer_id == self.policy.own.peer_id:
+            return self.policy.own.roles
+        member = self.member(peer_id)
+        return None if member is None else member.roles
+
+    def refuse(self, peer_id: str, address: str, side: str, reason: str, message: str) -> PermissionDenied:
+        """Records a refusal decided before any proof could be checked (a relay's caller that did
+        not prove its PeerID): counted, logged and throttled per address like the others. Returns
+        the error to raise."""
+        error = MembershipRefused(reason, message, peer_id=peer_id or None)
+        now = self.clock()
+        return self._refused(error, peer_id, address, side, now, None, self._throttled(address, now))
+
+    def _refused(self, error: MembershipRefused, peer_id: str, address: str, side: str, now: float,
+                 key: tuple[str, bytes] | None, throttled: bool) -> PermissionDenied:
+        self._attempt(address, now)
+        if throttled:  # no log line, nothing cached: the address keeps failing
+            self.refused[THROTTLED] += 1
+            self._log(address, THROTTLED, f"refusing {side}s at {address} quietly: {THROTTLED} "
+                                          f"within {self.config.refusal_window:g} s (last: {peer_id}, {error.reason})")
+            return PermissionDenied(f"{THROTTLED} from your address ({error.reason})", peer_id=peer_id or None)
+        self.refused[error.reason] += 1
+        if key is not None:
+            self._remember(self._rejected, key, error)
+        self._log(address, error.reason, f"refused {side} {peer_id or '(unknown)'} at {address}: {error}")
+        return error
+
     def _check(self, peer_id: str, proof: bytes, address: str, side: str) -> Member:
         now = self.clock()
         key = (peer_id, proof)
         known = self._rejected.get(key)
-        throttled = known is None and self._throttled(address, now)
+        throttled = known is None and self._throttled(address, now)  # a known refusal costs nothing to repeat
         try:
             if known is not None:
                 raise known.with_traceback(None)
@@ -195,16 +229,10 @@ class MembershipGate:
                 raise MembershipRefused("malformed", f"a proof of {len(proof)} bytes", peer_id=peer_id)
             member = self.policy.check(peer_id, proof, now)
         except MembershipRefused as e:
-            self._attempt(address, now)
-            if throttled:  # no log line, nothing cached: the address keeps failing
-                self.refused[THROTTLED] += 1
-                self._log(address, THROTTLED, f"refusing {side}s at {address} quietly: {THROTTLED} "
-                                              f"within {self.config.refusal_window:g} s (last: {peer_id}, {e.reason})")
-                raise PermissionDenied(f"{THROTTLED} from your address ({e.reason})", peer_id=peer_id) from None
-            self.refused[e.reason] += 1
-            self._remember(self._rejected, key, e)
-            self._log(address, e.reason, f"refused {side} {peer_id} at {address}: {e}")
-            raise
+            error = self._refused(e, peer_id, address, side, now, key, throttled)
+            if error is e:
+                raise
+            raise error from None
         self._remember(self._verified, proof, member)
         self._members[peer_id] = member
         return member
@@ -228,7 +256,7 @@ class MembershipGate:
                 callback(dropped)
         return dropped
 
-    def _remember(self, cache: OrderedDict, key: object, value: object) -> None:  # type: ignore[type-arg]
+    def _remember(self, cache: OrderedDict[K, V], key: K, value: V) -> None:
         cache[key] = value
         cache.move_to_end(key)
         while len(cache) > self.config.cache_size:

@@ -14,6 +14,15 @@ A publicly reachable peer runs a `Relay`: one TCP port that speaks three short l
   connections' bytes. TLS runs end to end inside them: the relay sees ciphertext only, and the
   caller still checks the callee's certificate against the PeerID it dialed.
 
+In a private swarm the relay serves members only: a reservation carries the reserving peer's
+membership proof after its signature, and a CONNECT carries a `Swarm-Member` header
+(`member_header`: the caller's PeerID, its signature of the relay's and the callee's PeerIDs, its
+proof). A caller without a valid one gets `403` before the reserved peer hears of it, so a
+stranger costs a member nothing; refusals count toward the gate's limit per address. The header
+is fixed for a channel's life (grpc sends it again on every reconnection), so it is not fresh:
+someone who reads a member's CONNECT on the wire can replay it, to the same callee through the
+same relay only, and that callee still refuses them after one handshake (docs/security.md).
+
 `Reservations` is the NAT'd peer's side: it keeps reservations on a few relays, splices each
 circuit to its own local server, and reports its relayed addresses when they change.
 `open_circuit` is the caller's side for raw connections (the bulk side channel).
@@ -34,6 +43,7 @@ from dataclasses import dataclass
 
 from swarm.core.errors import ConfigError, PeerUnreachable, PermissionDenied
 from swarm.core.identity import Identity, verify
+from swarm.core.membership import MISSING
 from swarm.core.multiaddr import Multiaddr
 from swarm.net.membership import MembershipGate
 from swarm.net.sockets import listening_socket
@@ -43,6 +53,10 @@ logger = logging.getLogger(__name__)
 GRPC_PORT = 1  # the port a CONNECT names to reach the callee's gRPC server (its real port is its own)
 PUNCH_PORT = 2  # the port a CONNECT names to coordinate a hole punch with the callee (`holepunch.py`)
 _RESERVE_CONTEXT = b"swarm-relay-reserve-v1"
+_CIRCUIT_CONTEXT = b"swarm-relay-circuit-v1"
+MEMBER_HEADER = "Swarm-Member"
+"""The CONNECT header by which a caller proves membership to a private swarm's relay."""
+UNPROVEN = "unproven PeerID"
 _LINE_LIMIT = 1024
 _HEAD_LIMIT = 8192
 _CHUNK = 256 * 1024
@@ -88,9 +102,29 @@ class RelayConfig:
             raise ConfigError("relay timeouts must be positive")
 
 
+class CircuitRefused(PeerUnreachable):
+    """A private swarm's relay refused to open a circuit for this peer (`403`); `reason` is why."""
+
+    def __init__(self, message: str, reason: str, *, peer_id: str | None = None) -> None:
+        super().__init__(message, peer_id=peer_id)
+        self.reason = reason
+
+
 def reserve_payload(nonce: bytes, relay_id: str) -> bytes:
     """What a reserving peer signs: the relay's nonce, bound to the relay's PeerID."""
     return _RESERVE_CONTEXT + nonce + relay_id.encode()
+
+
+def circuit_payload(relay_id: str, target: str) -> bytes:
+    """What a private swarm's caller signs to ask the relay `relay_id` for circuits to `target`."""
+    return _CIRCUIT_CONTEXT + relay_id.encode() + b"\x00" + target.encode()
+
+
+def member_header(identity: Identity, proof: bytes, relay_id: str, target: str) -> str:
+    """The `MEMBER_HEADER` value of a CONNECT through `relay_id` to `target`: the caller's PeerID,
+    its signature of `circuit_payload`, and its membership proof (hex)."""
+    signature = identity.sign(circuit_payload(relay_id, target))
+    return f"{identity.peer_id} {signature.hex()} {proof.hex()}"
 
 
 class TokenBucket:
@@ -271,6 +305,8 @@ class Relay:
             valid = False
         if not valid:
             self._refuse("bad signature")
+            if self.gate is not None:  # counts toward the address's limit like any refused proof
+                self.gate.refuse(peer_id, ip, "relay client", UNPROVEN, "its RESERVE signature does not verify")
             writer.write(b"NO bad signature\n")
             return
         if self.gate is not None:
@@ -314,11 +350,40 @@ class Relay:
 
     # -- circuits -------------------------------------------------------------------------------
 
+    def _refuse_stranger(self, gate: MembershipGate, header: str, target: str, ip: str) -> str | None:
+        """Why a CONNECT's caller is refused in a private swarm (None: a member); see the module docstring."""
+        caller, _, rest = header.strip().partition(" ")
+        signature, _, proof = rest.partition(" ")
+        try:
+            signed = bool(caller) and verify(caller, circuit_payload(self.identity.peer_id, target),
+                                             bytes.fromhex(signature))
+            membership = bytes.fromhex(proof)
+        except ValueError:
+            signed, membership = False, b""
+        try:
+            if not header:
+                raise gate.refuse("", ip, "circuit caller", MISSING, f"no {MEMBER_HEADER} header in its CONNECT")
+            if not signed:
+                raise gate.refuse(caller, ip, "circuit caller", UNPROVEN,
+                                  f"its {MEMBER_HEADER} header is not signed by {caller[:60]!r} for this relay "
+                                  "and callee")
+            gate.check_proof(caller, membership, ip, "circuit caller")
+        except PermissionDenied as e:
+            self._refuse("not a member")
+            return str(e)
+        return None
+
     async def _circuit(self, line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ip: str) -> None:
         cfg = self.config
-        await asyncio.wait_for(_skip_headers(reader), cfg.handshake_timeout)
+        headers = await asyncio.wait_for(_read_headers(reader), cfg.handshake_timeout)
         parts = line.decode(errors="replace").split()
         target, _, port_text = parts[1].rpartition(":") if len(parts) >= 2 else ("", "", "")
+        if self.gate is not None:  # before anything else: a stranger learns nothing, not even who is reserved
+            why = self._refuse_stranger(self.gate, headers.get(MEMBER_HEADER.lower(), ""), target, ip)
+            if why is not None:
+                reason = why.replace("\r", " ").replace("\n", " ")[:200]
+                writer.write(f"HTTP/1.1 403 Forbidden\r\nX-Swarm-Relay: {reason}\r\n\r\n".encode())
+                return
         reservation = self.reservations.get(target)
         if reservation is None or not port_text.isdigit():
             self._refuse("no reservation")
@@ -364,20 +429,25 @@ class Relay:
                 del self._circuits_by_ip[ip]
 
 
-async def _skip_headers(reader: asyncio.StreamReader) -> None:
-    """Reads a request's header lines up to the empty one (the relay needs none of them)."""
+async def _read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
+    """A request's header lines up to the empty one, by lower-case name (the first of each)."""
+    headers: dict[str, str] = {}
     for _ in range(64):
-        if (await reader.readline()) in (b"\r\n", b"\n", b""):
-            return
+        line = await reader.readline()
+        if line in (b"\r\n", b"\n", b""):
+            return headers
+        name, _, value = line.decode(errors="replace").partition(":")
+        headers.setdefault(name.strip().lower(), value.strip())
     raise ValueError("too many header lines")
 
 
 # -- the caller's side ------------------------------------------------------------------------------
 
 
-async def open_circuit(relayed: Multiaddr, port: int, timeout: float) -> socket.socket:
+async def open_circuit(relayed: Multiaddr, port: int, timeout: float, *, member: str = "") -> socket.socket:
     """A connected, non-blocking socket to `port` of the peer behind `relayed` (a relayed address),
-    spliced by its relay; raises `PeerUnreachable` if the relay or the peer cannot be reached."""
+    spliced by its relay; raises `PeerUnreachable` if the relay or the peer cannot be reached.
+    `member`: in a private swarm, this peer's `member_header` for that relay and peer."""
     if relayed.relay_id is None or relayed.peer_id is None:
         raise ValueError(f"{relayed} is not a relayed address")
     loop = asyncio.get_running_loop()
@@ -389,14 +459,22 @@ async def open_circuit(relayed: Multiaddr, port: int, timeout: float) -> socket.
         sock.setblocking(False)
         await asyncio.wait_for(loop.sock_connect(sock, infos[0][4]), timeout)
         authority = f"{relayed.peer_id}:{port}"
-        await loop.sock_sendall(sock, f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        extra = f"{MEMBER_HEADER}: {member}\r\n" if member else ""
+        await loop.sock_sendall(sock, f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n{extra}\r\n".encode())
         head = b""
         while b"\r\n\r\n" not in head:  # the callee speaks only after the caller's TLS hello: no overread
             chunk = await asyncio.wait_for(loop.sock_recv(sock, _LINE_LIMIT), max(0.01, deadline - loop.time()))
             if not chunk or len(head) > _HEAD_LIMIT:
                 raise OSError("the relay closed the connection")
             head += chunk
-        status = head.split(b"\r\n", 1)[0].decode(errors="replace")
+        lines = head.decode(errors="replace").split("\r\n")
+        status = lines[0]
+        if status.split()[1:2] == ["403"]:
+            why = next((line.partition(":")[2].strip() for line in lines if line.lower().startswith("x-swarm-relay:")),
+                       "forbidden")
+            sock.close()
+            raise CircuitRefused(f"the relay {relayed.relay_id} refused a circuit to {relayed.peer_id}: {why}", why,
+                                 peer_id=relayed.peer_id)
         if status.split()[1:2] != ["200"]:
             raise OSError(f"the relay answered {status!r}")
         return sock

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_three_commands_start_a_private_swarm_and_a_stranger_cannot_join(tmp_pat
     assert again.returncode == 2 and "never overwritten" in again.stderr
     listen = ["--listen", "/ip4/127.0.0.1/tcp/0", "--reachability", "public"]
     with PeerProcess(*listen, "--identity", "a.id", "--swarm-authority", public, "--membership", "a.cert",
-                     cwd=str(tmp_path)) as first:
+                     "--dashboard-port", "0", cwd=str(tmp_path)) as first:
         (tmp_path / "b.toml").write_text(f'swarm-authority = "{public}"\nmembership = "b.cert"\nidentity = "b.id"\n'
                                          f'initial-peers = ["{first.addrs[0]}"]\n')
         with PeerProcess(*listen, "--config", "b.toml", cwd=str(tmp_path)) as second:
@@ -60,7 +61,10 @@ def test_three_commands_start_a_private_swarm_and_a_stranger_cannot_join(tmp_pat
             assert probe.startswith("ok ") and "private swarm" in probe
             assert second.stop() == 0
         assert first.stop() == 0
-        assert "refused caller" in first.stderr_text()
+        logged = first.stderr_text()
+        assert "refused caller" in logged
+        # its dashboard is private: the operator gets the URL with the page's token
+        assert re.search(r"# the dashboard of this private swarm: http://127\.0\.0\.1:\d+/\?token=[\w-]{20,}", logged)
 
 
 def test_revoke_numbers_lists_and_keeps_earlier_revocations(tmp_path: Path) -> None:
@@ -81,6 +85,9 @@ def test_private_options_come_from_the_environment_and_must_pair() -> None:
     options = resolve(build_parser().parse_args([]), {"SWARM_SWARM_AUTHORITY": "swarm-authority:x",
                                                       "SWARM_MEMBERSHIP": "/m.cert"})
     assert options.swarm_authority == "swarm-authority:x" and options.membership == "/m.cert"
+    assert resolve(build_parser().parse_args([]), {"SWARM_DASHBOARD_PUBLIC": "1"}).dashboard_public
+    assert resolve(build_parser().parse_args(["--dashboard-public"]), {}).dashboard_public
+    assert not resolve(build_parser().parse_args([]), {}).dashboard_public
     with pytest.raises(ConfigError, match="both"):
         resolve(build_parser().parse_args(["--membership", "m.cert"]), {})
     with pytest.raises(ConfigError, match="not both"):

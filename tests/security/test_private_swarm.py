@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -17,7 +18,12 @@ from torch import nn
 
 from swarm.averaging import Averager
 from swarm.averaging.state import State, StateServer
-from swarm.core.errors import ConfigError, DHTError, PermissionDenied, ValidationError
+from swarm.core.errors import (
+    ConfigError,
+    DHTError,
+    PermissionDenied,
+    ValidationError,
+)
 from swarm.core.identity import Identity
 from swarm.core.membership import (
     Authority,
@@ -26,11 +32,17 @@ from swarm.core.membership import (
     RevocationList,
     SwarmKey,
 )
+from swarm.core.multiaddr import Multiaddr
 from swarm.dht.revocations import REVOCATION_TTL
+from swarm.dht.routing import NodeInfo
+from swarm.dht.validation import DHTRecord
+from swarm.dht.wire import STORED, node_id_of, store_item
+from swarm.moe.dht_declare import DHTExpertSource, declarations, declare_experts
 from swarm.moe.server.expert_server import ExpertServer
 from swarm.net.channels import ChannelPool
 from swarm.net.membership import METADATA_KEY, MembershipGate
-from swarm.net.relay import reserve_payload
+from swarm.net.nat import NatConfig
+from swarm.net.relay import GRPC_PORT, MEMBER_HEADER, member_header, reserve_payload
 from swarm.optim import CollaborationConfig, Optimizer
 from swarm.peer import Peer
 
@@ -309,14 +321,14 @@ def test_a_relay_reserves_only_for_members(swarm: Swarm, make_peer: Callable[...
     relay = relay_peer.nat.relay
     assert member.membership is not None
 
-    async def reserve(identity: Identity, proof: bytes) -> str:
+    async def reserve(identity: Identity, proof: bytes, claim: str = "") -> str:
         reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
         try:
             writer.write(b"RESERVE\n")
             nonce = bytes.fromhex((await reader.readline())[6:].strip().decode())
             signature = identity.sign(reserve_payload(nonce, relay_peer.peer_id))
             tail = f" {proof.hex()}" if proof else ""
-            writer.write(f"{identity.peer_id} {signature.hex()}{tail}\n".encode())
+            writer.write(f"{claim or identity.peer_id} {signature.hex()}{tail}\n".encode())
             return (await asyncio.wait_for(reader.readline(), 5)).decode()
         finally:
             writer.close()
@@ -324,6 +336,10 @@ def test_a_relay_reserves_only_for_members(swarm: Swarm, make_peer: Callable[...
     stranger = Identity.generate()
     assert relay_peer.run(reserve(stranger, b""), timeout=20).startswith("NO not a member of this private swarm (missing)")
     assert relay.refused["not a member"] == 1
+    # a thief with a member's certificate, who cannot sign for its PeerID: refused, counted per address
+    thief = relay_peer.run(reserve(stranger, member.membership.proof, claim=member.peer_id), timeout=20)
+    assert thief.startswith("NO bad signature")
+    assert relay_peer.gate is not None and relay_peer.gate.refused["unproven PeerID"] == 1
     assert relay_peer.run(reserve(member.identity, member.membership.proof), timeout=20).startswith("OK ")
     # a peer without the relay role runs no relay, and NAT'd members choose relays by role
     assert member.nat is not None and member.nat.relay is None
@@ -382,3 +398,102 @@ def test_invited_peers_train_with_the_optimizer_as_before(swarm: Swarm) -> None:
         assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
     for o in opts:
         o.shutdown()
+
+
+def _connect(port: int, target: str, header: str | None) -> str:
+    """A raw CONNECT to a relay, as a stranger's own code would send it; the relay's status line and reason."""
+    async def go() -> str:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            extra = f"{MEMBER_HEADER}: {header}\r\n" if header is not None else ""
+            writer.write(f"CONNECT {target}:{GRPC_PORT} HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            return head.decode()
+        finally:
+            writer.close()
+
+    return asyncio.run(go())
+
+
+def test_a_relay_opens_circuits_for_members_only(swarm: Swarm, make_peer: Callable[..., Peer]) -> None:
+    relay_peer = swarm.invite(("trainer", "relay"), relay="on")
+    natted = swarm.invite(("trainer",), nat=NatConfig(reachability="private", first_reservation_timeout=10.0))
+    caller = swarm.invite(("trainer",), relay=False)
+    assert relay_peer.nat is not None and relay_peer.nat.relay is not None and natted.gate is not None
+    relay = relay_peer.nat.relay
+    assert relay.port is not None and Multiaddr.parse(natted.addrs[0]).relay_id == relay_peer.peer_id
+    assert caller.membership is not None and natted.membership is not None
+
+    async def info(peer: Peer) -> str:
+        return (await peer.pool.get(natted.addrs[0]).info(timeout=10)).peer_id
+
+    assert caller.run(info(caller), timeout=30) == natted.peer_id  # a member: through the relay, as before
+    natted_refusals = sum(natted.gate.refused.values())
+    thief = Identity.generate()
+    stolen = caller.membership.proof  # a member's certificate, seen somewhere
+    forged = f"{caller.peer_id} {thief.sign(b'anything').hex()} {stolen.hex()}"  # claims the member's PeerID
+    own_key = member_header(thief, stolen, relay_peer.peer_id, natted.peer_id)  # its own PeerID, the member's proof
+    other_callee = member_header(caller.identity, stolen, relay_peer.peer_id, relay_peer.peer_id)  # replayed elsewhere
+    cases = {None: "(missing)", forged: "(unproven PeerID)", own_key: "(wrong PeerID)",
+             other_callee: "(unproven PeerID)", "garbage": "(unproven PeerID)"}
+    for header, reason in cases.items():
+        answer = _connect(relay.port, natted.peer_id, header)
+        assert answer.startswith("HTTP/1.1 403") and reason in answer, (header, answer)
+    # a member of another swarm, dialing through the relay with its own, valid-elsewhere proof
+    other = Swarm(make_peer).invite(("trainer",), relay=False)
+    with pytest.raises(PermissionDenied, match=r"refused a circuit .* \(wrong authority\)"):
+        other.run(info(other), timeout=30)  # the relay's reason reaches the caller's code
+    assert relay.refused["not a member"] >= len(cases) + 1
+    assert relay_peer.gate is not None and relay_peer.gate.refused["wrong authority"] >= 1
+    # the reserved member heard of none of it: no circuit offered to it, no handshake with it refused
+    assert sum(natted.gate.refused.values()) == natted_refusals
+    assert relay.refused["not accepted"] == 0 and relay.refused["no reservation"] == 0
+    assert caller.run(info(caller), timeout=30) == natted.peer_id
+
+
+def _signed_declarations(peer: Peer, uid: str) -> list[DHTRecord]:
+    """`peer`'s declarations of `uid`, signed by it, as its DHT would send them (its own checks skipped)."""
+    assert peer.dht is not None
+    expiration = time.time() + 60
+    records = [DHTRecord.create(key, value, expiration, subkey) for key, subkey, value in
+               declarations([uid], peer.addrs[0], peer.peer_id)]
+    return [dataclasses.replace(r, value=peer.dht.validator.sign_value(r)) for r in records]
+
+
+def _send(sender: Peer, receiver: Peer, records: list[DHTRecord]) -> list[str]:
+    """What `receiver`'s DHT node answers each of `records` sent by `sender` (a reason, or "stored")."""
+    assert sender.dht is not None
+    node = NodeInfo(node_id_of(receiver.peer_id), receiver.peer_id, receiver.addrs[0])
+    found = sender.run(sender.dht.node.protocol.call_store(node, [store_item(r) for r in records]), timeout=30)
+    assert found is not None
+    return ["stored" if r.status == STORED else r.reason for r in found]
+
+
+def test_only_servers_declare_experts(swarm: Swarm, caplog: pytest.LogCaptureFixture) -> None:
+    server = swarm.invite(("server",))
+    trainer = swarm.invite(("trainer",))  # a member, but no server
+    client = swarm.invite(("trainer",))
+    assert server.dht is not None  # a server declares as before
+    assert server.run(declare_experts(server.dht, ["ffn.1.0"], server.addrs[0], time.time() + 60), timeout=30) == 3
+    forged = _signed_declarations(trainer, "ffn.0.0")
+    # refused where it would be stored: the node knows the sender's certificate (its gate checked it)
+    for node in (server, client):
+        answers = _send(trainer, node, forged)
+        assert len(answers) == 3 and all("lacks the server role" in a for a in answers), answers
+    assert trainer.dht is not None
+    with pytest.raises(ValidationError, match="lacks the server role"):  # and by its own DHT, before sending
+        trainer.dht.store("ffn.0.0", trainer.addrs[0], time.time() + 60, subkey=f"[owner:{trainer.peer_id}]")
+    # a member that keeps them anyway (it lies, or colludes) serves them to lookups: a client that
+    # knows the trainer's roles (its gate checked its certificate) drops them when it resolves experts
+    for holder in (server, swarm.invite(("trainer",))):
+        assert holder.dht is not None
+        for r in forged:
+            assert holder.dht.node.storage.store(r.key, r.value, r.expiration_time, r.subkey, r.raw_key,
+                                                 writer=trainer.peer_id)
+    assert client.dht is not None and client.gate is not None and client.gate.roles_of(trainer.peer_id) == {"trainer"}
+    source = DHTExpertSource(client.dht)
+    with caplog.at_level(logging.DEBUG, logger="swarm.dht.retrieval"):
+        experts = client.run(source.get_experts(["ffn.0.0", "ffn.1.0"]), timeout=30)
+    assert experts == {"ffn.1.0": server.addrs[0]}
+    assert any("dropped" in r.message and "lacks the server role" in r.message for r in caplog.records)
+    assert client.run(source.get_successors(["ffn."]), timeout=30) == {"ffn.": {1: ("ffn.1.0", server.addrs[0])}}

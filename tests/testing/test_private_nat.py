@@ -51,7 +51,7 @@ def test_a_member_behind_nat_is_reached_through_an_invited_relay_only(needs_lab,
         answer = json.loads(Lines(caller).next(90))
         assert answer["ok"], answer
         assert answer["peer_id"] == Multiaddr.parse(home_addrs[0]).peer_id
-        # an uninvited caller on the same network reaches the relay, and is refused by the member
+        # an uninvited caller on the same network is refused by the relay (before the member hears of it)
         foreign = Authority.generate()  # a valid certificate, from another swarm's authority
         stranger_cert = tmp_path / "stranger.cert"
         stranger_id = IdentityFile(tmp_path / "stranger.id")
