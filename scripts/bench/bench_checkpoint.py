@@ -37,6 +37,7 @@ sys.path.insert(0, ROOT)
 
 import torch
 
+from swarm.checkpoint import format
 from swarm.optim import CollaborationConfig, Optimizer
 from swarm.optim.checkpointing import CheckpointConfig
 from swarm.peer import Peer
@@ -106,6 +107,7 @@ def bench_cost(args: argparse.Namespace, work: Path) -> None:
         phase = time.monotonic() - phase_started
         opt.checkpointer.wait()
         saves, failures = opt.checkpointer.saves, opt.checkpointer.failures
+        writer_cpu = list(opt.checkpointer.writer_cpu_seconds)
         opt.shutdown()
     with Peer(listen="/ip4/127.0.0.1/tcp/0") as peer:
         plain = make_optimizer(peer, model, None, run_id="after")
@@ -123,6 +125,11 @@ def bench_cost(args: argparse.Namespace, work: Path) -> None:
           f"({100 * (1 - with_checkpoints / baseline):+.1f}% cost, {saves} saves, {failures} failed)", flush=True)
     print(f"cost per checkpoint: {per_checkpoint:.2f} trainer-seconds; at one every {args.derive_at:.0f} s: "
           f"{100 * per_checkpoint / args.derive_at:.2f}% of samples/s (derived; goal <= 2%)", flush=True)
+    cpu = statistics.median(writer_cpu) if writer_cpu else float("nan")
+    stall = statistics.median(stalls)
+    print(f"writer CPU per checkpoint ({'direct I/O' if format.DIRECT_IO else 'page cache'}): {cpu:.2f} s median "
+          f"of {len(writer_cpu)}; stall + writer CPU at one every {args.derive_at:.0f} s: "
+          f"{100 * (stall + cpu) / args.derive_at:.2f}% of a trainer using every core", flush=True)
 
 
 def bench_cold_start(args: argparse.Namespace, work: Path) -> None:
@@ -176,8 +183,10 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a temporary dir)")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-cold", action="store_true")
+    parser.add_argument("--page-cache", action="store_true", help="write through the page cache, not direct I/O")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    format.DIRECT_IO = not args.page_cache
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     try:
         if not args.skip_cost:

@@ -191,6 +191,7 @@ class Checkpointer:
         self.store = CheckpointStore(config.directory, keep=config.keep)
         self.last_error: OSError | None = None
         self.last_saved: Path | None = None
+        self.writer_cpu_seconds: list[float] = []  # CPU time of each save's writer thread
         self.saves = 0
         self.failures = 0
         self._saved_epoch = -1
@@ -242,12 +243,13 @@ class Checkpointer:
         from swarm.metrics import REGISTRY
 
         saves = REGISTRY.counter("swarm_checkpoint_saves_total", "Checkpoint saves of a run's state", ("outcome",))
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.thread_time()
         try:
             params, tree, tensors = state_to_checkpoint(state, self.specs)
             self.last_saved = self.store.save(self.run_id, state.epoch, samples, params, tree, tensors, extra)
             self.last_error = None
             self.saves += 1
+            self.writer_cpu_seconds.append(time.thread_time() - cpu_started)
             saves.labels(outcome="succeeded").inc()
             logger.info("[%s] saved the checkpoint of epoch %d in %.2f s (%s)", self.run_id, state.epoch,
                         time.monotonic() - started, self.last_saved)
