@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 import torch
 
-from swarm.checkpoint import format
+from swarm.checkpoint import format as checkpoint_format
 from swarm.optim import CollaborationConfig, Optimizer
 from swarm.optim.checkpointing import CheckpointConfig
 from swarm.peer import Peer
@@ -127,9 +127,42 @@ def bench_cost(args: argparse.Namespace, work: Path) -> None:
           f"{100 * per_checkpoint / args.derive_at:.2f}% of samples/s (derived; goal <= 2%)", flush=True)
     cpu = statistics.median(writer_cpu) if writer_cpu else float("nan")
     stall = statistics.median(stalls)
-    print(f"writer CPU per checkpoint ({'direct I/O' if format.DIRECT_IO else 'page cache'}): {cpu:.2f} s median "
+    print(f"writer CPU per checkpoint ({'direct I/O' if checkpoint_format.DIRECT_IO else 'page cache'}): {cpu:.2f} s median "
           f"of {len(writer_cpu)}; stall + writer CPU at one every {args.derive_at:.0f} s: "
           f"{100 * (stall + cpu) / args.derive_at:.2f}% of a trainer using every core", flush=True)
+
+
+def bench_save_cpu(args: argparse.Namespace, work: Path) -> None:
+    """What each save takes from a trainer that keeps every core busy: the stall (the snapshot it
+    waits for) plus the CPU time of the writer thread (which a busy machine takes from training),
+    with direct I/O and through the page cache, in one invocation."""
+    model = make_model(args.params)
+    with Peer(listen="/ip4/127.0.0.1/tcp/0") as peer:
+        opt = make_optimizer(peer, model, CheckpointConfig(work / "cpu", every_epochs=None, every_seconds=1e9, keep=1),
+                             run_id="cpu")
+        train(opt, model, 0.1)  # Adam's state exists
+        checkpointer = opt.checkpointer
+        assert checkpointer is not None
+        for direct in (True, False):
+            checkpoint_format.DIRECT_IO = direct
+            stalls, walls = [], []
+            checkpointer.writer_cpu_seconds.clear()
+            for i in range(args.saves):
+                shutil.rmtree(work / "cpu", ignore_errors=True)
+                started = time.monotonic()
+                snapshot = opt._snapshot()
+                stalls.append(time.monotonic() - started)
+                snapshot.epoch = 1000 + i
+                written = time.monotonic()
+                checkpointer.save(snapshot, 0, wait=True)
+                walls.append(time.monotonic() - written)
+            cpu, stall = statistics.median(checkpointer.writer_cpu_seconds), statistics.median(stalls)
+            print(f"save ({'direct I/O' if direct else 'page cache'}): stall {stall:.2f} s, writer CPU {cpu:.2f} s, "
+                  f"write {statistics.median(walls):.2f} s (medians of {args.saves}); stall + writer CPU at one "
+                  f"every {args.derive_at:.0f} s: {100 * (stall + cpu) / args.derive_at:.2f}% of a trainer using "
+                  f"every core (derived)", flush=True)
+        opt.shutdown()
+    checkpoint_format.DIRECT_IO = not args.page_cache
 
 
 def bench_cold_start(args: argparse.Namespace, work: Path) -> None:
@@ -184,11 +217,15 @@ def main() -> None:
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-cold", action="store_true")
     parser.add_argument("--page-cache", action="store_true", help="write through the page cache, not direct I/O")
+    parser.add_argument("--saves", type=int, default=3, help="saves per mode in the save-CPU measurement")
+    parser.add_argument("--skip-save-cpu", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    format.DIRECT_IO = not args.page_cache
+    checkpoint_format.DIRECT_IO = not args.page_cache
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     try:
+        if not args.skip_save_cpu:
+            bench_save_cpu(args, work)
         if not args.skip_cost:
             bench_cost(args, work)
         if not args.skip_cold:

@@ -103,9 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_id = args.run
             epoch, params = from_live_run(run_id, args.initial_peers, args.timeout)
         if args.transformers is not None:
-            from swarm.cli.export_transformers import export_pretrained
+            from swarm.cli.export_transformers import WEIGHTS_FILE, copy_config, pretrained_params
 
-            size = export_pretrained(params, args.transformers, args.out, run_id, epoch)
+            named = pretrained_params(params, args.transformers)
+            args.out.mkdir(parents=True, exist_ok=True)
+            size = write_params(args.out / WEIGHTS_FILE, named, run_id, epoch)
+            copy_config(args.transformers, args.out)
         else:
             size = write_params(args.out, params, run_id, epoch)
     except (RunCheckpointError, SwarmError, TimeoutError) as e:

@@ -73,21 +73,17 @@ def match_names(saved: Sequence[tuple[str, RawTensor]], expected: Sequence[tuple
     return out
 
 
-def export_pretrained(params: Sequence[tuple[str, RawTensor]], config_path: Path, out: Path, run_id: str,
-                      epoch: int) -> int:
-    """Writes `out/` as `from_pretrained` loads it; returns the weights' size in bytes.
+def pretrained_params(params: Sequence[tuple[str, RawTensor]], config_path: Path) -> list[tuple[str, RawTensor]]:
+    """The parameters under the names of the model `config_path` describes.
 
     Raises:
         ConfigError: see `model_params` and `match_names`.
-        OSError: `out` could not be written.
     """
-    from swarm.cli.export import write_params
+    return match_names(params, model_params(config_path))
 
-    expected = model_params(config_path)
-    named = match_names(params, expected)
-    out.mkdir(parents=True, exist_ok=True)
-    size = write_params(out / WEIGHTS_FILE, named, run_id, epoch)
+
+def copy_config(config_path: Path, out: Path) -> None:
+    """Copies the model's ``config.json`` into the directory `out`."""
     source = config_path / "config.json" if config_path.is_dir() else config_path
     if source.resolve() != (out / "config.json").resolve():
         shutil.copyfile(source, out / "config.json")
-    return size
