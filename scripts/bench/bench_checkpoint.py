@@ -5,6 +5,11 @@ One process, one lone peer on loopback (a lone trainer takes its collective step
 figures are the checkpoint's, not the network's), `swarm.Optimizer` over an MLP of ``--params``
 parameters with Adam (so the state is three times the parameters).
 
+0. Each save's cost to a trainer that keeps every core busy, measured per save: the stall (the
+   snapshot the training thread waits for) and the writer thread's CPU time (``thread_time``:
+   CPU a busy machine takes from training), ``--saves`` saves with direct I/O and as many through
+   the page cache (the baseline), and their sum as a share of one save every ``--derive-at``
+   seconds (derived: per-save cost / interval). Robust on a loaded machine, unlike phase 1.
 1. Samples/s without checkpoints, then with one every ``--interval`` seconds, then without again
    (the baseline on both sides), ``--duration`` seconds each. Printed: the stall (the snapshot the
    training thread waits for, timed alone), each checkpoint's whole cost in trainer seconds (the
@@ -17,8 +22,9 @@ parameters with Adam (so the state is three times the parameters).
    peer's start to its first collective step resumed from it, against reading the same bytes
    from disk after dropping them again.
 
-    .venv/bin/python scripts/bench/bench_checkpoint.py [--params 100e6] [--duration 60] [--interval 15]
-        [--cold-gb 1.0] [--dir /var/tmp/bench-ckpt]
+    .venv/bin/python scripts/bench/bench_checkpoint.py [--params 100e6] [--saves 3] [--duration 60]
+        [--interval 15] [--cold-gb 1.0] [--dir /var/tmp/bench-ckpt] [--page-cache]
+        [--skip-save-cpu] [--skip-cost] [--skip-cold]
 """
 
 from __future__ import annotations

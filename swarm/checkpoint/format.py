@@ -30,10 +30,9 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from swarm.checkpoint.errors import CheckpointInvalid, CheckpointRefused
 from swarm.core.version import __version__
@@ -85,7 +84,7 @@ class ParamSpec:
     dtype: str
     shape: tuple[int, ...]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
@@ -121,10 +120,10 @@ class Manifest:
     epoch: int
     samples: int
     params: tuple[ParamSpec, ...]
-    state: Any
+    state: object
     state_tensors: int
     files: Mapping[str, FileDigest]
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, object] = field(default_factory=dict)
     created: float = 0.0
     swarm_version: str = __version__
     format_version: int = FORMAT_VERSION
@@ -199,7 +198,7 @@ def _shape(value: object) -> tuple[int, ...]:
 _ITEMS, _BYTES, _FLOAT = "__items__", "__bytes__", "__float__"
 
 
-def to_json_tree(obj: Any) -> Any:
+def to_json_tree(obj: object) -> object:
     """`obj` (dicts, lists, tuples, str, int, float, bool, None, bytes) as plain JSON, reversibly:
     a dict with a key that is not a string becomes ``{"__items__": [[key, value], ...]}``, bytes
     ``{"__bytes__": hex}``, a NaN or infinite float ``{"__float__": "nan"}``."""
@@ -218,7 +217,7 @@ def to_json_tree(obj: Any) -> Any:
     raise TypeError(f"cannot store a {type(obj).__name__} in a checkpoint's manifest")
 
 
-def from_json_tree(obj: Any) -> Any:
+def from_json_tree(obj: object) -> object:
     """Inverse of `to_json_tree`."""
     if isinstance(obj, dict):
         if set(obj) == {_ITEMS}:
@@ -233,7 +232,7 @@ def from_json_tree(obj: Any) -> Any:
     return obj
 
 
-def _hashable(key: Any) -> Any:
+def _hashable(key: object) -> Hashable:
     if isinstance(key, (dict, list)):
         raise TypeError("a dictionary key in the manifest is not a scalar")
     return key
@@ -245,7 +244,7 @@ def _hashable(key: Any) -> Any:
 def safetensors_header(tensors: Sequence[tuple[str, RawTensor]], metadata: Mapping[str, str] | None = None) -> bytes:
     """The 8-byte length and the JSON header of a safetensors file holding `tensors` in this order,
     padded with spaces to a multiple of 8 bytes (the data that follows stays aligned)."""
-    header: dict[str, Any] = {}
+    header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
