@@ -32,7 +32,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,16 +41,20 @@ from swarm.checkpoint.store import CheckpointStore
 from swarm.core.errors import AveragingError, ConfigError, SwarmError
 from swarm.core.identity import IdentityError, peer_id_to_public_key
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.handle import PeerHandle
 from swarm.dht.validation import marker_owner, owner_marker
-from swarm.optim.checkpointing import checkpoint_to_state, param_specs, resume_state, state_to_checkpoint
+from swarm.optim.checkpointing import (
+    Checkpointer,
+    checkpoint_to_state,
+    param_specs,
+    resume_state,
+    state_to_checkpoint,
+)
 from swarm.optim.live_state import download_live_state
 from swarm.optim.progress import PeerProgress, majority_digest
 from swarm.optim.state_transfer import StateTransferError
 from swarm.optim.training_state import TrainingState, state_digest
-
-if TYPE_CHECKING:
-    from swarm.optim.checkpointing import Checkpointer
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,9 @@ async def afind_archivers(peer: PeerHandle, run_id: str) -> list[ArchiverAnnounc
     if isinstance(value, dict):
         for subkey, item in value.items():
             owner = marker_owner(subkey)  # signed by that peer; other subkeys anyone may write
-            announcement = ArchiverAnnouncement.from_record(owner, getattr(item, "value", None)) if owner else None
+            if owner is None or not isinstance(item, ValueWithExpiration):
+                continue
+            announcement = ArchiverAnnouncement.from_record(owner, item.value)
             if announcement is not None:
                 announcements.append(announcement)
     return sorted(announcements, key=lambda a: a.newest, reverse=True)
