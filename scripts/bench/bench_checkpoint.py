@@ -5,6 +5,11 @@ One process, one lone peer on loopback (a lone trainer takes its collective step
 figures are the checkpoint's, not the network's), `swarm.Optimizer` over an MLP of ``--params``
 parameters with Adam (so the state is three times the parameters).
 
+0. Each save's cost to a trainer that keeps every core busy, measured per save: the stall (the
+   snapshot the training thread waits for) and the writer thread's CPU time (``thread_time``:
+   CPU a busy machine takes from training), ``--saves`` saves with direct I/O and as many through
+   the page cache (the baseline), and their sum as a share of one save every ``--derive-at``
+   seconds (derived: per-save cost / interval). Robust on a loaded machine, unlike phase 1.
 1. Samples/s without checkpoints, then with one every ``--interval`` seconds, then without again
    (the baseline on both sides), ``--duration`` seconds each. Printed: the stall (the snapshot the
    training thread waits for, timed alone), each checkpoint's whole cost in trainer seconds (the
@@ -17,8 +22,9 @@ parameters with Adam (so the state is three times the parameters).
    peer's start to its first collective step resumed from it, against reading the same bytes
    from disk after dropping them again.
 
-    .venv/bin/python scripts/bench/bench_checkpoint.py [--params 100e6] [--duration 60] [--interval 15]
-        [--cold-gb 1.0] [--dir /var/tmp/bench-ckpt]
+    .venv/bin/python scripts/bench/bench_checkpoint.py [--params 100e6] [--saves 3] [--duration 60]
+        [--interval 15] [--cold-gb 1.0] [--dir /var/tmp/bench-ckpt] [--page-cache]
+        [--skip-save-cpu] [--skip-cost] [--skip-cold]
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ sys.path.insert(0, ROOT)
 
 import torch
 
+from swarm.checkpoint import format as checkpoint_format
 from swarm.optim import CollaborationConfig, Optimizer
 from swarm.optim.checkpointing import CheckpointConfig
 from swarm.peer import Peer
@@ -106,6 +113,7 @@ def bench_cost(args: argparse.Namespace, work: Path) -> None:
         phase = time.monotonic() - phase_started
         opt.checkpointer.wait()
         saves, failures = opt.checkpointer.saves, opt.checkpointer.failures
+        writer_cpu = list(opt.checkpointer.writer_cpu_seconds)
         opt.shutdown()
     with Peer(listen="/ip4/127.0.0.1/tcp/0") as peer:
         plain = make_optimizer(peer, model, None, run_id="after")
@@ -123,6 +131,44 @@ def bench_cost(args: argparse.Namespace, work: Path) -> None:
           f"({100 * (1 - with_checkpoints / baseline):+.1f}% cost, {saves} saves, {failures} failed)", flush=True)
     print(f"cost per checkpoint: {per_checkpoint:.2f} trainer-seconds; at one every {args.derive_at:.0f} s: "
           f"{100 * per_checkpoint / args.derive_at:.2f}% of samples/s (derived; goal <= 2%)", flush=True)
+    cpu = statistics.median(writer_cpu) if writer_cpu else float("nan")
+    stall = statistics.median(stalls)
+    print(f"writer CPU per checkpoint ({'direct I/O' if checkpoint_format.DIRECT_IO else 'page cache'}): {cpu:.2f} s median "
+          f"of {len(writer_cpu)}; stall + writer CPU at one every {args.derive_at:.0f} s: "
+          f"{100 * (stall + cpu) / args.derive_at:.2f}% of a trainer using every core", flush=True)
+
+
+def bench_save_cpu(args: argparse.Namespace, work: Path) -> None:
+    """What each save takes from a trainer that keeps every core busy: the stall (the snapshot it
+    waits for) plus the CPU time of the writer thread (which a busy machine takes from training),
+    with direct I/O and through the page cache, in one invocation."""
+    model = make_model(args.params)
+    with Peer(listen="/ip4/127.0.0.1/tcp/0") as peer:
+        opt = make_optimizer(peer, model, CheckpointConfig(work / "cpu", every_epochs=None, every_seconds=1e9, keep=1),
+                             run_id="cpu")
+        train(opt, model, 0.1)  # Adam's state exists
+        checkpointer = opt.checkpointer
+        assert checkpointer is not None
+        for direct in (True, False):
+            checkpoint_format.DIRECT_IO = direct
+            stalls, walls = [], []
+            checkpointer.writer_cpu_seconds.clear()
+            for i in range(args.saves):
+                shutil.rmtree(work / "cpu", ignore_errors=True)
+                started = time.monotonic()
+                snapshot = opt._snapshot()
+                stalls.append(time.monotonic() - started)
+                snapshot.epoch = 1000 + i
+                written = time.monotonic()
+                checkpointer.save(snapshot, 0, wait=True)
+                walls.append(time.monotonic() - written)
+            cpu, stall = statistics.median(checkpointer.writer_cpu_seconds), statistics.median(stalls)
+            print(f"save ({'direct I/O' if direct else 'page cache'}): stall {stall:.2f} s, writer CPU {cpu:.2f} s, "
+                  f"write {statistics.median(walls):.2f} s (medians of {args.saves}); stall + writer CPU at one "
+                  f"every {args.derive_at:.0f} s: {100 * (stall + cpu) / args.derive_at:.2f}% of a trainer using "
+                  f"every core (derived)", flush=True)
+        opt.shutdown()
+    checkpoint_format.DIRECT_IO = not args.page_cache
 
 
 def bench_cold_start(args: argparse.Namespace, work: Path) -> None:
@@ -176,10 +222,16 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a temporary dir)")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-cold", action="store_true")
+    parser.add_argument("--page-cache", action="store_true", help="write through the page cache, not direct I/O")
+    parser.add_argument("--saves", type=int, default=3, help="saves per mode in the save-CPU measurement")
+    parser.add_argument("--skip-save-cpu", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    checkpoint_format.DIRECT_IO = not args.page_cache
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     try:
+        if not args.skip_save_cpu:
+            bench_save_cpu(args, work)
         if not args.skip_cost:
             bench_cost(args, work)
         if not args.skip_cold:

@@ -12,7 +12,10 @@ A checkpoint is one directory::
 Nothing here imports torch: tensors are raw bytes with a safetensors dtype name and a shape
 (`RawTensor`), so archivers, `swarm-peer export` and tools read and write checkpoints without
 it. The safetensors file is written by `write_safetensors` in one pass, hashing as it writes (no
-second read, no copy of the tensors), and read by `read_safetensors` as views into the file's
+second read), with direct I/O where the filesystem allows it (``O_DIRECT``, through one 16 MiB
+aligned buffer: the kernel neither copies the bytes into its page cache nor spends CPU writing
+them back later, which on a small machine is most of a save's CPU; tmpfs and the like get
+ordinary buffered writes), and read by `read_safetensors` as views into the file's
 bytes (no copy), with the checks of the format's reference library (offsets contiguous and inside
 the file, sizes matching dtypes and shapes); tests check that the library reads what is written
 here and the other way round.
@@ -20,15 +23,16 @@ here and the other way round.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
+import mmap
 import os
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from swarm.checkpoint.errors import CheckpointInvalid, CheckpointRefused
 from swarm.core.version import __version__
@@ -49,6 +53,9 @@ DTYPE_SIZES: dict[str, int] = {
 """Bytes per element of each safetensors dtype this format stores."""
 
 _CHUNK = 16 << 20  # bytes written (and hashed) per call: bounded, without copying a tensor
+_DIRECT_ALIGN = 4096  # direct I/O writes whole blocks from an aligned buffer
+DIRECT_IO = True
+"""Whether `write_safetensors` tries direct I/O (False: always the page cache; benchmarks compare)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ class ParamSpec:
     dtype: str
     shape: tuple[int, ...]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
@@ -113,10 +120,10 @@ class Manifest:
     epoch: int
     samples: int
     params: tuple[ParamSpec, ...]
-    state: Any
+    state: object
     state_tensors: int
     files: Mapping[str, FileDigest]
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, object] = field(default_factory=dict)
     created: float = 0.0
     swarm_version: str = __version__
     format_version: int = FORMAT_VERSION
@@ -191,7 +198,7 @@ def _shape(value: object) -> tuple[int, ...]:
 _ITEMS, _BYTES, _FLOAT = "__items__", "__bytes__", "__float__"
 
 
-def to_json_tree(obj: Any) -> Any:
+def to_json_tree(obj: object) -> object:
     """`obj` (dicts, lists, tuples, str, int, float, bool, None, bytes) as plain JSON, reversibly:
     a dict with a key that is not a string becomes ``{"__items__": [[key, value], ...]}``, bytes
     ``{"__bytes__": hex}``, a NaN or infinite float ``{"__float__": "nan"}``."""
@@ -210,7 +217,7 @@ def to_json_tree(obj: Any) -> Any:
     raise TypeError(f"cannot store a {type(obj).__name__} in a checkpoint's manifest")
 
 
-def from_json_tree(obj: Any) -> Any:
+def from_json_tree(obj: object) -> object:
     """Inverse of `to_json_tree`."""
     if isinstance(obj, dict):
         if set(obj) == {_ITEMS}:
@@ -225,7 +232,7 @@ def from_json_tree(obj: Any) -> Any:
     return obj
 
 
-def _hashable(key: Any) -> Any:
+def _hashable(key: object) -> Hashable:
     if isinstance(key, (dict, list)):
         raise TypeError("a dictionary key in the manifest is not a scalar")
     return key
@@ -237,7 +244,7 @@ def _hashable(key: Any) -> Any:
 def safetensors_header(tensors: Sequence[tuple[str, RawTensor]], metadata: Mapping[str, str] | None = None) -> bytes:
     """The 8-byte length and the JSON header of a safetensors file holding `tensors` in this order,
     padded with spaces to a multiple of 8 bytes (the data that follows stays aligned)."""
-    header: dict[str, Any] = {}
+    header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
@@ -260,16 +267,84 @@ def write_safetensors(path: Path, tensors: Sequence[tuple[str, RawTensor]],
         OSError: the write failed (disk full, permission denied); the partial file is left for the
             caller to remove.
     """
+    header = safetensors_header(tensors, metadata)
+    if DIRECT_IO and hasattr(os, "O_DIRECT"):
+        try:
+            return _write_direct(path, header, [t.data for _, t in tensors])
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            # this filesystem takes no direct I/O (tmpfs): the page cache then
+    return _write_buffered(path, header, [t.data for _, t in tensors])
+
+
+def _write_buffered(path: Path, header: bytes, datas: Sequence[bytes | bytearray | memoryview]) -> FileDigest:
+    """`write_safetensors` through the page cache."""
     digest = hashlib.sha256()
     size = 0
     with open(path, "wb") as f:
-        for piece in _pieces(safetensors_header(tensors, metadata), (t.data for _, t in tensors)):
+        for piece in _pieces(header, datas):
             f.write(piece)
             digest.update(piece)
             size += piece.nbytes
         f.flush()
         os.fsync(f.fileno())
     return FileDigest(digest.hexdigest(), size)
+
+
+def _write_direct(path: Path, header: bytes, datas: Sequence[bytes | bytearray | memoryview]) -> FileDigest:
+    """`write_safetensors` with ``O_DIRECT``: the bytes go through one aligned buffer of `_CHUNK`
+    bytes; the last block is padded and the file cut back to its size.
+
+    Raises:
+        OSError: EINVAL when the filesystem refuses direct I/O (nothing useful written), or the
+            write failed.
+    """
+    digest = hashlib.sha256()
+    size = 0
+    staging = mmap.mmap(-1, _CHUNK)  # page-aligned, as direct I/O needs
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:
+        staging.close()
+        raise
+    try:
+        with memoryview(staging) as buffer:
+            filled = 0
+            for piece in _pieces(header, datas):
+                digest.update(piece)
+                size += piece.nbytes
+                offset = 0
+                while offset < piece.nbytes:
+                    n = min(_CHUNK - filled, piece.nbytes - offset)
+                    buffer[filled:filled + n] = piece[offset:offset + n]
+                    filled += n
+                    offset += n
+                    if filled == _CHUNK:
+                        _write_all(fd, buffer)
+                        filled = 0
+            if filled:
+                padded = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN
+                buffer[filled:padded] = bytes(padded - filled)
+                _write_all(fd, buffer[:padded])
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        try:
+            staging.close()
+        except BufferError:  # a failed write's traceback still holds a view of it: freed with that
+            pass
+    return FileDigest(digest.hexdigest(), size)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    written = 0
+    while written < data.nbytes:
+        n = os.write(fd, data[written:])
+        if n <= 0:
+            raise OSError(errno.EIO, "a write made no progress")
+        written += n
 
 
 def _pieces(header: bytes, datas: Iterable[bytes | bytearray | memoryview]) -> Iterable[memoryview]:

@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from swarm.checkpoint.errors import CheckpointInvalid, CheckpointNotFound, CheckpointRefused
 from swarm.checkpoint.format import (
@@ -95,8 +94,8 @@ class CheckpointStore:
 
     # -- saving ---------------------------------------------------------------------------------
 
-    def save(self, run_id: str, epoch: int, samples: int, params: Sequence[tuple[str, RawTensor]], state: Any,
-             state_tensors: Sequence[RawTensor], extra: Mapping[str, Any] | None = None) -> Path:
+    def save(self, run_id: str, epoch: int, samples: int, params: Sequence[tuple[str, RawTensor]], state: object,
+             state_tensors: Sequence[RawTensor], extra: Mapping[str, object] | None = None) -> Path:
         """Writes a checkpoint of `epoch` atomically and removes those beyond the newest `keep`.
 
         A checkpoint of this epoch already present (another peer sharing the directory saved it,

@@ -3,6 +3,11 @@ one safetensors file (docs/operations.md, "Checkpoints and a cold restart").
 
     swarm-peer export --checkpoint DIR [--epoch N] [--run RUN_ID] --out model.safetensors
     swarm-peer export --run RUN_ID --initial-peers MADDR... --out model.safetensors
+    swarm-peer export (--checkpoint DIR | --run ...) --transformers CONFIG --out DIR
+
+With ``--transformers`` (a run made with the transformers integration; CONFIG is the model's
+``config.json`` or a directory holding it) ``--out`` is a directory that ``from_pretrained``
+loads (`swarm.cli.export_transformers`).
 
 From a checkpoint, the parameters keep the names they were saved under (a trainer that passed its
 model's ``named_parameters()`` names gets a file ``model.load_state_dict`` takes as it is) and the
@@ -38,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run", default=None, help="the run (refuses another run's checkpoint; needed for a live run)")
     parser.add_argument("--initial-peers", nargs="+", default=[], help="a live run: peers of its swarm")
     parser.add_argument("--timeout", type=float, default=120.0, help="a live run: seconds for the download")
-    parser.add_argument("--out", type=Path, required=True, help="the safetensors file to write")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="the safetensors file to write (with --transformers: the directory)")
+    parser.add_argument("--transformers", type=Path, default=None, metavar="CONFIG",
+                        help="the model's config.json (or a directory holding it): write a from_pretrained directory")
     parser.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -94,7 +102,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             run_id = args.run
             epoch, params = from_live_run(run_id, args.initial_peers, args.timeout)
-        size = write_params(args.out, params, run_id, epoch)
+        if args.transformers is not None:
+            from swarm.cli.export_transformers import WEIGHTS_FILE, copy_config, pretrained_params
+
+            named = pretrained_params(params, args.transformers)
+            args.out.mkdir(parents=True, exist_ok=True)
+            size = write_params(args.out / WEIGHTS_FILE, named, run_id, epoch)
+            copy_config(args.transformers, args.out)
+        else:
+            size = write_params(args.out, params, run_id, epoch)
     except (RunCheckpointError, SwarmError, TimeoutError) as e:
         print(f"swarm-peer export: error: {e}", file=sys.stderr)
         return 1

@@ -10,10 +10,17 @@ names). A download or a save that fails is logged and counted
 
 An archiver that accepts connections serves its newest intact checkpoint over state transfer
 under the run's archive name (`archive_name`) and announces in the DHT, in a record only it can
-sign (subkey: its owner marker), its address and the epochs it holds (``{run_id}.archives``).
-A trainer that finds no live peer resumes from a directory of checkpoints (`resume_from=DIR`) or
-from an archiver it names by multiaddr, PeerID included (`resume_from="/ip4/.../p2p/<PeerID>"`,
-`resume_from_archiver`): the connection proves that PeerID, so the user chooses whom to trust.
+sign (subkey: its owner marker), its address and the epochs it holds (``{run_id}.archives``):
+when it starts, and after each turn.
+
+A trainer that finds no live peer resumes (`load_cold_state`) from a directory of checkpoints
+(`resume_from=DIR`), from an archiver it names by multiaddr, PeerID included
+(`resume_from="/ip4/.../p2p/<PeerID>"`), or from archivers it names by PeerID alone
+(`resume_from="<PeerID>[,<PeerID>...]"`): it reads the run's announcements in the DHT, keeps
+those signed by the PeerIDs named, and downloads from the one announcing the newest epoch (the
+next on failure), dialling the announced address with that PeerID, which the connection proves.
+An archiver the user did not name is never used: anyone can run one and announce any epoch,
+and with no live peer left nothing can tell its state from a forgery (docs/threat-model.md).
 A state whose fingerprint differs from the one most live peers at its epoch report is refused.
 """
 
@@ -32,16 +39,27 @@ from swarm.averaging.state import State, StateServer, aload_state_from_peers
 from swarm.checkpoint.errors import RunCheckpointError
 from swarm.checkpoint.store import CheckpointStore
 from swarm.core.errors import AveragingError, ConfigError, SwarmError
+from swarm.core.identity import IdentityError, peer_id_to_public_key
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.handle import PeerHandle
-from swarm.dht.validation import owner_marker
-from swarm.optim.checkpointing import checkpoint_to_state, param_specs, state_to_checkpoint
+from swarm.dht.validation import marker_owner, owner_marker
+from swarm.optim.checkpointing import (
+    Checkpointer,
+    checkpoint_to_state,
+    param_specs,
+    resume_state,
+    state_to_checkpoint,
+)
 from swarm.optim.live_state import download_live_state
 from swarm.optim.progress import PeerProgress, majority_digest
 from swarm.optim.state_transfer import StateTransferError
 from swarm.optim.training_state import TrainingState, state_digest
 
 logger = logging.getLogger(__name__)
+
+MAX_ANNOUNCED_EPOCHS = 64
+"""The most epochs an announcement lists (an archiver keeps a few; a longer list is malformed)."""
 
 
 def archive_name(run_id: str) -> str:
@@ -57,6 +75,66 @@ def archives_key(run_id: str) -> str:
 def is_peer_address(source: str) -> bool:
     """Whether `resume_from` names a peer (a multiaddr with its PeerID) rather than a directory."""
     return source.startswith(("/ip4/", "/ip6/", "/dns")) and "/p2p/" in source
+
+
+def trusted_archivers(source: str) -> tuple[str, ...] | None:
+    """The PeerIDs `resume_from` names (one, or several separated by commas), or None when it is
+    not a list of Ed25519 PeerIDs (or names a path that exists: a directory wins)."""
+    if not source or Path(source).exists():
+        return None
+    ids = tuple(part.strip() for part in source.split(","))
+    for peer_id in ids:
+        try:
+            peer_id_to_public_key(peer_id)
+        except (IdentityError, ValueError):
+            return None
+    return ids
+
+
+@dataclass(frozen=True)
+class ArchiverAnnouncement:
+    """What an archiver announces in the DHT: who it is (the record's signer), where it listens and
+    the epochs it holds, newest first."""
+
+    peer_id: str
+    addr: str
+    epochs: tuple[int, ...]
+
+    @classmethod
+    def from_record(cls, peer_id: str, value: object) -> ArchiverAnnouncement | None:
+        """The announcement signed by `peer_id`, or None when malformed (an address that is not
+        this signer's, epochs that are not a short list of non-negative integers)."""
+        if not isinstance(value, dict):
+            return None
+        addr, epochs = value.get("addr"), value.get("epochs")
+        if not isinstance(addr, str) or not is_peer_address(addr) or not addr.endswith(f"/p2p/{peer_id}"):
+            return None
+        if not isinstance(epochs, list) or not 0 < len(epochs) <= MAX_ANNOUNCED_EPOCHS or not all(
+                isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in epochs):
+            return None
+        return cls(peer_id, addr, tuple(sorted(epochs, reverse=True)))
+
+    @property
+    def newest(self) -> int:
+        return self.epochs[0]
+
+
+async def afind_archivers(peer: PeerHandle, run_id: str) -> list[ArchiverAnnouncement]:
+    """The archivers of `run_id` announced in the DHT, newest epoch first (malformed ones skipped)."""
+    if peer.dht is None:
+        return []
+    found = await peer.dht.aget(archives_key(run_id), latest=True)
+    value = found.value if found is not None else None
+    announcements = []
+    if isinstance(value, dict):
+        for subkey, item in value.items():
+            owner = marker_owner(subkey)  # signed by that peer; other subkeys anyone may write
+            if owner is None or not isinstance(item, ValueWithExpiration):
+                continue
+            announcement = ArchiverAnnouncement.from_record(owner, item.value)
+            if announcement is not None:
+                announcements.append(announcement)
+    return sorted(announcements, key=lambda a: a.newest, reverse=True)
 
 
 @dataclass(frozen=True)
@@ -113,11 +191,22 @@ class Archiver:
 
     async def _announce(self) -> None:
         dht = self.peer.dht
-        if dht is None or self.server is None or not self.peer.addrs:
+        epochs = self.store.epochs()[:MAX_ANNOUNCED_EPOCHS]
+        if dht is None or self.server is None or not self.peer.addrs or not epochs:
             return
-        record = {"addr": self.peer.addrs[0], "epochs": self.store.epochs()}
-        await dht.astore(archives_key(self.config.run_id), record, get_dht_time() + 2 * self.config.every_seconds,
-                         subkey=owner_marker(self.peer.peer_id))
+        record = {"addr": self.peer.addrs[0], "epochs": epochs}
+        stored = await dht.astore(archives_key(self.config.run_id), record,
+                                  get_dht_time() + 2 * self.config.every_seconds + 60,
+                                  subkey=owner_marker(self.peer.peer_id))
+        if stored:
+            logger.info("[%s] announced the archive of epochs %s", self.config.run_id, epochs)
+
+    def announce(self) -> None:
+        """Announces the epochs held in the DHT (logged when it fails)."""
+        try:
+            self.peer.run(self._announce(), timeout=30)
+        except (SwarmError, TimeoutError, RuntimeError, OSError) as e:
+            logger.warning("[%s] could not announce the archive: %s", self.config.run_id, e)
 
     def archive_once(self) -> int | None:
         """Downloads the run's state and saves it if its epoch is new; returns the epoch saved or
@@ -155,12 +244,10 @@ class Archiver:
 
     def run(self, stop: threading.Event) -> None:
         """Archives now and then every `every_seconds` until `stop` is set."""
+        self.announce()  # what it holds from before (a restarted archiver serves at once)
         while not stop.is_set():
             self.archive_once()
-            try:
-                self.peer.run(self._announce(), timeout=30)
-            except (SwarmError, TimeoutError, RuntimeError, OSError) as e:
-                logger.warning("[%s] could not announce the archive: %s", self.config.run_id, e)
+            self.announce()
             stop.wait(self.config.every_seconds)
 
     def start(self, stop: threading.Event) -> threading.Thread:
@@ -196,3 +283,55 @@ def resume_from_archiver(peer: PeerHandle, run_id: str, addr: str, params: Seque
                                  f"that epoch do not hold: refused")
     logger.info("[%s] resuming from the archiver %s (epoch %d)", run_id, addr, state.epoch)
     return state
+
+
+def resume_from_trusted_archivers(peer: PeerHandle, run_id: str, trusted: Sequence[str],
+                                  params: Sequence[torch.Tensor], at_least: int, reports: Sequence[PeerProgress],
+                                  timeout: float) -> TrainingState | None:
+    """The state of a cold restart from the archivers whose PeerIDs are in `trusted`, found through
+    their announcements in the DHT: the one announcing the newest epoch first, the next when it
+    fails. None (logged) when none of them announces an epoch of at least `at_least`.
+
+    Raises:
+        StateTransferError: none of those announced delivered a state that passed
+            `resume_from_archiver`'s checks (each failure is in the message).
+    """
+    try:
+        found = peer.run(afind_archivers(peer, run_id), timeout=timeout)
+    except (SwarmError, TimeoutError) as e:
+        logger.warning("[%s] could not read the run's archivers from the DHT: %s", run_id, e)
+        return None
+    candidates = [a for a in found if a.peer_id in trusted and a.newest >= at_least]
+    if not candidates:
+        logger.warning("[%s] none of the archivers named (%s) announces an epoch of at least %d (announced: %s)",
+                       run_id, ", ".join(trusted), at_least, {a.peer_id: a.newest for a in found} or "none")
+        return None
+    failures = []
+    for announcement in candidates:
+        logger.info("[%s] the archiver %s announces epochs %s at %s", run_id, announcement.peer_id,
+                    list(announcement.epochs), announcement.addr)
+        try:
+            return resume_from_archiver(peer, run_id, announcement.addr, params, at_least, reports, timeout)
+        except StateTransferError as e:  # unreachable, or its state refused: another named one may do
+            logger.warning("[%s] %s", run_id, e)
+            failures.append(str(e))
+    raise StateTransferError(f"no archiver named delivered run {run_id!r}'s state: {'; '.join(failures)}")
+
+
+def load_cold_state(peer: PeerHandle, run_id: str, source: str, params: Sequence[torch.Tensor],
+                    checkpointer: Checkpointer | None, at_least: int, reports: Sequence[PeerProgress],
+                    timeout: float) -> TrainingState | None:
+    """The state of a cold restart from `resume_from`'s `source`: an archiver's multiaddr with its
+    PeerID, archivers' PeerIDs found through the DHT, or a directory of checkpoints; None (logged)
+    when it holds nothing newer than `at_least - 1`.
+
+    Raises:
+        StateTransferError: an archiver's state was refused (see `resume_from_archiver`).
+        CheckpointRefused: the directory's newest checkpoint is another run's or model's.
+    """
+    if is_peer_address(source):
+        return resume_from_archiver(peer, run_id, source, params, at_least, reports, timeout)
+    trusted = trusted_archivers(source)
+    if trusted is not None:
+        return resume_from_trusted_archivers(peer, run_id, trusted, params, at_least, reports, timeout)
+    return resume_state(Path(source), run_id, params, checkpointer, at_least)

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -99,7 +98,7 @@ class CheckpointConfig:
     every_seconds: float | None = None
     keep: int = 3
     param_names: tuple[str, ...] | None = None
-    extra: Callable[[], Mapping[str, Any]] | None = None
+    extra: Callable[[], Mapping[str, object]] | None = None
 
     def __post_init__(self) -> None:
         if self.every_epochs is not None and (not isinstance(self.every_epochs, int) or self.every_epochs < 1):
@@ -113,7 +112,7 @@ class CheckpointConfig:
 
 
 def state_to_checkpoint(state: TrainingState, specs: Sequence[ParamSpec]
-                        ) -> tuple[list[tuple[str, RawTensor]], Any, list[RawTensor]]:
+                        ) -> tuple[list[tuple[str, RawTensor]], object, list[RawTensor]]:
     """`state` as a store saves it: the named parameters, the state tree, the state's tensors."""
     state_tensors: list[torch.Tensor] = []
     tree = split_tensors({"optimizer": state.optimizer, "scheduler": state.scheduler}, state_tensors)
@@ -191,6 +190,7 @@ class Checkpointer:
         self.store = CheckpointStore(config.directory, keep=config.keep)
         self.last_error: OSError | None = None
         self.last_saved: Path | None = None
+        self.writer_cpu_seconds: list[float] = []  # CPU time of each save's writer thread
         self.saves = 0
         self.failures = 0
         self._saved_epoch = -1
@@ -238,16 +238,17 @@ class Checkpointer:
         """Waits for the save being written, if any; False on timeout."""
         return self._idle.wait(timeout)
 
-    def _write(self, state: TrainingState, samples: int, extra: Mapping[str, Any]) -> None:
+    def _write(self, state: TrainingState, samples: int, extra: Mapping[str, object]) -> None:
         from swarm.metrics import REGISTRY
 
         saves = REGISTRY.counter("swarm_checkpoint_saves_total", "Checkpoint saves of a run's state", ("outcome",))
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.thread_time()
         try:
             params, tree, tensors = state_to_checkpoint(state, self.specs)
             self.last_saved = self.store.save(self.run_id, state.epoch, samples, params, tree, tensors, extra)
             self.last_error = None
             self.saves += 1
+            self.writer_cpu_seconds.append(time.thread_time() - cpu_started)
             saves.labels(outcome="succeeded").inc()
             logger.info("[%s] saved the checkpoint of epoch %d in %.2f s (%s)", self.run_id, state.epoch,
                         time.monotonic() - started, self.last_saved)

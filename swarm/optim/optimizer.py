@@ -50,8 +50,8 @@ import torch
 
 from swarm.core.errors import ConfigError, RPCError, SwarmError
 from swarm.dht.handle import PeerHandle
-from swarm.optim.archiver import is_peer_address, resume_from_archiver
-from swarm.optim.checkpointing import CheckpointConfig, Checkpointer, resume_state
+from swarm.optim.archiver import load_cold_state
+from swarm.optim.checkpointing import CheckpointConfig, Checkpointer
 from swarm.optim.config import CollaborationConfig, DiLoCoConfig
 from swarm.optim.diloco import DiLoCoMode
 from swarm.optim.group_averaging import AveragerLike, RoundResult, make_swarm_averager
@@ -156,9 +156,10 @@ class Optimizer:
         checkpoint_dir: save the run's state there after every collective step (the last 3 kept);
             `checkpoint` sets the schedule instead (`swarm.optim.checkpointing`).
         checkpoint: where and how often to save the run's state.
-        resume_from: a directory of the run's checkpoints, or an archiver's multiaddr with its
-            PeerID: when no live peer holds a newer state, this trainer starts from the newest
-            checkpoint that verifies, or from the state that archiver serves (a cold restart).
+        resume_from: a directory of the run's checkpoints, an archiver's multiaddr with its
+            PeerID, or archivers' PeerIDs (comma-separated; found through their DHT announcements):
+            when no live peer holds a newer state, this trainer starts from the newest checkpoint
+            that verifies, or from the state those archivers serve (a cold restart).
 
     Raises:
         ConfigError: inconsistent settings (no target batch in large-batch mode, ...).
@@ -750,14 +751,13 @@ class Optimizer:
 
     def _resume(self, source: str) -> None:
         """A cold restart: loads the newest checkpoint in the directory `source`, or the state the
-        archiver at multiaddr `source` serves, unless this trainer already holds a state at least as
-        far (the live peers', downloaded before this)."""
+        archiver at multiaddr `source` (or the archivers whose PeerIDs `source` lists, found in
+        the DHT) serves, unless this trainer already holds a state at least as far (the live
+        peers', downloaded before this)."""
         # newer than what this trainer holds: a live peer's state, when its download succeeded, is
         # held already; a progress record whose peer is gone (its download failed) counts for nothing
-        at_least = self.epoch + 1
-        state = resume_from_archiver(self.peer, self.run_id, source, self.params, at_least, self.tracker.reports(),
-                                     self.config.state_timeout) if is_peer_address(source) else resume_state(
-            Path(source), self.run_id, self.params, self.checkpointer, at_least)
+        state = load_cold_state(self.peer, self.run_id, source, self.params, self.checkpointer, self.epoch + 1,
+                                self.tracker.reports(), self.config.state_timeout)
         if state is None:
             return
         with self._lock:

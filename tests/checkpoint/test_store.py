@@ -4,6 +4,7 @@ and a save into a full filesystem that keeps training's earlier checkpoints inta
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -236,3 +237,31 @@ def test_a_save_into_a_full_filesystem_raises_and_keeps_the_earlier_checkpoints(
     assert error.value.errno == 28  # ENOSPC
     assert os.listdir(full_fs) == ["epoch-000000000001"]  # the partial one removed, the old one kept
     assert store.load_newest(RUN, MODEL).epoch == 1
+
+
+def direct_io_works(directory: Path) -> bool:
+    try:
+        fd = os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except (OSError, AttributeError):
+        return False
+    os.close(fd)
+    (directory / "probe").unlink()
+    return True
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4097, (16 << 20) - 16, (16 << 20) + 3])
+def test_direct_io_writes_the_same_bytes_and_digest_as_the_page_cache(tmp_path: Path, size: int) -> None:
+    from swarm.checkpoint.format import _write_buffered, _write_direct, safetensors_header
+
+    if not direct_io_works(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT (write_safetensors falls back to buffered writes)")
+    data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+    tensors = [("a", RawTensor("U8", (size,), data.tobytes())), ("b", RawTensor("F32", (2,), b"\x00" * 8))]
+    header = safetensors_header(tensors)
+    direct = _write_direct(tmp_path / "direct", header, [t.data for _, t in tensors])
+    buffered = _write_buffered(tmp_path / "buffered", header, [t.data for _, t in tensors])
+    written = (tmp_path / "direct").read_bytes()
+    assert written == (tmp_path / "buffered").read_bytes()  # not padded: cut back to its size
+    assert direct == buffered and direct.size == len(written)
+    assert direct.sha256 == hashlib.sha256(written).hexdigest()
+    assert read_safetensors(written)["a"].data == data.tobytes()

@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
 
 from swarm.checkpoint import CheckpointStore
 from swarm.checkpoint.format import TENSORS_FILE
+from swarm.cli.export import main as export_main
 from swarm.optim.checkpointing import to_raw
 
 
@@ -84,3 +86,47 @@ def test_export_from_a_live_run_downloads_the_state_its_peers_hold(tmp_path: Pat
     tensors = safetensors.torch.load_file(str(out))
     for i, p in enumerate(net.parameters()):
         assert torch.equal(tensors[f"param.{i}"], p.detach())
+
+
+def tiny_gpt2(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    """A tiny GPT-2 as the transformers integration trains it, its config.json saved as a Trainer's
+    output directory holds it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(3)
+    net = transformers.GPT2LMHeadModel(config)
+    config_dir = tmp_path / "run-output"
+    config.save_pretrained(config_dir)
+    return net, config_dir
+
+
+def test_export_of_a_transformers_run_is_a_directory_from_pretrained_loads_bit_for_bit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    net, config_dir = tiny_gpt2(tmp_path)
+    with torch.no_grad():  # "trained": every parameter moved off its initial value
+        for p in net.parameters():
+            p.add_(torch.randn_like(p))
+    # the swarm's state: the trainable parameters in the integration's order, named param.<i>
+    trained = [p for p in net.parameters() if p.requires_grad]
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save("hf-run", 7, 0, [(f"param.{i}", to_raw(p)) for i, p in enumerate(trained)],
+               {"optimizer": {}, "scheduler": None}, [])
+    out = tmp_path / "exported"
+    # in this process: transformers is imported once (the command line is exercised above)
+    assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--transformers", str(config_dir),
+                        "--out", str(out)]) == 0
+    assert "at epoch 7" in capsys.readouterr().out
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
+    expected = dict(net.named_parameters())
+    got = dict(loaded.named_parameters())
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # still tied
+
+    other = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    other.save_pretrained(tmp_path / "other")
+    assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--transformers", str(tmp_path / "other"),
+                        "--out", str(tmp_path / "refused")]) == 1
+    assert "another model" in capsys.readouterr().err
+    assert not (tmp_path / "refused" / "model.safetensors").exists()

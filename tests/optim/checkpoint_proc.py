@@ -1,7 +1,9 @@
 """A trainer process for cold-restart tests: the tiny task with `swarm.Optimizer` saving a checkpoint
-after every collective step into a directory the trainers share, optionally resuming from it.
+after every collective step into a directory the trainers share (`--dir`), optionally resuming
+from it (`--resume`) or from another source (`--resume-from`: archivers' PeerIDs, a multiaddr).
 
-    python checkpoint_proc.py --dir DIR --peers N [--resume] [--initial-peers MADDR] [--seed N]
+    python checkpoint_proc.py [--dir DIR] --peers N [--resume | --resume-from SOURCE]
+        [--initial-peers MADDR] [--seed N]
 
 Prints its address once ready, then ``start EPOCH SHA256`` (the epoch it starts at and the sha256
 of its parameters' bytes), waits for N peers, then prints ``epoch N`` after every collective step
@@ -31,8 +33,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dir", required=True)
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--resume", action="store_true", help="resume from --dir")
+    parser.add_argument("--resume-from", default=None)
     parser.add_argument("--peers", type=int, required=True, help="wait for this many peers before training")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -44,8 +47,8 @@ def main() -> None:
                                  max_staleness=0)
     model = make_model(seed=args.seed)  # each its own initial weights: a restart must replace them
     opt = Optimizer(peer, run_id="cold", params=model.parameters(), optimizer=adam, config=config,
-                    checkpoint=CheckpointConfig(args.dir, every_epochs=1, keep=3),
-                    resume_from=args.dir if args.resume else None)
+                    checkpoint=CheckpointConfig(args.dir, every_epochs=1, keep=3) if args.dir else None,
+                    resume_from=args.dir if args.resume else args.resume_from)
     params = b"".join(p.detach().numpy().tobytes() for p in opt.shared_tensors)
     print(f"start {opt.epoch} {hashlib.sha256(params).hexdigest()}", flush=True)
     if not opt.wait_for_peers(args.peers, timeout=60):

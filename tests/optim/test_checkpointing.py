@@ -151,3 +151,27 @@ def test_a_trainer_that_does_not_name_its_parameters_resumes_from_a_named_checkp
     assert opt.epoch == saved_epoch
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), model.parameters()))
     opt.shutdown()
+
+
+def test_a_new_optimizer_of_the_same_peer_and_run_resumes_and_steps_alone_at_once(
+        tmp_path: Path, lone_peer: Peer) -> None:
+    """A restart inside one process (what a notebook does): the first optimizer's withdrawn record
+    is not taken for another peer to wait for; the second one resumes and steps alone at once."""
+    model = make_model()
+    config = CheckpointConfig(tmp_path, every_epochs=1, param_names=names(model))
+    first = make_optimizer(lone_peer, model, config)
+    train_until(first, model, 2, keep_up=True)
+    first.shutdown()
+    second = make_optimizer(lone_peer, model, config, resume_from=tmp_path)
+    assert second.epoch == 2
+    x, y = make_data()
+    rounds = []
+    for i in range(4):  # two batches of 16 per collective step of 32
+        loss_on(model, x[16 * i:16 * (i + 1)], y[16 * i:16 * (i + 1)]).backward()
+        outcome = second.step()
+        second.zero_grad()
+        if outcome.round is not None:
+            rounds.append(outcome.round)
+    assert second.epoch == 4
+    assert [(r.ok, r.group_size, r.error) for r in rounds] == [(True, 1, None)] * 2, rounds
+    second.shutdown()

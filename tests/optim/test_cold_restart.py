@@ -1,7 +1,13 @@
-"""A run outlives its peers: three trainer processes checkpoint into a directory they share, all are
-SIGKILLed at once, the newest checkpoint is truncated (a crash mid-copy, a bad disk), and three
-new processes started with `resume_from` go on from the checkpoint before it, with parameters
-bit-identical to it, and train on together."""
+"""A run outlives its peers, all real processes killed with SIGKILL:
+
+- three trainers checkpoint into a directory they share, all are killed at once, the newest
+  checkpoint is truncated (a crash mid-copy, a bad disk), and three new processes started with
+  `resume_from=DIR` go on from the checkpoint before it, bit-identical to it, and train on;
+- three trainers and an archiver (`swarm-peer --archive`) are killed at once; the archiver
+  restarted with its identity announces what it holds in the DHT, and three new trainers named
+  only its PeerID (`resume_from=PeerID`) find it there, resume at its newest epoch with
+  parameters bit-identical to that checkpoint, and train on.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +18,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from procs import PeerProcess
 
 from swarm.checkpoint import CheckpointStore
 from swarm.checkpoint.format import TENSORS_FILE
@@ -25,12 +33,15 @@ HERE = Path(__file__).parent
 class Trainer:
     """`checkpoint_proc.py` with its stdout read line by line and its log in a file."""
 
-    def __init__(self, directory: Path, log: Path, seed: int, resume: bool, initial_peer: str | None) -> None:
+    def __init__(self, directory: Path | None, log: Path, seed: int, resume: bool, initial_peer: str | None,
+                 resume_from: str | None = None) -> None:
         self.log = log
         with open(log, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, str(HERE / "checkpoint_proc.py"), "--dir", str(directory), "--seed", str(seed), "--peers", "3",
-                 *(["--resume"] if resume else []), *(["--initial-peers", initial_peer] if initial_peer else [])],
+                [sys.executable, str(HERE / "checkpoint_proc.py"), "--seed", str(seed), "--peers", "3",
+                 *(["--dir", str(directory)] if directory else []), *(["--resume"] if resume else []),
+                 *(["--resume-from", resume_from] if resume_from else []),
+                 *(["--initial-peers", initial_peer] if initial_peer else [])],
                 stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
 
@@ -87,6 +98,15 @@ def start_swarm(directory: Path, logs: Path, resume: bool) -> list[Trainer]:
     return trainers
 
 
+def assert_resumed(starts: list[list[str]], epoch: int, digest: str) -> None:
+    """Each trainer's ``start EPOCH SHA256``: fresh random weights replaced by the checkpoint's
+    state, bit for bit; a trainer whose start overlapped the others' first step may take the
+    swarm's newer state instead, as any joiner does (seen at load 25)."""
+    resumed = [(int(e), d) for e, d in starts]
+    assert (epoch, digest) in resumed, (resumed, epoch)
+    assert all(e > epoch or (e, d) == (epoch, digest) for e, d in resumed), (resumed, epoch)
+
+
 @pytest.mark.timeout(360)
 def test_every_trainer_killed_then_restarted_resumes_bit_for_bit_from_the_newest_intact_checkpoint(
         tmp_path: Path) -> None:
@@ -111,9 +131,8 @@ def test_every_trainer_killed_then_restarted_resumes_bit_for_bit_from_the_newest
 
     trainers = start_swarm(directory, tmp_path, resume=True)
     try:
-        for t in trainers:
-            start = t.read_until(lambda line: line.startswith("start "), 60).split()
-            assert (int(start[1]), start[2]) == (intact.epoch, expected), (start, intact.epoch)
+        starts = [t.read_until(lambda line: line.startswith("start "), 60).split()[1:] for t in trainers]
+        assert_resumed(starts, intact.epoch, expected)
         for t in trainers:  # the swarm trains on, together, from there
             t.wait_for_epoch(intact.epoch + 2, 120)
         logs = "".join(t.log.read_text(errors="replace") for t in trainers)
@@ -121,3 +140,72 @@ def test_every_trainer_killed_then_restarted_resumes_bit_for_bit_from_the_newest
     finally:
         for t in trainers:
             t.kill()
+
+
+def read_log_until(archiver: PeerProcess, done: Callable[[str], bool], timeout: float) -> str:
+    """Reads the archiver's log (stderr, INFO) until a line makes `done` true; returns that line."""
+    stream = archiver.proc.stderr
+    assert stream is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(stream, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0 and sel.select(left), "\n".join(seen[-20:])
+            line = stream.readline()
+            assert line, "\n".join(seen[-20:])
+            seen.append(line.rstrip())
+            if done(line):
+                return line
+
+
+def archived_epoch(line: str) -> int:
+    """The epoch of an archiver's ``archived epoch N in ...`` log line, else -1."""
+    words = line.split("archived epoch ", 1)
+    return int(words[1].split()[0]) if len(words) == 2 else -1
+
+
+@pytest.mark.timeout(360)
+def test_trainers_and_their_archiver_killed_then_restarted_resume_at_the_newest_archived_epoch(
+        tmp_path: Path) -> None:
+    archive = tmp_path / "archive"
+    archiver_args = ("--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "archiver.key"),
+                     "--archive", str(archive), "--run", "cold", "--archive-every", "1")
+    with PeerProcess(*archiver_args, ready_timeout=90) as archiver:
+        archiver_id = archiver.addrs[0].rsplit("/p2p/", 1)[1]
+        trainers = [Trainer(None, tmp_path / f"first-{i}.log", seed=i, resume=False, initial_peer=archiver.addrs[0])
+                    for i in range(3)]
+        try:
+            for t in trainers:
+                t.ready()
+            read_log_until(archiver, lambda line: archived_epoch(line) >= 3, 150)
+        finally:  # SIGKILL, every process at once: no clean shutdown, no last save
+            for proc in [t.proc for t in trainers] + [archiver.proc]:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGKILL)
+            for t in trainers:
+                t.kill()
+            archiver.kill()
+    newest = CheckpointStore(archive).load_newest("cold")
+    assert newest.epoch >= 3 and newest.epoch == CheckpointStore(archive).epochs()[0]
+    expected = hashlib.sha256(b"".join(bytes(t.data) for t in newest.params)).hexdigest()
+
+    with PeerProcess(*archiver_args, ready_timeout=90) as archiver:
+        assert archiver.addrs[0].endswith(f"/p2p/{archiver_id}")  # its identity: the PeerID trainers trust
+        read_log_until(archiver, lambda line: "announced the archive of epochs" in line, 60)
+        trainers = [Trainer(None, tmp_path / f"resumed-{i}.log", seed=i, resume=False,
+                            initial_peer=archiver.addrs[0], resume_from=archiver_id) for i in range(3)]
+        try:
+            for t in trainers:
+                t.ready()
+            starts = [t.read_until(lambda line: line.startswith("start "), 90).split()[1:] for t in trainers]
+            assert_resumed(starts, newest.epoch, expected)
+            logs = "".join(t.log.read_text(errors="replace") for t in trainers)
+            assert f"the archiver {archiver_id} announces epochs" in logs
+            assert "resuming from the archiver /ip4/127.0.0.1/" in logs
+            for t in trainers:  # and the swarm trains on, together, from there
+                t.wait_for_epoch(newest.epoch + 2, 120)
+        finally:
+            for t in trainers:
+                t.kill()
