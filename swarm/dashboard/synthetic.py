@@ -15,11 +15,10 @@ from swarm.core.timeutil import get_dht_time
 from swarm.dashboard.view import (
     DashboardLimits,
     ExpertDeclaration,
-    GridCache,
-    History,
+    LinkMeasure,
     PeerAnswer,
+    Picture,
     RunReports,
-    build_view,
 )
 from swarm.optim.progress import PeerProgress, RoundSummary
 
@@ -52,9 +51,8 @@ class SyntheticSwarm:
         self.ids = [_peer_id(i) for i in range(peers)]
         self.servers = min(servers, peers)
         self.text = text
-        self.limits = limits or DashboardLimits()
-        self.history = History()
-        self.grid = GridCache()
+        self.picture = Picture(limits or DashboardLimits())
+        self.history = self.picture.history
         self.tick = 0
         grids = max(1, math.ceil(experts / 10_000))
         uids = [f"{'g' if text is None else text}{g}.{i // 100}.{i % 100}" for g in range(grids)
@@ -62,25 +60,35 @@ class SyntheticSwarm:
         self.declared = [ExpertDeclaration(uid, self.ids[n % self.servers]) for n, uid in enumerate(uids)]
         self.run_ids = [f"run-{r}" if text is None else f"{text}{r}" for r in range(runs)]
         self.trainers = (self.ids[self.servers:] or self.ids)[:trainers]
+        self.trainer_set = set(self.trainers)
         self.started = get_dht_time()
 
     async def acollect(self) -> dict[str, Any]:
         self.tick += 1
         now = self.started + 2.0 * self.tick
         free = self.text if self.text is not None else ""
+        servers = set(self.ids[: self.servers])
+        loads: dict[str, list[tuple[str, int, int]]] = {}
+        for n, d in enumerate(self.declared):
+            loads.setdefault(d.server, []).append((d.uid, self.tick * (1 + n % 5), n % 3))
+        run_of = [free or rid for rid in self.run_ids][:8]
         answers = [PeerAnswer(pid, answered=(i + self.tick) % 37 != 0, role=free or "peer", version=free or "0.2.0",
                               reachability=("public", "private", "unknown")[i % 3], client_mode=i % 11 == 0,
-                              rtt_ms=1.0 + (i * 13 + self.tick) % 40, first_seen=self.started)
+                              rtt_ms=1.0 + (i * 13 + self.tick) % 40, first_seen=self.started,
+                              uptime_s=3600.0 + 2.0 * self.tick + i,
+                              links=tuple(LinkMeasure(self.ids[(i + j) % len(self.ids)], 1.0 + (i + j) % 30,
+                                                      (1 + (i * j) % 50) * 1e6) for j in range(1, 17)),
+                              runs=tuple(run_of) if pid in self.trainer_set else (),
+                              expert_load=tuple(loads.get(pid, ())), forward_ms=2.0 + i % 9 if pid in servers else None,
+                              rejected=((self.ids[(i + 1) % self.servers], 1 + self.tick % 4),) if i % 10 == 0 else ())
                    for i, pid in enumerate(self.ids)]
         runs = [RunReports(run_id, tuple(
             PeerProgress(pid, self.tick // 3, (self.tick * 16 + j) % 512, 30.0 + j % 7, now,
                          loss=2.0 + 3.0 / (1 + self.tick / 10) + 0.01 * (j % 5), target_batch_size=512,
                          last_round=RoundSummary(self.tick // 3, j % 17 != 0, 4, 4 - (j % 23 == 0), 0.3))
             for j, pid in enumerate(self.trainers))) for run_id in self.run_ids]
-        grid = self.grid.get(0, self.declared, answers, self.limits)  # as the collector keeps it
-        view = build_view(now, self.ids[0], answers, runs, grid, self.history.contributions(), self.limits)
-        self.history.record(view)
-        return view
+        # the grid's loads are taken again every 5th collection, as the collector walks the grids less often
+        return self.picture.snapshot(now, self.ids[0], answers, runs, self.declared, self.tick // 5)
 
     def history_json(self) -> dict[str, Any]:
         return self.history.to_json()

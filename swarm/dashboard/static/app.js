@@ -75,11 +75,18 @@
       tr.appendChild(el("td", "reachability", p.reachability));
       tr.appendChild(el("td", null, p.version || "?"));
       const roles = el("td", null, p.roles.length ? p.roles.join(", ") : (p.role || "peer"));
-      roles.title = p.role;
+      roles.title = p.role + (p.runs.length ? " (runs: " + p.runs.join(", ") + ")" : "");
       tr.appendChild(roles);
-      tr.appendChild(el("td", null, fmt(p.rtt_ms, 1)));
+      tr.appendChild(el("td", "uptime", p.uptime_s === null ? "–" : duration(p.uptime_s)));
+      tr.appendChild(el("td", "rtt", fmt(p.rtt_ms, 1)));
+      const linkRtt = el("td", "link-rtt", fmt(p.link_rtt_ms, 1));
+      linkRtt.title = p.link_reporters + " peers measured it; it measured " + p.links + " links";
+      tr.appendChild(linkRtt);
+      tr.appendChild(el("td", "link-mbps", fmt(p.link_mbps, 1)));
+      tr.appendChild(el("td", "forward", fmt(p.forward_ms, 1)));
       tr.appendChild(el("td", null, duration(p.seen_s)));
       tr.appendChild(el("td", null, p.experts || ""));
+      tr.appendChild(el("td", "rejected", p.rejected_answers || ""));
       rows.appendChild(tr);
     }
     body.replaceChildren(rows);
@@ -135,6 +142,17 @@
     parts.body = el("tbody");
     table.appendChild(parts.body);
     card.appendChild(table);
+    const rounds = el("table", "run-rounds");
+    const roundsHead = el("tr");
+    for (const h of ["averaging round (epoch)", "peers reporting", "group sizes", "failed", "left out of the mean"]) {
+      roundsHead.appendChild(el("th", null, h));
+    }
+    const roundsThead = el("thead");
+    roundsThead.appendChild(roundsHead);
+    rounds.appendChild(roundsThead);
+    parts.rounds = el("tbody");
+    rounds.appendChild(parts.rounds);
+    card.appendChild(rounds);
     container.appendChild(card);
     state.charts[runId] = { loss: chart(lossBox, "loss", "#d9480f"), epoch: chart(epochBox, "epoch", "#3b7ddd") };
     state.runCards[runId] = parts;
@@ -185,6 +203,13 @@
         rows.appendChild(tr);
       }
       parts.body.replaceChildren(rows);
+      const roundRows = document.createDocumentFragment();
+      for (const r of run.rounds || []) {
+        const tr = el("tr");
+        for (const v of [r.epoch, r.peers, r.group_sizes.join("/"), r.failed, r.excluded]) tr.appendChild(el("td", null, v));
+        roundRows.appendChild(tr);
+      }
+      parts.rounds.replaceChildren(roundRows);
       let h = state.history.runs[run.run_id];
       if (!h) h = state.history.runs[run.run_id] = { t: [], epoch: [], sps: [], loss: [] };
       if (!h.t.length || h.t[h.t.length - 1] < snap.now) {
@@ -208,22 +233,71 @@
       frag.appendChild(el("div", "grid-title", grid.prefix + " (" + grid.rows.length + ")"));
       const cells = el("div", "grid");
       cells.dataset.prefix = grid.prefix;
-      for (const [uid, server] of grid.rows) {
+      for (const [uid, server, batches, queued, rate] of grid.rows) {
         const cell = el("div", "cell");
         cell.dataset.uid = uid;
-        const peer = state.peers[server];
-        cell.title = uid + " on " + shortId(server) + (peer && peer.rtt_ms !== null ? ", RTT " + peer.rtt_ms.toFixed(1) + " ms" : "");
+        cell.dataset.server = server;
+        cell.dataset.load = JSON.stringify([batches, queued, rate]);
+        cell.title = expertTitle(cell);
         cell.style.setProperty("--h", hue(server));
+        cell.style.setProperty("--l", Math.max(25, 60 - 5 * Math.max(0, queued)) + "%");
         cells.appendChild(cell);
       }
       frag.appendChild(cells);
     }
     box.replaceChildren(frag);
+    markRejected();
     document.getElementById("expert-count").textContent =
       (experts.total || 0) + (experts.truncated ? " (capped: more exist)" : "");
     stats.experts = experts.total || 0;
     stats.expertsRenderMs = performance.now() - started;
     complete();
+  }
+
+  function expertTitle(cell) {  // from the latest snapshot: set again whenever the pointer comes over the cell
+    const uid = cell.dataset.uid, server = cell.dataset.server;
+    const [batches, queued, rate] = JSON.parse(cell.dataset.load);
+    const peer = state.peers[server];
+    let text = uid + " on " + shortId(server);
+    if (batches >= 0) text += ", " + batches + " batches" + (rate === null ? "" : " (" + rate.toFixed(2) + "/s)");
+    if (queued >= 0) text += ", " + queued + " queued";
+    if (peer && peer.forward_ms !== null) text += ", Forward " + peer.forward_ms.toFixed(1) + " ms";
+    if (peer && peer.rtt_ms !== null) text += ", RTT " + peer.rtt_ms.toFixed(1) + " ms";
+    if (peer && peer.rejected_answers) text += ", " + peer.rejected_answers + " answers rejected by clients";
+    return text;
+  }
+
+  function markRejected() {  // outlines the experts of servers whose answers clients rejected
+    for (const cell of document.querySelectorAll("#experts .cell")) {
+      const peer = state.peers[cell.dataset.server];
+      cell.classList.toggle("rejected", !!(peer && peer.rejected_answers));
+    }
+  }
+
+  function renderRejections(snap) {
+    const rows = document.createDocumentFragment();
+    let total = 0;
+    for (const r of snap.rejections) {
+      const tr = el("tr", "rejection");
+      tr.dataset.client = r.client;
+      tr.dataset.server = r.server;
+      const client = el("td", null, r.client_short);
+      client.title = r.client;
+      const server = el("td", null, r.server_short);
+      server.title = r.server;
+      tr.appendChild(client);
+      tr.appendChild(server);
+      tr.appendChild(el("td", "rejected-count", r.count));
+      rows.appendChild(tr);
+      total += r.count;
+    }
+    document.querySelector("#rejections tbody").replaceChildren(rows);
+    document.getElementById("rejection-count").textContent = snap.rejections.length ? total + " in all" : "none reported";
+    const marked = snap.rejections.map(function (r) { return r.server; }).sort().join(" ");
+    if (marked !== state.marked) {
+      state.marked = marked;
+      markRejected();
+    }
   }
 
   function complete() {  // the first moment the page shows peers and experts (page load to picture)
@@ -239,6 +313,12 @@
     document.getElementById("serving").textContent = "served by " + snap.self;
     renderPeers(snap);
     renderRuns(snap);
+    renderRejections(snap);
+    const note = document.getElementById("runs-note");
+    if (note && !snap.runs.length) {
+      note.textContent = snap.runs_named
+        ? "No live progress reports of the runs named yet." : "No training run found yet: runs appear as peers report them.";
+    }
     const h = state.history.peers;
     if (!h.t.length || h.t[h.t.length - 1] < snap.now) {
       h.t.push(snap.now);
@@ -266,6 +346,11 @@
     node.textContent = text;
     node.dataset.state = st;
   }
+
+  document.getElementById("experts").addEventListener("mouseover", function (e) {
+    const cell = e.target.closest(".cell");
+    if (cell) cell.title = expertTitle(cell);
+  });
 
   function connect() {
     const source = new EventSource("/api/events");
