@@ -2,8 +2,8 @@
 
     python scripts/bench/bench_dashboard.py [--peers 200] [--experts 10000] [--snapshots 10] [--refresh 1.0]
 
-A synthetic swarm (`swarm.dashboard.synthetic.SyntheticSwarm`: the collector's real `build_view`
-and `History`, with no network) is served by a real `DashboardServer` and opened in Debian's
+A synthetic swarm (`swarm.dashboard.synthetic.SyntheticSwarm`: the collector's real `Picture`,
+with what peers say of themselves in their answers, and no network) is served by a real `DashboardServer` and opened in Debian's
 headless chromium (tests/dashboard/browser.py); the baseline is a small swarm (4 peers, 4
 experts) measured the same way in the same invocation. One JSON line per figure and swarm:
 

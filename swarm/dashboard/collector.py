@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from swarm.core.errors import SwarmError
 from swarm.core.multiaddr import Multiaddr, MultiaddrError
@@ -30,6 +30,7 @@ from swarm.dashboard.view import (
     PeerAnswer,
     Picture,
     RunReports,
+    Snapshot,
 )
 from swarm.dht.handle import KeyValueStore
 from swarm.dht.validation import marker_owner
@@ -168,7 +169,7 @@ class Collector:
         self._experts_read = 0  # how many times the grids were walked (the grid cache's generation)
         self._next_experts = 0.0
 
-    async def acollect(self) -> dict[str, Any]:
+    async def acollect(self) -> Snapshot:
         """One collection: reads the runs, asks the peers (and walks the grids when due); the snapshot.
 
         The runs are the named ones (`DashboardConfig.runs`), or else those the peers' answers

@@ -25,8 +25,11 @@ from swarm.optim.progress import PeerProgress, summarize
 
 __all__ = [
     "DashboardLimits", "ExpertDeclaration", "ExpertGrid", "GridCache", "History", "LinkMeasure", "PeerAnswer", "Picture",
-    "RunReports", "build_view", "short_id",
+    "RunReports", "Snapshot", "build_view", "short_id",
 ]
+
+Snapshot = dict[str, Any]
+"""One snapshot of the page: JSON-able plain data in `build_view`'s layout (the page's contract)."""
 
 _MAX_SAMPLE_POINTS = 4096  # per peer and run: one hour of snapshots at a period of 0.9 s or more
 _MAX_ROUNDS = 20  # averaging rounds remembered per run
@@ -210,7 +213,7 @@ class ExpertGrid:
                              "grids": [{"prefix": p, "rows": rows} for p, rows in grids.items()]}, counted)
 
 
-def _last_round(reports: Sequence[PeerProgress]) -> dict[str, Any] | None:
+def _last_round(reports: Sequence[PeerProgress]) -> Snapshot | None:
     """The swarm's latest averaging round as its peers report it: the group sizes they saw, how
     many of them failed it, and the most members a group left out of its mean (failed senders, or
     peers excluded by robust aggregation)."""
@@ -248,7 +251,7 @@ def build_view(
     now: float, self_id: str, answers: Sequence[PeerAnswer], runs: Sequence[RunReports],
     declared: Iterable[ExpertDeclaration] | ExpertGrid, contributions: Mapping[str, Mapping[str, float]],
     limits: DashboardLimits,
-) -> dict[str, Any]:
+) -> Snapshot:
     """The page's snapshot (JSON-able): peers, training runs and the expert grid.
 
     Args:
@@ -303,7 +306,7 @@ def build_view(
     for run in runs:
         reports = sorted(run.reports, key=lambda r: r.peer_id)[: limits.max_run_peers]
         target = max((r.target_batch_size or 0 for r in reports), default=0) or None
-        view: dict[str, Any] = {"run_id": _text(run.run_id, cap), "error": _text(run.error, cap),
+        view: Snapshot = {"run_id": _text(run.run_id, cap), "error": _text(run.error, cap),
                                 "peers": [], "epoch": None, "samples": 0, "target": target, "sps": 0.0,
                                 "num_peers": len(reports), "loss": None}
         if reports:
@@ -403,9 +406,9 @@ class History:
         self.runs: dict[str, _Series] = {}
         self._samples: dict[str, dict[str, deque[tuple[float, float]]]] = {}
         self._last_seen: dict[str, dict[str, tuple[float, float]]] = {}
-        self._rounds: dict[str, deque[dict[str, Any]]] = {}
+        self._rounds: dict[str, deque[Snapshot]] = {}
 
-    def record(self, view: Mapping[str, Any]) -> None:
+    def record(self, view: Snapshot) -> None:
         """Takes in one snapshot of `build_view`."""
         now = float(view["now"])
         answering = sum(1 for p in view["peers"] if p["reachability"] != "unreachable")
@@ -426,7 +429,7 @@ class History:
             elif last is not None and rounds[-1]["epoch"] == last["epoch"]:
                 rounds[-1] = last  # more of its peers have reported it since
 
-    def rounds(self, run_id: str) -> list[dict[str, Any]]:
+    def rounds(self, run_id: str) -> list[Snapshot]:
         """The run's recent averaging rounds, newest first (`_last_round` of each epoch seen)."""
         return list(reversed(self._rounds.get(run_id, ())))
 
@@ -441,7 +444,7 @@ class History:
             s.sps.popleft()
             s.loss.popleft()
 
-    def _count_samples(self, run_id: str, now: float, peers: Sequence[Mapping[str, Any]]) -> None:
+    def _count_samples(self, run_id: str, now: float, peers: Sequence[Snapshot]) -> None:
         """Each peer's samples since the last snapshot, from its reported throughput over the
         interval (capped at 60 s: a peer not seen for longer contributed nothing we can tell)."""
         last = self._last_seen.setdefault(run_id, {})
@@ -466,7 +469,7 @@ class History:
         return {run: {pid: sum(n for _, n in ring) for pid, ring in peers.items()}
                 for run, peers in self._samples.items()}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> Snapshot:
         """The curves as columns (uPlot's data layout: times, then one list per series)."""
         return {
             "peers": {"t": list(self.peers.t), "count": list(self.peers.epoch)},
@@ -491,7 +494,7 @@ class Picture:
         self.grid = GridCache()
 
     def snapshot(self, now: float, self_id: str, answers: Sequence[PeerAnswer], runs: Sequence[RunReports],
-                 declared: Sequence[ExpertDeclaration], generation: int) -> dict[str, Any]:
+                 declared: Sequence[ExpertDeclaration], generation: int) -> Snapshot:
         """The next snapshot; `generation` names the declarations (bumped at each read of them)."""
         grid = self.grid.get(generation, declared, answers, self.limits, now)
         view = build_view(now, self_id, answers, runs, grid, self.history.contributions(), self.limits)

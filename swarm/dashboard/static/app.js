@@ -4,7 +4,8 @@
 
 (function () {
   const MAX_POINTS = 4000;
-  const state = { history: { peers: { t: [], count: [] }, runs: {} }, charts: {}, runCards: {}, peers: {} };
+  const state = { history: { peers: { t: [], count: [] }, runs: {} }, charts: {}, runCards: {}, peers: {}, experts: {},
+                  rejected: new Set() };
   const stats = { snapshots: 0, lastRenderMs: 0, maxRenderMs: 0, totalRenderMs: 0, expertsRenderMs: 0,
                   experts: 0, peers: 0, firstCompleteMs: null };
   window.dashboardStats = stats;
@@ -229,24 +230,26 @@
     const started = performance.now();
     const box = document.getElementById("experts");
     const frag = document.createDocumentFragment();
+    const hues = {};
+    state.experts = {};
     for (const grid of experts.grids || []) {
       frag.appendChild(el("div", "grid-title", grid.prefix + " (" + grid.rows.length + ")"));
       const cells = el("div", "grid");
       cells.dataset.prefix = grid.prefix;
-      for (const [uid, server, batches, queued, rate] of grid.rows) {
-        const cell = el("div", "cell");
+      for (const row of grid.rows) {
+        const [uid, server, , queued] = row;
+        const cell = el("div", state.rejected.has(server) ? "cell rejected" : "cell");
         cell.dataset.uid = uid;
         cell.dataset.server = server;
-        cell.dataset.load = JSON.stringify([batches, queued, rate]);
-        cell.title = expertTitle(cell);
-        cell.style.setProperty("--h", hue(server));
-        cell.style.setProperty("--l", Math.max(25, 60 - 5 * Math.max(0, queued)) + "%");
+        state.experts[uid] = row;  // its title is written when the pointer comes over it
+        let h = hues[server];
+        if (h === undefined) h = hues[server] = hue(server);
+        cell.style.cssText = "--h:" + h + ";--l:" + Math.max(25, 55 - 10 * Math.max(0, queued)) + "%";
         cells.appendChild(cell);
       }
       frag.appendChild(cells);
     }
     box.replaceChildren(frag);
-    markRejected();
     document.getElementById("expert-count").textContent =
       (experts.total || 0) + (experts.truncated ? " (capped: more exist)" : "");
     stats.experts = experts.total || 0;
@@ -254,9 +257,8 @@
     complete();
   }
 
-  function expertTitle(cell) {  // from the latest snapshot: set again whenever the pointer comes over the cell
-    const uid = cell.dataset.uid, server = cell.dataset.server;
-    const [batches, queued, rate] = JSON.parse(cell.dataset.load);
+  function expertTitle(uid) {  // from the latest grid and snapshot, when the pointer comes over the cell
+    const [, server, batches, queued, rate] = state.experts[uid];
     const peer = state.peers[server];
     let text = uid + " on " + shortId(server);
     if (batches >= 0) text += ", " + batches + " batches" + (rate === null ? "" : " (" + rate.toFixed(2) + "/s)");
@@ -267,10 +269,11 @@
     return text;
   }
 
-  function markRejected() {  // outlines the experts of servers whose answers clients rejected
-    for (const cell of document.querySelectorAll("#experts .cell")) {
-      const peer = state.peers[cell.dataset.server];
-      cell.classList.toggle("rejected", !!(peer && peer.rejected_answers));
+  function markRejected(servers, on) {  // outlines the experts of servers whose answers clients rejected
+    for (const server of servers) {
+      for (const cell of document.querySelectorAll('#experts .cell[data-server="' + CSS.escape(server) + '"]')) {
+        cell.classList.toggle("rejected", on);
+      }
     }
   }
 
@@ -293,11 +296,10 @@
     }
     document.querySelector("#rejections tbody").replaceChildren(rows);
     document.getElementById("rejection-count").textContent = snap.rejections.length ? total + " in all" : "none reported";
-    const marked = snap.rejections.map(function (r) { return r.server; }).sort().join(" ");
-    if (marked !== state.marked) {
-      state.marked = marked;
-      markRejected();
-    }
+    const marked = new Set(snap.rejections.map(function (r) { return r.server; }));
+    markRejected([...state.rejected].filter(function (x) { return !marked.has(x); }), false);
+    markRejected([...marked].filter(function (x) { return !state.rejected.has(x); }), true);
+    state.rejected = marked;
   }
 
   function complete() {  // the first moment the page shows peers and experts (page load to picture)
@@ -349,7 +351,7 @@
 
   document.getElementById("experts").addEventListener("mouseover", function (e) {
     const cell = e.target.closest(".cell");
-    if (cell) cell.title = expertTitle(cell);
+    if (cell && state.experts[cell.dataset.uid]) cell.title = expertTitle(cell.dataset.uid);
   });
 
   function connect() {
