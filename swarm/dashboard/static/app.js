@@ -113,6 +113,19 @@
 
   // -- training runs ------------------------------------------------------------------------------
 
+  function table(parent, cls, headers) {  // a table with these column headers in `parent`; its body
+    const node = el("table", cls);
+    const head = el("tr");
+    for (const h of headers) head.appendChild(el("th", null, h));
+    const thead = el("thead");
+    thead.appendChild(head);
+    node.appendChild(thead);
+    const body = el("tbody");
+    node.appendChild(body);
+    parent.appendChild(node);
+    return body;
+  }
+
   function runCard(runId) {
     if (state.runCards[runId]) return state.runCards[runId];
     const container = document.getElementById("runs");
@@ -145,29 +158,10 @@
     charts.appendChild(lossBox);
     charts.appendChild(epochBox);
     card.appendChild(charts);
-    const table = el("table", "run-peers");
-    const head = el("tr");
-    for (const h of ["PeerID", "epoch", "samples", "samples/s", "loss", "samples in the last hour", "last round",
-                     "report age"]) {
-      head.appendChild(el("th", null, h));
-    }
-    const thead = el("thead");
-    thead.appendChild(head);
-    table.appendChild(thead);
-    parts.body = el("tbody");
-    table.appendChild(parts.body);
-    card.appendChild(table);
-    const rounds = el("table", "run-rounds");
-    const roundsHead = el("tr");
-    for (const h of ["averaging round (epoch)", "peers reporting", "group sizes", "failed", "left out of the mean"]) {
-      roundsHead.appendChild(el("th", null, h));
-    }
-    const roundsThead = el("thead");
-    roundsThead.appendChild(roundsHead);
-    rounds.appendChild(roundsThead);
-    parts.rounds = el("tbody");
-    rounds.appendChild(parts.rounds);
-    card.appendChild(rounds);
+    parts.body = table(card, "run-peers", ["PeerID", "epoch", "samples", "samples/s", "loss", "samples in the last hour",
+                                           "last round", "report age"]);
+    parts.rounds = table(card, "run-rounds", ["averaging round (epoch)", "peers reporting", "group sizes", "failed",
+                                              "left out of the mean"]);
     container.appendChild(card);
     state.charts[runId] = { loss: chart(lossBox, "loss", "#d9480f"), epoch: chart(epochBox, "epoch", "#3b7ddd") };
     state.runCards[runId] = parts;
