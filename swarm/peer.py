@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, Self, TypeVar
 
@@ -21,6 +23,7 @@ from swarm.core.loop import LoopThread, spawn
 from swarm.core.membership import MembershipCertificate, MembershipPolicy, RevocationList
 from swarm.core.multiaddr import Multiaddr
 from swarm.core.services import Component, Services
+from swarm.core.status import PeerStatus
 from swarm.core.version import __version__
 from swarm.dht.config import DHTConfig
 from swarm.dht.dht import DHT
@@ -123,6 +126,7 @@ class Peer:
         self.peer_id = self.identity.peer_id
         self.addrs: list[str] = []
         self.served_experts: list[str] = []  # filled by an ExpertServer; reported by Info
+        self.started = time.time()  # reported by Info (uptime)
         if insecure:
             server_config = dataclasses.replace(server_config or ServerConfig(), tls=False)
             channel_config = dataclasses.replace(channel_config or ChannelConfig(), tls=False)
@@ -227,12 +231,15 @@ class Peer:
             self._components.remove(component)
 
     def describe(self) -> peer_pb2.PeerInfo:
-        return peer_pb2.PeerInfo(
+        info = peer_pb2.PeerInfo(
             peer_id=self.peer_id, version=__version__, addrs=self.addrs, role=self.role,
             client_mode=self.client_mode, experts=self.served_experts,
             reachability=self.nat.status if self.nat is not None else "",
             relays=[r.relay_id or "" for r in map(Multiaddr.parse, self.addrs) if r.relay_id],
+            started=self.started,
         )
+        _add_status(self, info)
+        return info
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Runs a coroutine on the peer's event loop and waits for it (the sync bridge)."""
@@ -281,6 +288,49 @@ class Peer:
 
     def __repr__(self) -> str:
         return f"Peer({self.peer_id}, addrs={self.addrs})"
+
+
+_MAX_LINKS = 32
+_MAX_EXPERT_LOADS = 1024
+# swarm.moe.protocol.FORWARD and swarm.moe.group_calls.FORWARD_GROUP (that package needs torch)
+_EXPERT_FORWARDS = ("/swarm.moe.Expert/Forward", "/swarm.moe.Expert/ForwardGroup")
+
+
+def _add_status(peer: Peer, info: peer_pb2.PeerInfo) -> None:
+    """What `Peer.describe` adds for the swarm's page (docs/operations.md, "Dashboard"), capped:
+    its own link measurements, its runs, its experts' load and latency, the servers it rejected."""
+    info.links.extend(peer_pb2.LinkStat(peer_id=pid, rtt=link.srtt or 0.0, throughput=link.throughput or 0.0)
+                      for pid, link in reversed(list(peer.pool.estimates.links.items())[-_MAX_LINKS:]))
+    status = peer.services.get(PeerStatus)
+    if status is not None:
+        info.runs.extend(status.runs)
+        info.rejected.extend(peer_pb2.RejectedAnswers(server=s, count=n) for s, n in status.rejected.items())
+    if peer.served_experts:
+        info.expert_load.extend(_expert_loads(peer.served_experts[:_MAX_EXPERT_LOADS]))
+        methods = peer.server.metrics.methods if peer.server is not None else {}
+        for forward in filter(None, map(methods.get, _EXPERT_FORWARDS)):
+            info.forward_calls += sum(forward.latency.counts)
+            info.forward_seconds += forward.latency.sum
+
+
+def _expert_loads(uids: Sequence[str]) -> list[peer_pb2.ExpertLoad]:
+    """Each expert's batches and queue, from the process's expert metrics (prometheus_client is
+    already loaded on a peer that serves experts)."""
+    from swarm.metrics import EXPERT_BATCHES, EXPERT_QUEUE_DEPTH
+
+    batches: dict[str, float] = {}
+    queued: dict[str, float] = {}
+    for family, into, suffix in ((EXPERT_BATCHES, batches, "_total"), (EXPERT_QUEUE_DEPTH, queued, "")):
+        for metric in family.collect():
+            for sample in metric.samples:
+                if sample.name == metric.name + suffix and "expert" in sample.labels:
+                    into[sample.labels["expert"]] = sample.value
+    return [peer_pb2.ExpertLoad(uid=uid, batches=_count(batches.get(uid, 0.0)), queued=_count(queued.get(uid, 0.0)))
+            for uid in uids]
+
+
+def _count(value: float) -> int:
+    return int(value) if math.isfinite(value) and value > 0 else 0  # a failed gauge probe reads NaN
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

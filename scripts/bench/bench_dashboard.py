@@ -2,8 +2,8 @@
 
     python scripts/bench/bench_dashboard.py [--peers 200] [--experts 10000] [--snapshots 10] [--refresh 1.0]
 
-A synthetic swarm (`swarm.dashboard.synthetic.SyntheticSwarm`: the collector's real `build_view`
-and `History`, with no network) is served by a real `DashboardServer` and opened in Debian's
+A synthetic swarm (`swarm.dashboard.synthetic.SyntheticSwarm`: the collector's real `Picture`,
+with what peers say of themselves in their answers, and no network) is served by a real `DashboardServer` and opened in Debian's
 headless chromium (tests/dashboard/browser.py); the baseline is a small swarm (4 peers, 4
 experts) measured the same way in the same invocation. One JSON line per figure and swarm:
 
@@ -11,7 +11,7 @@ experts) measured the same way in the same invocation. One JSON line per figure 
     snapshot_kb / experts_kb    one live update's size, and the grid's (sent when it changes)
     first_picture_ms    page load to peers and expert grid drawn
     experts_render_ms   drawing the whole grid
-    update_ms_mean / update_ms_max    redrawing peers, runs and charts at each live update
+    update_ms_mean / update_ms_median / update_ms_max    redrawing peers, runs and charts at each live update
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def measure(label: str, peers: int, experts: int, snapshots: int, refresh: float
             emit("first_picture_ms", stats["firstCompleteMs"])
             emit("experts_render_ms", stats["expertsRenderMs"])
             emit("update_ms_mean", stats["totalRenderMs"] / stats["snapshots"])
+            emit("update_ms_median", statistics.median(stats["renders"]))  # a loaded machine's pauses move the mean
             emit("update_ms_max", stats["maxRenderMs"])
     finally:
         loop.run(server.ashutdown(), timeout=30)

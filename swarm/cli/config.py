@@ -138,7 +138,7 @@ def add_dashboard_arguments(parser: argparse.ArgumentParser, port_flag: str = "-
                         help="serve the swarm's live page on this port (0: any free one; docs/operations.md)")
     parser.add_argument("--dashboard-host", help="address the page is served on (default 127.0.0.1: this machine only)")
     parser.add_argument("--dashboard-run", action="append", metavar="RUN_ID",
-                        help="a training run to show (repeatable)")
+                        help="show only this training run (repeatable; default: every run the peers report)")
     parser.add_argument("--dashboard-experts", action="append", metavar="PREFIX",
                         help="an expert grid to read from the DHT, e.g. 'ffn.' (repeatable; grids the "
                              "peers serve are found anyway)")

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from swarm.core.errors import SwarmError
 from swarm.core.multiaddr import Multiaddr, MultiaddrError
@@ -25,11 +26,11 @@ from swarm.core.timeutil import get_dht_time
 from swarm.dashboard.view import (
     DashboardLimits,
     ExpertDeclaration,
-    GridCache,
-    History,
+    LinkMeasure,
     PeerAnswer,
+    Picture,
     RunReports,
-    build_view,
+    Snapshot,
 )
 from swarm.dht.handle import KeyValueStore
 from swarm.dht.validation import marker_owner
@@ -39,9 +40,49 @@ from swarm.net.channels import ChannelPool
 from swarm.optim.progress import PeerProgress, progress_key
 from swarm.proto import peer_pb2
 
-__all__ = ["Collector", "DashboardConfig", "DashboardPeer"]
+__all__ = ["Collector", "DashboardConfig", "DashboardPeer", "found_runs", "uptime", "valid_run_id"]
 
 logger = logging.getLogger(__name__)
+
+_MAX_RTT_S = 600.0
+_MAX_THROUGHPUT = 1e12  # bytes/s: more is a lie
+_MAX_COUNT = 2**53  # counts kept exact in JSON
+_MAX_REJECTING = 64  # servers one client's answer may name (`swarm.core.status.MAX_REJECTING`)
+_MAX_UPTIME_S = 10 * 365 * 86400.0
+
+
+def _positive(value: float, limit: float, scale: float = 1.0) -> float | None:
+    """`value` times `scale` if it is a positive finite number below `limit` (0 means unknown)."""
+    return value * scale if math.isfinite(value) and 0 < value < limit else None
+
+
+def _plausible_id(peer_id: str) -> bool:
+    return 0 < len(peer_id) <= 128 and peer_id.isalnum()
+
+
+def uptime(started: float, now: float) -> float | None:
+    """Seconds a peer has been running, from its own clock's start and answer time; None when it
+    did not say (older peers) or says nonsense."""
+    if not (math.isfinite(started) and math.isfinite(now)) or started <= 0 or now < started:
+        return None
+    return min(now - started, _MAX_UPTIME_S)
+
+
+def valid_run_id(run_id: str, max_len: int) -> bool:
+    """A run id as `swarm.Optimizer` accepts one (non-empty, no spaces), short enough to show."""
+    return 0 < len(run_id) <= max_len and not any(c.isspace() or not c.isprintable() for c in run_id)
+
+
+def found_runs(answers: Sequence[PeerAnswer], read: Sequence[RunReports], limits: DashboardLimits) -> list[str]:
+    """The runs the peers' answers name, each peer's capped (`max_runs_per_peer`), at most
+    `max_runs`: those with live progress reports first, then those named by the most peers, so
+    that one peer naming made-up runs cannot crowd out a run that is training."""
+    named: dict[str, int] = {}
+    for a in answers:
+        for run_id in dict.fromkeys(a.runs[: limits.max_runs_per_peer]):
+            named[run_id] = named.get(run_id, 0) + 1
+    live = {r.run_id for r in read if r.reports}
+    return sorted(named, key=lambda r: (r not in live, -named[r], r))[: limits.max_runs]
 
 
 @dataclass(frozen=True)
@@ -119,41 +160,75 @@ class Collector:
         self.peer = peer
         self.config = config
         self.clock = clock
-        self.history = History(config.history_seconds)
+        self.picture = Picture(config.limits, config.history_seconds)
+        self.history = self.picture.history
         self._first_seen: dict[str, float] = {}
+        self._forward: dict[str, tuple[int, float, float | None]] = {}  # calls, seconds, latency (ms)
+        self._found_runs: list[str] = []
         self._experts: list[ExpertDeclaration] = []
         self._experts_read = 0  # how many times the grids were walked (the grid cache's generation)
-        self._grid = GridCache()
         self._next_experts = 0.0
 
-    async def acollect(self) -> dict[str, Any]:
-        """One collection: asks the peers, reads the runs (and the grids when due); the snapshot."""
+    async def acollect(self) -> Snapshot:
+        """One collection: reads the runs, asks the peers (and walks the grids when due); the snapshot.
+
+        The runs are the named ones (`DashboardConfig.runs`), or else those the peers' answers
+        named the collection before; a run named for the first time is read at once."""
         now = self.clock()
-        runs = await self._read_runs()
+        runs = await self._read_runs(list(self.config.runs) or self._found_runs)
         addrs = self._peer_addrs(runs)
         answers = [self._self_answer(now)]
         answers += await asyncio.gather(*(self._ask(pid, addr, now) for pid, addr in addrs.items()))
+        if not self.config.runs:
+            self._found_runs = found_runs(answers, runs, self.config.limits)
+            read = {r.run_id for r in runs}
+            runs += await self._read_runs([r for r in self._found_runs if r not in read])
         if time.monotonic() >= self._next_experts:
             self._next_experts = time.monotonic() + self.config.experts_period
             self._experts = await self._read_experts(answers)
             self._experts_read += 1
-        grid = self._grid.get(self._experts_read, self._experts, answers, self.config.limits)
-        view = build_view(now, self.peer.peer_id, answers, runs, grid, self.history.contributions(),
-                          self.config.limits)
-        self.history.record(view)
+        view = self.picture.snapshot(now, self.peer.peer_id, answers, runs, self._experts, self._experts_read)
+        view["runs_named"] = bool(self.config.runs)
         return view
 
     def _self_answer(self, now: float) -> PeerAnswer:
         info = self.peer.describe()
+        info.time = time.time()  # as `Info` stamps its answers
         return self._answer(self.peer.peer_id, info, None, now)
 
     def _answer(self, peer_id: str, info: peer_pb2.PeerInfo, rtt_ms: float | None, now: float) -> PeerAnswer:
+        """The peer's answer as the page may show it: every list capped, every number checked."""
         limits = self.config.limits
         return PeerAnswer(
             peer_id=peer_id, answered=True, role=info.role, version=info.version, reachability=info.reachability,
             client_mode=info.client_mode, experts=tuple(info.experts[: limits.max_experts_per_peer + 1]),
             relays=tuple(info.relays[:16]), rtt_ms=rtt_ms, first_seen=self._first_seen.setdefault(peer_id, now),
+            uptime_s=uptime(info.started, info.time),
+            links=tuple(LinkMeasure(link.peer_id, _positive(link.rtt, _MAX_RTT_S, 1000.0),
+                                    _positive(link.throughput, _MAX_THROUGHPUT))
+                        for link in info.links[: limits.max_links_per_peer] if _plausible_id(link.peer_id)),
+            runs=tuple(r for r in info.runs[: limits.max_runs_per_peer] if valid_run_id(r, limits.max_text)),
+            expert_load=tuple((load.uid, min(load.batches, _MAX_COUNT), load.queued)
+                              for load in info.expert_load[: limits.max_experts_per_peer]),
+            forward_ms=self._forward_latency(peer_id, info.forward_calls, info.forward_seconds),
+            rejected=tuple((r.server, min(r.count, _MAX_COUNT)) for r in info.rejected[:_MAX_REJECTING]
+                           if _plausible_id(r.server) and r.count > 0),
         )
+
+    def _forward_latency(self, peer_id: str, calls: int, seconds: float) -> float | None:
+        """The mean Forward time (ms) since this peer's last answer; its last figure while it served
+        none since, the mean since its start at first."""
+        if not (math.isfinite(seconds) and seconds >= 0) or calls <= 0:
+            return None
+        before = self._forward.get(peer_id)
+        if before is None or calls < before[0] or seconds < before[1]:  # first seen, or restarted
+            latency: float | None = seconds / calls * 1000
+        elif calls > before[0]:
+            latency = (seconds - before[1]) / (calls - before[0]) * 1000
+        else:
+            latency = before[2]
+        self._forward[peer_id] = (calls, seconds, latency)
+        return latency
 
     def _peer_addrs(self, runs: Sequence[RunReports]) -> dict[str, str]:
         """PeerID -> address of every peer to ask: the routing table's, then the trainers' own."""
@@ -186,18 +261,18 @@ class Collector:
             return PeerAnswer(peer_id, answered=False, first_seen=first_seen)
         return self._answer(peer_id, info, rtt_ms, now)
 
-    async def _read_runs(self) -> list[RunReports]:
+    async def _read_runs(self, run_ids: Sequence[str]) -> list[RunReports]:
         dht = self.peer.dht
-        if dht is None or not self.config.runs:
-            return [RunReports(r, (), "no DHT" if dht is None else "") for r in self.config.runs]
-        keys = [progress_key(r) for r in self.config.runs]
+        if dht is None or not run_ids:
+            return [RunReports(r, (), "no DHT" if dht is None else "") for r in run_ids]
+        keys = [progress_key(r) for r in run_ids]
         try:
             found = await asyncio.wait_for(dht.aget_many(keys, latest=True), self.config.info_timeout * 2)
         except (SwarmError, TimeoutError, OSError) as e:
-            return [RunReports(r, (), f"DHT read failed: {type(e).__name__}") for r in self.config.runs]
+            return [RunReports(r, (), f"DHT read failed: {type(e).__name__}") for r in run_ids]
         now = self.clock()
         runs = []
-        for run_id, key in zip(self.config.runs, keys):
+        for run_id, key in zip(run_ids, keys):
             record = found.get(key)
             reports: list[PeerProgress] = []
             value = record.value if record is not None else None

@@ -26,12 +26,16 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from swarm.core.errors import ConfigError
 from swarm.core.loop import spawn
 from swarm.dashboard.access import DashboardAccess
 from swarm.dashboard.collector import DashboardConfig
+from swarm.dashboard.view import Snapshot
+
+if TYPE_CHECKING:
+    import uvicorn
 
 __all__ = ["DashboardServer", "SnapshotSource"]
 
@@ -53,12 +57,12 @@ STARTUP_TIMEOUT_S = 10.0
 class SnapshotSource(Protocol):
     """Where snapshots come from: the `Collector`, or a synthetic swarm (benchmarks, tests)."""
 
-    async def acollect(self) -> dict[str, Any]: ...
+    async def acollect(self) -> Snapshot: ...
 
-    def history_json(self) -> dict[str, Any]: ...
+    def history_json(self) -> Snapshot: ...
 
 
-def _encode(value: Any) -> str:
+def _encode(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
@@ -84,7 +88,7 @@ class DashboardServer:
         self._changed = asyncio.Condition()
         self._clients = 0
         self._closing = asyncio.Event()
-        self._server: Any = None
+        self._server: uvicorn.Server | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._refresh_task: asyncio.Task[None] | None = None
         self.collections = 0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from swarm.core.errors import ConfigError
 from swarm.dashboard.access import DashboardAccess
 from swarm.dashboard.collector import Collector, DashboardConfig
 from swarm.dashboard.server import DashboardServer
+from swarm.dashboard.view import Snapshot
 from swarm.peer import Peer
 
 __all__ = ["PeerDashboard", "serve_dashboard"]
@@ -22,10 +22,10 @@ class PeerDashboard:
     def __init__(self, collector: Collector) -> None:
         self.collector = collector
 
-    async def acollect(self) -> dict[str, Any]:
+    async def acollect(self) -> Snapshot:
         return await self.collector.acollect()
 
-    def history_json(self) -> dict[str, Any]:
+    def history_json(self) -> Snapshot:
         return self.collector.history.to_json()
 
 

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from swarm.core.errors import DHTError, SwarmError
 from swarm.core.loop import spawn
+from swarm.core.status import PeerStatus
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.dht.validation import marker_owner, owner_marker
@@ -54,6 +55,7 @@ class ProgressTracker:
     def __init__(self, peer: PeerHandle, run_id: str, config: CollaborationConfig, addr: str = "",
                  clock: Callable[[], float] = get_dht_time) -> None:
         self.peer = peer
+        self.run_id = run_id
         self.key = progress_key(run_id)
         self.config = config
         self.addr = addr
@@ -192,6 +194,7 @@ class ProgressTracker:
         if self.peer.dht is not None:
             self._unwatch = self.peer.dht.watch_local(self.key, self._on_local_store)
         self._task = spawn(self._run(), name=f"progress-tracker:{self.key}")
+        PeerStatus.of(self.peer).join_run(self.run_id)  # the peer's Info answer names its runs
         try:
             await asyncio.wait_for(self._fetched.wait(), self.config.averaging_timeout)
         except TimeoutError:
@@ -330,6 +333,7 @@ class ProgressTracker:
             return
         self._closed = True
         if self._task is not None:
+            PeerStatus.of(self.peer).leave_run(self.run_id)
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._unwatch is not None:

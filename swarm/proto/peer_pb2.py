@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x05swarm\"\r\n\x0bInfoRequest\"\xa3\x01\n\x08PeerInfo\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05\x61\x64\x64rs\x18\x03 \x03(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x13\n\x0b\x63lient_mode\x18\x05 \x01(\x08\x12\x0c\n\x04time\x18\x06 \x01(\x01\x12\x0f\n\x07\x65xperts\x18\x07 \x03(\t\x12\x14\n\x0creachability\x18\x08 \x01(\t\x12\x0e\n\x06relays\x18\t \x03(\t\"=\n\x10HandshakeRequest\x12\x11\n\tchallenge\x18\x01 \x01(\x0c\x12\x16\n\x0e\x63\x61ller_peer_id\x18\x02 \x01(\t\":\n\x11HandshakeResponse\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"2\n\x0f\x42ulkOpenRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"?\n\x10\x42ulkOpenResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0e\n\x06reopen\x18\x03 \x01(\x08\"K\n\x0b\x43\x61llRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x0f\n\x07timeout\x18\x04 \x01(\x01\"J\n\x0c\x43\x61llResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\"1\n\x0c\x43\x61llRequests\x12!\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x12.swarm.CallRequest\"3\n\rCallResponses\x12\"\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x13.swarm.CallResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x05swarm\"\r\n\x0bInfoRequest\"\xe4\x02\n\x08PeerInfo\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05\x61\x64\x64rs\x18\x03 \x03(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x13\n\x0b\x63lient_mode\x18\x05 \x01(\x08\x12\x0c\n\x04time\x18\x06 \x01(\x01\x12\x0f\n\x07\x65xperts\x18\x07 \x03(\t\x12\x14\n\x0creachability\x18\x08 \x01(\t\x12\x0e\n\x06relays\x18\t \x03(\t\x12\x0f\n\x07started\x18\n \x01(\x01\x12\x1e\n\x05links\x18\x0b \x03(\x0b\x32\x0f.swarm.LinkStat\x12\x0c\n\x04runs\x18\x0c \x03(\t\x12&\n\x0b\x65xpert_load\x18\r \x03(\x0b\x32\x11.swarm.ExpertLoad\x12\x15\n\rforward_calls\x18\x0e \x01(\x04\x12\x17\n\x0f\x66orward_seconds\x18\x0f \x01(\x01\x12(\n\x08rejected\x18\x10 \x03(\x0b\x32\x16.swarm.RejectedAnswers\"<\n\x08LinkStat\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0b\n\x03rtt\x18\x02 \x01(\x01\x12\x12\n\nthroughput\x18\x03 \x01(\x01\":\n\nExpertLoad\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61tches\x18\x02 \x01(\x04\x12\x0e\n\x06queued\x18\x03 \x01(\r\"0\n\x0fRejectedAnswers\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"=\n\x10HandshakeRequest\x12\x11\n\tchallenge\x18\x01 \x01(\x0c\x12\x16\n\x0e\x63\x61ller_peer_id\x18\x02 \x01(\t\":\n\x11HandshakeResponse\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"2\n\x0f\x42ulkOpenRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"?\n\x10\x42ulkOpenResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0e\n\x06reopen\x18\x03 \x01(\x08\"K\n\x0b\x43\x61llRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x0f\n\x07timeout\x18\x04 \x01(\x01\"J\n\x0c\x43\x61llResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\"1\n\x0c\x43\x61llRequests\x12!\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x12.swarm.CallRequest\"3\n\rCallResponses\x12\"\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x13.swarm.CallResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -24,21 +24,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=21
   _globals['_INFOREQUEST']._serialized_end=34
   _globals['_PEERINFO']._serialized_start=37
-  _globals['_PEERINFO']._serialized_end=200
-  _globals['_HANDSHAKEREQUEST']._serialized_start=202
-  _globals['_HANDSHAKEREQUEST']._serialized_end=263
-  _globals['_HANDSHAKERESPONSE']._serialized_start=265
-  _globals['_HANDSHAKERESPONSE']._serialized_end=323
-  _globals['_BULKOPENREQUEST']._serialized_start=325
-  _globals['_BULKOPENREQUEST']._serialized_end=375
-  _globals['_BULKOPENRESPONSE']._serialized_start=377
-  _globals['_BULKOPENRESPONSE']._serialized_end=440
-  _globals['_CALLREQUEST']._serialized_start=442
-  _globals['_CALLREQUEST']._serialized_end=517
-  _globals['_CALLRESPONSE']._serialized_start=519
-  _globals['_CALLRESPONSE']._serialized_end=593
-  _globals['_CALLREQUESTS']._serialized_start=595
-  _globals['_CALLREQUESTS']._serialized_end=644
-  _globals['_CALLRESPONSES']._serialized_start=646
-  _globals['_CALLRESPONSES']._serialized_end=697
+  _globals['_PEERINFO']._serialized_end=393
+  _globals['_LINKSTAT']._serialized_start=395
+  _globals['_LINKSTAT']._serialized_end=455
+  _globals['_EXPERTLOAD']._serialized_start=457
+  _globals['_EXPERTLOAD']._serialized_end=515
+  _globals['_REJECTEDANSWERS']._serialized_start=517
+  _globals['_REJECTEDANSWERS']._serialized_end=565
+  _globals['_HANDSHAKEREQUEST']._serialized_start=567
+  _globals['_HANDSHAKEREQUEST']._serialized_end=628
+  _globals['_HANDSHAKERESPONSE']._serialized_start=630
+  _globals['_HANDSHAKERESPONSE']._serialized_end=688
+  _globals['_BULKOPENREQUEST']._serialized_start=690
+  _globals['_BULKOPENREQUEST']._serialized_end=740
+  _globals['_BULKOPENRESPONSE']._serialized_start=742
+  _globals['_BULKOPENRESPONSE']._serialized_end=805
+  _globals['_CALLREQUEST']._serialized_start=807
+  _globals['_CALLREQUEST']._serialized_end=882
+  _globals['_CALLRESPONSE']._serialized_start=884
+  _globals['_CALLRESPONSE']._serialized_end=958
+  _globals['_CALLREQUESTS']._serialized_start=960
+  _globals['_CALLREQUESTS']._serialized_end=1009
+  _globals['_CALLRESPONSES']._serialized_start=1011
+  _globals['_CALLRESPONSES']._serialized_end=1062
 # @@protoc_insertion_point(module_scope)

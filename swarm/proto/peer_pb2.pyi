@@ -10,7 +10,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "version", "addrs", "role", "client_mode", "time", "experts", "reachability", "relays")
+    __slots__ = ("peer_id", "version", "addrs", "role", "client_mode", "time", "experts", "reachability", "relays", "started", "links", "runs", "expert_load", "forward_calls", "forward_seconds", "rejected")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ADDRS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,13 @@ class PeerInfo(_message.Message):
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     RELAYS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     version: str
     addrs: _containers.RepeatedScalarFieldContainer[str]
@@ -29,7 +36,42 @@ class PeerInfo(_message.Message):
     experts: _containers.RepeatedScalarFieldContainer[str]
     reachability: str
     relays: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., client_mode: bool = ..., time: _Optional[float] = ..., experts: _Optional[_Iterable[str]] = ..., reachability: _Optional[str] = ..., relays: _Optional[_Iterable[str]] = ...) -> None: ...
+    started: float
+    links: _containers.RepeatedCompositeFieldContainer[LinkStat]
+    runs: _containers.RepeatedScalarFieldContainer[str]
+    expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
+    forward_calls: int
+    forward_seconds: float
+    rejected: _containers.RepeatedCompositeFieldContainer[RejectedAnswers]
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., client_mode: bool = ..., time: _Optional[float] = ..., experts: _Optional[_Iterable[str]] = ..., reachability: _Optional[str] = ..., relays: _Optional[_Iterable[str]] = ..., started: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., runs: _Optional[_Iterable[str]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., rejected: _Optional[_Iterable[_Union[RejectedAnswers, _Mapping]]] = ...) -> None: ...
+
+class LinkStat(_message.Message):
+    __slots__ = ("peer_id", "rtt", "throughput")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    RTT_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    rtt: float
+    throughput: float
+    def __init__(self, peer_id: _Optional[str] = ..., rtt: _Optional[float] = ..., throughput: _Optional[float] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("uid", "batches", "queued")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    batches: int
+    queued: int
+    def __init__(self, uid: _Optional[str] = ..., batches: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+
+class RejectedAnswers(_message.Message):
+    __slots__ = ("server", "count")
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    server: str
+    count: int
+    def __init__(self, server: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("challenge", "caller_peer_id")

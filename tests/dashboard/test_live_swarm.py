@@ -1,8 +1,8 @@
 """The dashboard of a live swarm in a real headless chromium: an expert server serving the page
-(`swarm-peer --dashboard-port 0`) and three demo trainers, as separate processes on loopback. The
-page shows the four peers, an epoch that rises, the loss chart filling, and a SIGKILLed trainer
-as unreachable within 10 s. The screenshot is kept (its path is printed; set
-SWARM_DASHBOARD_SCREENSHOT to copy it elsewhere). Marked `alone`: five processes and a browser
+(`swarm-peer --dashboard-port 0`, no run named) and three demo trainers, as separate processes on
+loopback. The page shows the four peers, the trainers' run (found in their answers), an epoch that
+rises, the loss chart filling, and a SIGKILLed trainer as unreachable within 10 s. The screenshot
+is kept (its path is printed; set SWARM_DASHBOARD_SCREENSHOT to copy it elsewhere). Marked `alone`: five processes and a browser
 on two cores, with a 10 s deadline that a neighbour test's load should not decide."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_the_page_shows_a_live_swarm_training_and_a_killed_trainer_within_10_s(t
         server, server_out, server_err = _start([
             sys.executable, "-m", "swarm", "--listen", "/ip4/127.0.0.1/tcp/0", "--experts", "ffn.[0:2].[0:2]",
             "--expert-cls", "ffn", "--hidden-dim", "32", "--log-level", "INFO",
-            "--dashboard-port", "0", "--dashboard-run", RUN])
+            "--dashboard-port", "0"])  # no run named: the page finds the trainers' run in their answers
         procs.append(server)
         addr = server_out.wait_for(r"^/ip4/\S+", 60).group(0)
         url = server_err.wait_for(r"dashboard at (http://127\.0\.0\.1:\d+/)", 30).group(1)

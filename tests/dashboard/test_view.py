@@ -7,11 +7,15 @@ import json
 
 import pytest
 
+from swarm.dashboard.collector import found_runs, uptime, valid_run_id
 from swarm.dashboard.view import (
     DashboardLimits,
     ExpertDeclaration,
+    GridCache,
     History,
+    LinkMeasure,
     PeerAnswer,
+    Picture,
     RunReports,
     build_view,
 )
@@ -47,7 +51,9 @@ def test_peers_get_roles_reachability_and_rtt_from_their_answers_and_the_runs():
     assert [p["id"] for p in run["peers"]] == [T1, T2]
     assert run["last_round"] == {"epoch": 2, "peers": 2, "group_sizes": [0, 2], "failed": 1, "excluded": 1}
     assert run["peers"][0]["round"] == {"epoch": 2, "ok": True, "group": 2, "in_mean": 1, "seconds": 0.5}
-    assert view["experts"]["grids"] == [{"prefix": "ffn.", "rows": [["ffn.0.0", SRV], ["ffn.0.1", SRV]]}]
+    # no load reported: -1 batches, -1 queued, no rate
+    assert view["experts"]["grids"] == [{"prefix": "ffn.", "rows": [["ffn.0.0", SRV, -1, -1, None],
+                                                                    ["ffn.0.1", SRV, -1, -1, None]]}]
     json.dumps(view, allow_nan=False)  # plain data, no NaN
 
 
@@ -63,7 +69,7 @@ def test_a_hostile_peer_fills_only_its_own_capped_rows_and_its_strings_stay_text
     assert len(view["peers"]) == 3 and view["peers_truncated"] and view["peers_total"] == 12
     assert view["experts"]["total"] == 6 and view["experts"]["truncated"]  # the DHT's one, then 5 of its 1000
     rows = [r for g in view["experts"]["grids"] for r in g["rows"]]
-    assert ["ffn.0.0", T1] in rows and all(len(uid) <= 40 for uid, _ in rows)
+    assert ["ffn.0.0", T1, -1, -1, None] in rows and all(len(row[0]) <= 40 for row in rows)
 
 
 def test_history_keeps_the_last_hours_and_counts_each_peers_samples_of_the_last_hour():
@@ -84,3 +90,63 @@ def test_limits_and_history_refuse_nonsense():
         DashboardLimits(max_text=0)
     with pytest.raises(ValueError):
         History(seconds=0)
+
+
+def test_peers_show_what_they_say_of_themselves_and_what_the_others_measured_of_them():
+    links_to_srv = [LinkMeasure(SRV, rtt, 2e6) for rtt in (10.0, 12.0)]
+    answers = [PeerAnswer(SELF, True, uptime_s=50.0, links=(links_to_srv[0],)),
+               PeerAnswer(SRV, True, experts=("ffn.0",), uptime_s=7200.4, forward_ms=3.456,
+                          links=(LinkMeasure(SRV, 0.001, 9e9),)),  # its own link to itself does not count
+               PeerAnswer(T1, True, runs=("r1",), links=(links_to_srv[1],), rejected=((SRV, 3),)),
+               PeerAnswer(T2, True, links=(LinkMeasure(SRV, 5000.0, None),), rejected=((SRV, 2), (T1, 1)))]
+    view = _view(answers)
+    peers = {p["id"]: p for p in view["peers"]}
+    srv = peers[SRV]
+    assert (srv["uptime_s"], srv["forward_ms"], srv["rejected_answers"]) == (7200.0, 3.46, 5)
+    # the lower median of 10, 12 and a liar's 5000 ms; throughput of those that measured one
+    assert (srv["link_rtt_ms"], srv["link_mbps"], srv["link_reporters"]) == (12.0, 2.0, 3)
+    assert peers[T1]["roles"] == ["trainer"] and peers[T1]["runs"] == ["r1"]  # a run named in its answer
+    assert peers[T2]["link_rtt_ms"] is None and peers[T2]["uptime_s"] is None
+    assert view["rejections"] == [
+        {"client": T1, "client_short": "…aaaaaaaa", "server": SRV, "server_short": "…cccccccc", "count": 3},
+        {"client": T2, "client_short": "…bbbbbbbb", "server": SRV, "server_short": "…cccccccc", "count": 2},
+        {"client": T2, "client_short": "…bbbbbbbb", "server": T1, "server_short": "…aaaaaaaa", "count": 1}]
+    assert len(_view(answers, limits=DashboardLimits(max_rejections=2))["rejections"]) == 2
+    json.dumps(view, allow_nan=False)
+
+
+def test_the_grid_shows_each_experts_load_from_its_own_server_and_its_rate_between_grids():
+    cache = GridCache()
+    declared = [ExpertDeclaration("ffn.0", SRV), ExpertDeclaration("ffn.1", SRV)]
+
+    def answers(batches: int) -> list[PeerAnswer]:
+        return [PeerAnswer(SRV, True, expert_load=(("ffn.0", batches, 2),)),
+                PeerAnswer(T1, True, expert_load=(("ffn.1", 10**6, 99),))]  # not its expert: not taken
+
+    first = cache.get(1, declared, answers(10), DashboardLimits(), now=100.0)
+    assert first.json["grids"][0]["rows"] == [["ffn.0", SRV, 10, 2, None], ["ffn.1", SRV, -1, -1, None]]
+    assert cache.get(1, declared, answers(30), DashboardLimits(), now=102.0) is first  # kept until the next read
+    second = cache.get(2, declared, answers(30), DashboardLimits(), now=110.0)
+    assert second.json["grids"][0]["rows"][0] == ["ffn.0", SRV, 30, 2, 2.0]  # 20 batches in 10 s
+
+
+def test_runs_are_found_in_the_peers_answers_live_ones_first_and_one_peer_cannot_crowd_them_out():
+    limits = DashboardLimits(max_runs=3, max_runs_per_peer=4)
+    liar = PeerAnswer("12D3KooWLiar", True, runs=tuple(f"fake{i}" for i in range(100)))
+    honest = [PeerAnswer(T1, True, runs=("quiet", "real")), PeerAnswer(T2, True, runs=("real",))]
+    live = [RunReports("quiet", (PeerProgress(T1, 1, 1, 1.0, 999.0),))]
+    assert found_runs([liar, *honest], live, limits) == ["quiet", "real", "fake0"]
+    assert found_runs([liar], [], limits) == ["fake0", "fake1", "fake2"]  # four taken from it, three shown
+    assert valid_run_id("my-run", 96) and not valid_run_id("two words", 96) and not valid_run_id("", 96)
+    assert not valid_run_id("x" * 97, 96) and not valid_run_id("bell\a", 96)
+    assert uptime(100.0, 160.0) == 60.0
+    assert uptime(0.0, 160.0) is None and uptime(200.0, 160.0) is None and uptime(float("nan"), 1.0) is None
+
+
+def test_each_run_keeps_its_recent_averaging_rounds():
+    picture = Picture(DashboardLimits())
+    for epoch, ok in ((1, True), (1, True), (2, False), (3, True)):
+        reports = (PeerProgress(T1, epoch + 1, 0, 1.0, 999.0, last_round=RoundSummary(epoch, ok, 3, 2, 0.5)),)
+        view = picture.snapshot(1000.0 + epoch, SELF, [PeerAnswer(SELF, True)], [RunReports("r", reports)], [], 0)
+    assert [(r["epoch"], r["failed"], r["excluded"], r["group_sizes"]) for r in view["runs"][0]["rounds"]] == [
+        (3, 0, 1, [3]), (2, 1, 0, [3]), (1, 0, 1, [3])]

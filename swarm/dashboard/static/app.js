@@ -4,8 +4,9 @@
 
 (function () {
   const MAX_POINTS = 4000;
-  const state = { history: { peers: { t: [], count: [] }, runs: {} }, charts: {}, runCards: {}, peers: {} };
-  const stats = { snapshots: 0, lastRenderMs: 0, maxRenderMs: 0, totalRenderMs: 0, expertsRenderMs: 0,
+  const state = { history: { peers: { t: [], count: [] }, runs: {} }, charts: {}, runCards: {}, peers: {}, experts: {},
+                  rejected: new Set(), peerRows: new Map() };
+  const stats = { snapshots: 0, lastRenderMs: 0, maxRenderMs: 0, totalRenderMs: 0, renders: [], expertsRenderMs: 0,
                   experts: 0, peers: 0, firstCompleteMs: null };
   window.dashboardStats = stats;
   window.dashboardCharts = state.charts;
@@ -58,31 +59,52 @@
 
   // -- peers --------------------------------------------------------------------------------------
 
+  const PEER_COLUMNS = ["", "reachability", "", "", "uptime", "rtt", "link-rtt", "link-mbps", "forward", "", "", "rejected"];
+
+  function peerCells(p) {  // [text, title] per column of the peers table
+    return [
+      [p.short + (p.self ? " (this peer)" : ""), p.id], [p.reachability, null], [p.version || "?", null],
+      [p.roles.length ? p.roles.join(", ") : (p.role || "peer"), p.role + (p.runs.length ? " (runs: " + p.runs.join(", ") + ")" : "")],
+      [p.uptime_s === null ? "–" : duration(p.uptime_s), null], [fmt(p.rtt_ms, 1), null],
+      [fmt(p.link_rtt_ms, 1), p.link_reporters + " peers measured it; it measured " + p.links + " links"],
+      [fmt(p.link_mbps, 1), null], [fmt(p.forward_ms, 1), null], [duration(p.seen_s), null], [String(p.experts || ""), null],
+      [String(p.rejected_answers || ""), null],
+    ];
+  }
+
   function renderPeers(snap) {
+    // rows are kept per peer and only their changed cells written: most of a peer's row stays the same
+    // from one snapshot to the next, and rebuilding 200 rows each time costs the page more than the rest
     const body = document.querySelector("#peers tbody");
-    const rows = document.createDocumentFragment();
+    const kept = state.peerRows;
+    const next = new Map();
     let live = 0;
     state.peers = {};
     for (const p of snap.peers) {
       state.peers[p.id] = p;
       if (p.reachability !== "unreachable") live += 1;
-      const tr = el("tr", "peer-row");
-      tr.dataset.peer = p.id;
+      let tr = kept.get(p.id);
+      if (!tr) {
+        tr = el("tr", "peer-row");
+        tr.dataset.peer = p.id;
+        for (const cls of PEER_COLUMNS) tr.appendChild(el("td", cls || null, ""));
+      }
       tr.dataset.reachability = p.reachability;
-      const id = el("td", null, p.short + (p.self ? " (this peer)" : ""));
-      id.title = p.id;
-      tr.appendChild(id);
-      tr.appendChild(el("td", "reachability", p.reachability));
-      tr.appendChild(el("td", null, p.version || "?"));
-      const roles = el("td", null, p.roles.length ? p.roles.join(", ") : (p.role || "peer"));
-      roles.title = p.role;
-      tr.appendChild(roles);
-      tr.appendChild(el("td", null, fmt(p.rtt_ms, 1)));
-      tr.appendChild(el("td", null, duration(p.seen_s)));
-      tr.appendChild(el("td", null, p.experts || ""));
-      rows.appendChild(tr);
+      const cells = tr.children;
+      peerCells(p).forEach(function ([text, title], i) {
+        if (cells[i].textContent !== text) cells[i].textContent = text;
+        if (title !== null && cells[i].title !== title) cells[i].title = title;
+      });
+      next.set(p.id, tr);
     }
-    body.replaceChildren(rows);
+    for (const [id, tr] of kept) if (!next.has(id)) tr.remove();
+    let previous = null;  // puts the rows in the snapshot's order, moving only those out of place
+    for (const tr of next.values()) {
+      const wanted = previous ? previous.nextSibling : body.firstChild;
+      if (wanted !== tr) body.insertBefore(tr, wanted);
+      previous = tr;
+    }
+    state.peerRows = next;
     document.getElementById("peer-count").textContent = live + " answering, " + snap.peers_total + " known";
     document.getElementById("peers-note").textContent = snap.peers_truncated
       ? "Only the first " + snap.peers.length + " peers are shown." : "";
@@ -90,6 +112,19 @@
   }
 
   // -- training runs ------------------------------------------------------------------------------
+
+  function table(parent, cls, headers) {  // a table with these column headers in `parent`; its body
+    const node = el("table", cls);
+    const head = el("tr");
+    for (const h of headers) head.appendChild(el("th", null, h));
+    const thead = el("thead");
+    thead.appendChild(head);
+    node.appendChild(thead);
+    const body = el("tbody");
+    node.appendChild(body);
+    parent.appendChild(node);
+    return body;
+  }
 
   function runCard(runId) {
     if (state.runCards[runId]) return state.runCards[runId];
@@ -123,18 +158,10 @@
     charts.appendChild(lossBox);
     charts.appendChild(epochBox);
     card.appendChild(charts);
-    const table = el("table", "run-peers");
-    const head = el("tr");
-    for (const h of ["PeerID", "epoch", "samples", "samples/s", "loss", "samples in the last hour", "last round",
-                     "report age"]) {
-      head.appendChild(el("th", null, h));
-    }
-    const thead = el("thead");
-    thead.appendChild(head);
-    table.appendChild(thead);
-    parts.body = el("tbody");
-    table.appendChild(parts.body);
-    card.appendChild(table);
+    parts.body = table(card, "run-peers", ["PeerID", "epoch", "samples", "samples/s", "loss", "samples in the last hour",
+                                           "last round", "report age"]);
+    parts.rounds = table(card, "run-rounds", ["averaging round (epoch)", "peers reporting", "group sizes", "failed",
+                                              "left out of the mean"]);
     container.appendChild(card);
     state.charts[runId] = { loss: chart(lossBox, "loss", "#d9480f"), epoch: chart(epochBox, "epoch", "#3b7ddd") };
     state.runCards[runId] = parts;
@@ -185,6 +212,13 @@
         rows.appendChild(tr);
       }
       parts.body.replaceChildren(rows);
+      const roundRows = document.createDocumentFragment();
+      for (const r of run.rounds || []) {
+        const tr = el("tr");
+        for (const v of [r.epoch, r.peers, r.group_sizes.join("/"), r.failed, r.excluded]) tr.appendChild(el("td", null, v));
+        roundRows.appendChild(tr);
+      }
+      parts.rounds.replaceChildren(roundRows);
       let h = state.history.runs[run.run_id];
       if (!h) h = state.history.runs[run.run_id] = { t: [], epoch: [], sps: [], loss: [] };
       if (!h.t.length || h.t[h.t.length - 1] < snap.now) {
@@ -204,16 +238,21 @@
     const started = performance.now();
     const box = document.getElementById("experts");
     const frag = document.createDocumentFragment();
+    const hues = {};
+    state.experts = {};
     for (const grid of experts.grids || []) {
       frag.appendChild(el("div", "grid-title", grid.prefix + " (" + grid.rows.length + ")"));
       const cells = el("div", "grid");
       cells.dataset.prefix = grid.prefix;
-      for (const [uid, server] of grid.rows) {
-        const cell = el("div", "cell");
+      for (const row of grid.rows) {
+        const [uid, server, , queued] = row;
+        const cell = el("div", state.rejected.has(server) ? "cell rejected" : "cell");
         cell.dataset.uid = uid;
-        const peer = state.peers[server];
-        cell.title = uid + " on " + shortId(server) + (peer && peer.rtt_ms !== null ? ", RTT " + peer.rtt_ms.toFixed(1) + " ms" : "");
-        cell.style.setProperty("--h", hue(server));
+        cell.dataset.server = server;
+        state.experts[uid] = row;  // its title is written when the pointer comes over it
+        let h = hues[server];
+        if (h === undefined) h = hues[server] = hue(server);
+        cell.style.cssText = "--h:" + h + ";--l:" + Math.max(25, 55 - 10 * Math.max(0, queued)) + "%";
         cells.appendChild(cell);
       }
       frag.appendChild(cells);
@@ -224,6 +263,51 @@
     stats.experts = experts.total || 0;
     stats.expertsRenderMs = performance.now() - started;
     complete();
+  }
+
+  function expertTitle(uid) {  // from the latest grid and snapshot, when the pointer comes over the cell
+    const [, server, batches, queued, rate] = state.experts[uid];
+    const peer = state.peers[server];
+    let text = uid + " on " + shortId(server);
+    if (batches >= 0) text += ", " + batches + " batches" + (rate === null ? "" : " (" + rate.toFixed(2) + "/s)");
+    if (queued >= 0) text += ", " + queued + " queued";
+    if (peer && peer.forward_ms !== null) text += ", Forward " + peer.forward_ms.toFixed(1) + " ms";
+    if (peer && peer.rtt_ms !== null) text += ", RTT " + peer.rtt_ms.toFixed(1) + " ms";
+    if (peer && peer.rejected_answers) text += ", " + peer.rejected_answers + " answers rejected by clients";
+    return text;
+  }
+
+  function markRejected(servers, on) {  // outlines the experts of servers whose answers clients rejected
+    for (const server of servers) {
+      for (const cell of document.querySelectorAll('#experts .cell[data-server="' + CSS.escape(server) + '"]')) {
+        cell.classList.toggle("rejected", on);
+      }
+    }
+  }
+
+  function renderRejections(snap) {
+    const rows = document.createDocumentFragment();
+    let total = 0;
+    for (const r of snap.rejections) {
+      const tr = el("tr", "rejection");
+      tr.dataset.client = r.client;
+      tr.dataset.server = r.server;
+      const client = el("td", null, r.client_short);
+      client.title = r.client;
+      const server = el("td", null, r.server_short);
+      server.title = r.server;
+      tr.appendChild(client);
+      tr.appendChild(server);
+      tr.appendChild(el("td", "rejected-count", r.count));
+      rows.appendChild(tr);
+      total += r.count;
+    }
+    document.querySelector("#rejections tbody").replaceChildren(rows);
+    document.getElementById("rejection-count").textContent = snap.rejections.length ? total + " in all" : "none reported";
+    const marked = new Set(snap.rejections.map(function (r) { return r.server; }));
+    markRejected([...state.rejected].filter(function (x) { return !marked.has(x); }), false);
+    markRejected([...marked].filter(function (x) { return !state.rejected.has(x); }), true);
+    state.rejected = marked;
   }
 
   function complete() {  // the first moment the page shows peers and experts (page load to picture)
@@ -239,6 +323,12 @@
     document.getElementById("serving").textContent = "served by " + snap.self;
     renderPeers(snap);
     renderRuns(snap);
+    renderRejections(snap);
+    const note = document.getElementById("runs-note");
+    if (note && !snap.runs.length) {
+      note.textContent = snap.runs_named
+        ? "No live progress reports of the runs named yet." : "No training run found yet: runs appear as peers report them.";
+    }
     const h = state.history.peers;
     if (!h.t.length || h.t[h.t.length - 1] < snap.now) {
       h.t.push(snap.now);
@@ -252,6 +342,7 @@
     stats.lastRenderMs = performance.now() - started;
     stats.maxRenderMs = Math.max(stats.maxRenderMs, stats.lastRenderMs);
     stats.totalRenderMs += stats.lastRenderMs;
+    if (stats.renders.length < 1000) stats.renders.push(stats.lastRenderMs);
     complete();
   }
 
@@ -266,6 +357,11 @@
     node.textContent = text;
     node.dataset.state = st;
   }
+
+  document.getElementById("experts").addEventListener("mouseover", function (e) {
+    const cell = e.target.closest(".cell");
+    if (cell && state.experts[cell.dataset.uid]) cell.title = expertTitle(cell.dataset.uid);
+  });
 
   function connect() {
     const source = new EventSource("/api/events");

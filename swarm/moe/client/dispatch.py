@@ -35,6 +35,7 @@ import torch
 
 import swarm.moe.rows as row_ops
 from swarm.core.errors import ConfigError, MoEError, RPCError
+from swarm.core.status import PeerStatus
 from swarm.dht.handle import PeerHandle
 from swarm.moe.client.answer_checks import AnswerChecks, AnswerGuard, MisbehavingExpert
 from swarm.moe.client.beam_search import ExpertChoice
@@ -225,6 +226,7 @@ class MixtureCaller:
 
     def _rejected(self, direction: str, reason: str, job: ExpertJob, what: str) -> MisbehavingExpert:
         _count("rejected", direction, reason)
+        PeerStatus.of(self.peer).answer_rejected(job.addr)  # the peer's Info answer names the server
         self.misbehaviours += 1
         return MisbehavingExpert(f"expert {job.uid} at {job.addr}: {what}", reason)
 
