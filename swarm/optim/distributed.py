@@ -45,22 +45,16 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import torch
 import torch.distributed as dist
 
 from swarm.core.errors import ConfigError, SwarmError
 from swarm.dht.handle import PeerHandle
-from swarm.optim.config import CollaborationConfig, DiLoCoConfig
+from swarm.optim.config import CollaborationConfig
 from swarm.optim.mode import TrainingMode
-from swarm.optim.optimizer import (
-    AveragerFactory,
-    Optimizer,
-    OptimizerFactory,
-    SchedulerFactory,
-    build_mode,
-)
+from swarm.optim.optimizer import Optimizer, OptimizerFactory, OptimizerOptions, build_mode, check_options
 from swarm.optim.outcome import RoundOutcome, StepOutcome
 from swarm.optim.progress import SwarmProgress
 from swarm.optim.training_state import TrainingState
@@ -393,6 +387,37 @@ def _follow(mode: TrainingMode, ranks: LocalRanks, op: _Op, epoch: int, own_batc
         raise LocalRankError(f"unknown command {op!r} from rank 0")
 
 
+def job_ranks(group: dist.ProcessGroup | None = None) -> LocalRanks | None:
+    """This process's local ranks when it is one of several ranks of an initialized torch.distributed
+    job (a `torchrun` job, or a framework that started one, as transformers' `Trainer` does under
+    torchrun); None for a process on its own, which is a peer of its own."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return None
+    return LocalRanks(group)
+
+
+def is_following_rank() -> bool:
+    """True on a rank other than 0 of a torch.distributed job: a rank that starts no `swarm.Peer`,
+    because rank 0's peer is the machine's."""
+    ranks = job_ranks()
+    return ranks is not None and ranks.rank != 0
+
+
+def machine_peer_id(peer: PeerHandle | None) -> str:
+    """The PeerID of the machine's peer on every rank: `peer`'s own outside a job; in a job (where
+    every rank calls it at the same point) rank 0's `peer`, sent to the others."""
+    ranks = job_ranks()
+    if ranks is None or ranks.rank == 0:
+        if peer is None:
+            raise ConfigError("the process that talks to the swarm (rank 0 of a job) needs its swarm.Peer")
+        if ranks is None:
+            return peer.peer_id
+    peer_id = ranks.broadcast_object(peer.peer_id if peer is not None else None)
+    if not isinstance(peer_id, str):
+        raise LocalRankError(f"rank 0 sent no PeerID (got {type(peer_id).__name__})")
+    return peer_id
+
+
 def check_not_sharded(params: Sequence[torch.Tensor], ranks: LocalRanks) -> None:
     """Raises ConfigError unless every rank holds the whole model (same shapes on every rank, no
     FSDP flat parameters or DTensors): a sharded model's ranks hold different parts, and the
@@ -412,6 +437,20 @@ def check_not_sharded(params: Sequence[torch.Tensor], ranks: LocalRanks) -> None
     if any(s != shapes for s in everyone):
         raise ConfigError("the local ranks hold parameters of different shapes (a sharded or different model): "
                           "swarm.DistributedOptimizer needs every rank to hold the whole, same model")
+
+
+def swarm_optimizer(peer: PeerHandle | None, run_id: str, params: Iterable[torch.nn.Parameter],
+                    optimizer: torch.optim.Optimizer | OptimizerFactory, target_batch_size: int | None = None,
+                    **options: Unpack[OptimizerOptions]) -> Optimizer | DistributedOptimizer:
+    """`swarm.Optimizer` for a process on its own, `DistributedOptimizer` for a rank of a
+    torch.distributed job (`job_ranks`): what a training integration builds, so that the same script
+    runs as one peer per process or, under `torchrun`, as one peer per machine. Rank 0 passes its
+    peer, the other ranks None (`is_following_rank`)."""
+    if job_ranks() is None:
+        if peer is None:
+            raise ConfigError("a process on its own is a peer: pass its swarm.Peer")
+        return Optimizer(peer, run_id, params, optimizer, target_batch_size, **options)
+    return DistributedOptimizer(peer, run_id, params, optimizer, target_batch_size, **options)
 
 
 class DistributedOptimizer:
@@ -451,22 +490,21 @@ class DistributedOptimizer:
         optimizer: torch.optim.Optimizer | OptimizerFactory,
         target_batch_size: int | None = None,
         *,
-        batch_size_per_step: int | None = None,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None = None,
-        diloco: DiLoCoConfig | None = None,
-        config: CollaborationConfig | None = None,
-        averager_factory: AveragerFactory | None = None,
         group: dist.ProcessGroup | None = None,
+        **options: Unpack[OptimizerOptions],
     ) -> None:
+        check_options(options, "swarm.DistributedOptimizer")
+        if "mode_wrapper" in options:
+            raise TypeError("swarm.DistributedOptimizer wraps the mode itself (its local ranks follow rank 0's): "
+                            "mode_wrapper is not one of its arguments")
         self.ranks = LocalRanks(group)
         if (peer is None) != (self.ranks.rank != 0):
             raise ConfigError(f"local rank {self.ranks.rank}: rank 0 passes its swarm.Peer and the other ranks "
                               f"pass None (got {'none' if peer is None else 'a peer'})")
         self.params = list(params)
-        self.batch_size_per_step = batch_size_per_step
+        self.batch_size_per_step = options.get("batch_size_per_step")
         check_not_sharded(self.params, self.ranks)
         self.ranks.broadcast(self.params)  # every rank starts from rank 0's initial parameters
-        config = config or CollaborationConfig()
         self.swarm: Optimizer | None = None
         self._mirror: MirroredMode | None = None
         self._mode: TrainingMode
@@ -477,14 +515,14 @@ class DistributedOptimizer:
                 self._mirror = MirroredMode(mode, self.ranks)
                 return self._mirror
 
-            self.swarm = self._on_rank0(lambda: Optimizer(
-                peer, run_id, self.params, optimizer, target_batch_size, batch_size_per_step=batch_size_per_step,
-                scheduler=scheduler, diloco=diloco, config=config, averager_factory=averager_factory,
-                mode_wrapper=wrap))
+            wrapped: OptimizerOptions = {**options, "mode_wrapper": wrap}
+            self.swarm = self._on_rank0(lambda: Optimizer(peer, run_id, self.params, optimizer, target_batch_size,
+                                                          **wrapped))
             assert self._mirror is not None
             self._mode = self._mirror.inner
         else:
-            self._mode = build_mode(self.params, optimizer, scheduler, diloco, config)
+            config = options.get("config") or CollaborationConfig()
+            self._mode = build_mode(self.params, optimizer, options.get("scheduler"), options.get("diloco"), config)
             self._follow()
 
     @property
@@ -570,6 +608,17 @@ class DistributedOptimizer:
         """Collective steps taken (rank 0's count, which the others learn at the end of each call)."""
         return self.swarm.epoch if self.swarm is not None else self._epoch
 
+    @property
+    def progress(self) -> SwarmProgress:
+        """The swarm's progress as rank 0 sees it (`swarm.Optimizer.progress`).
+
+        Raises:
+            LocalRankError: on another rank, which does not read the swarm's records.
+        """
+        if self.swarm is None:
+            raise LocalRankError(f"local rank {self.rank} does not see the swarm's progress: only rank 0 does")
+        return self.swarm.progress
+
     def shutdown(self) -> None:
         """Leaves the swarm (rank 0 withdraws its record); every rank calls it. After a rank died,
         rank 0 leaves without the dead rank: what the round in flight held is dropped."""
@@ -629,4 +678,7 @@ class DistributedOptimizer:
         return f"swarm.DistributedOptimizer(rank={self.rank}/{self.ranks.size}, epoch={self.epoch})"
 
 
-__all__ = ["DistributedOptimizer", "LocalRankError", "LocalRanks", "MirroredMode", "serve_rank0"]
+__all__ = [
+    "DistributedOptimizer", "LocalRankError", "LocalRanks", "MirroredMode", "is_following_rank", "job_ranks",
+    "machine_peer_id", "serve_rank0", "swarm_optimizer",
+]
