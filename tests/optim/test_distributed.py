@@ -274,3 +274,27 @@ def test_a_one_rank_job_trains_as_a_plain_optimizer_would(one_rank_group, make_p
             torch.testing.assert_close(mine, theirs)
     finally:
         opt.shutdown()
+
+
+def test_a_misspelt_setting_is_refused_by_both_constructors(one_rank_group, make_peer) -> None:
+    from swarm.optim import Optimizer
+
+    model = torch.nn.Linear(2, 2)
+    for cls in (Optimizer, DistributedOptimizer):
+        with pytest.raises(TypeError, match="unexpected keyword arguments \\['confg'\\]"):
+            cls(make_peer(), "r", model.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1), 8, confg=None)
+    with pytest.raises(TypeError, match="wraps the mode itself"):
+        DistributedOptimizer(make_peer(), "r", model.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1), 8,
+                             mode_wrapper=lambda mode: mode)
+
+
+def test_a_process_alone_or_in_a_one_rank_group_is_a_peer_of_its_own(make_peer) -> None:
+    from swarm.optim.distributed import is_following_rank, job_ranks, machine_peer_id
+
+    peer = make_peer()
+    assert job_ranks() is None and not is_following_rank() and machine_peer_id(peer) == peer.peer_id
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # a group of one rank is not a job of several: the process stays a peer of its own
+        assert job_ranks() is None and not is_following_rank()
+    finally:
+        dist.destroy_process_group()
