@@ -164,7 +164,7 @@ class LocalRanks:
             if self.rank != src:
                 _unflatten(flat, group)
 
-    def broadcast_object(self, obj: Any = None) -> Any:
+    def broadcast_object(self, obj: object = None) -> object:
         """Rank 0's picklable `obj`, on every rank."""
         box = [obj]
         dist.broadcast_object_list(box, self._global(0), group=self.group, device=self.device)
@@ -172,18 +172,29 @@ class LocalRanks:
 
     def broadcast_state(self, state: TrainingState | None) -> TrainingState:
         """Rank 0's training state (parameters, optimizer and scheduler state, epoch) on every rank."""
-        if self.rank == 0:
-            assert state is not None
+        if state is not None:  # rank 0
             tensors, metadata = state.to_wire()
             self.broadcast_object((metadata, [(tuple(t.shape), t.dtype) for t in tensors]))
-        else:
-            metadata, specs = self.broadcast_object()
-            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+            self.broadcast(tensors)
+            return state
+        received, specs = _state_description(self.broadcast_object())
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
         self.broadcast(tensors)
-        return state if state is not None else TrainingState.from_wire(tensors, metadata)
+        return TrainingState.from_wire(tensors, received)
 
     def _flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1).to(self.device) for t in tensors])
+
+
+def _state_description(received: object) -> tuple[object, list[tuple[tuple[int, ...], torch.dtype]]]:
+    """The (metadata, tensor shapes and dtypes) of a training state rank 0 sent (`broadcast_state`)."""
+    if isinstance(received, tuple) and len(received) == 2 and isinstance(received[1], list):
+        specs = [(tuple(int(n) for n in shape), dtype) for shape, dtype in (
+            spec for spec in received[1] if isinstance(spec, tuple) and len(spec) == 2)
+            if isinstance(shape, tuple) and isinstance(dtype, torch.dtype)]
+        if len(specs) == len(received[1]):
+            return received[0], specs
+    raise LocalRankError("rank 0 sent a malformed description of its training state")
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -332,7 +343,7 @@ class MirroredMode:
         self._samples = self._in_flight_samples = 0
 
 
-def serve_rank0(mode: TrainingMode, ranks: LocalRanks, own_batch: int = 0) -> Any:
+def serve_rank0(mode: TrainingMode, ranks: LocalRanks, own_batch: int = 0) -> tuple[object, int]:
     """On a rank other than 0: makes rank 0's changes to this rank's `mode`, in order, until rank 0's
     call ends; returns what that call returned and rank 0's epoch then (pickled from rank 0).
 
@@ -344,7 +355,7 @@ def serve_rank0(mode: TrainingMode, ranks: LocalRanks, own_batch: int = 0) -> An
     while True:
         for op, arg in ranks.receive():
             if op in (_Op.DONE, _Op.DONE_STEP, _Op.DONE_OBJECT):
-                result: Any = (None if op == _Op.DONE else StepOutcome(arg) if op == _Op.DONE_STEP
+                result: object = (None if op == _Op.DONE else StepOutcome(arg) if op == _Op.DONE_STEP
                                else ranks.broadcast_object())
                 if failed is not None:
                     raise LocalRankError(f"local rank {ranks.rank} could not follow rank 0: {failed}")
@@ -453,6 +464,13 @@ def swarm_optimizer(peer: PeerHandle | None, run_id: str, params: Iterable[torch
     return DistributedOptimizer(peer, run_id, params, optimizer, target_batch_size, **options)
 
 
+def _expect(value: object, kind: type[T]) -> T:
+    """`value`, the result of rank 0's call that this rank followed, if it is a `kind`."""
+    if not isinstance(value, kind):
+        raise LocalRankError(f"rank 0's call returned a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
 class DistributedOptimizer:
     """`swarm.Optimizer` for a `torchrun --nproc-per-node K` job: the machine is one swarm peer.
 
@@ -498,9 +516,11 @@ class DistributedOptimizer:
             raise TypeError("swarm.DistributedOptimizer wraps the mode itself (its local ranks follow rank 0's): "
                             "mode_wrapper is not one of its arguments")
         self.ranks = LocalRanks(group)
-        if (peer is None) != (self.ranks.rank != 0):
+        misplaced = (peer is None) != (self.ranks.rank != 0)
+        if self.ranks.sum_int(int(misplaced)):  # refused on every rank, so that none waits for the others
             raise ConfigError(f"local rank {self.ranks.rank}: rank 0 passes its swarm.Peer and the other ranks "
-                              f"pass None (got {'none' if peer is None else 'a peer'})")
+                              f"pass None (got {'none' if peer is None else 'a peer'} here; "
+                              f"{'this rank' if misplaced else 'another rank'} is wrong)")
         self.params = list(params)
         self.batch_size_per_step = options.get("batch_size_per_step")
         check_not_sharded(self.params, self.ranks)
@@ -551,8 +571,7 @@ class DistributedOptimizer:
             raise ValueError("pass batch_size to step() or batch_size_per_step to the constructor")
         machine = self.ranks.sum_int(batch_size)
         if self.swarm is None:
-            outcome: StepOutcome = self._follow(batch_size)
-            return outcome
+            return _expect(self._follow(batch_size), StepOutcome)
         assert self._mirror is not None
         self._mirror.own_batch, self._mirror.machine_batch = batch_size, machine
         swarm = self.swarm
@@ -563,8 +582,7 @@ class DistributedOptimizer:
         False on timeout (`swarm.Optimizer.wait_for_peers`)."""
         swarm = self.swarm
         if swarm is None:
-            found: bool = self._follow()
-            return found
+            return _expect(self._follow(), bool)
         return self._on_rank0(lambda: swarm.wait_for_peers(count, timeout))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -575,16 +593,15 @@ class DistributedOptimizer:
         """Lands the round in flight on every rank (`swarm.Optimizer.flush`)."""
         swarm = self.swarm
         if swarm is None:
-            landed: RoundOutcome | None = self._follow()
-            return landed
+            landed = self._follow()
+            return None if landed is None else _expect(landed, RoundOutcome)
         return self._on_rank0(swarm.flush)
 
     def load_state_from_peers(self, min_epoch: int = 0) -> bool:
         """Downloads the swarm's state on rank 0 and lands it in every rank."""
         swarm = self.swarm
         if swarm is None:
-            loaded: bool = self._follow()
-            return loaded
+            return _expect(self._follow(), bool)
         return self._on_rank0(lambda: swarm.load_state_from_peers(min_epoch))
 
     def state_dict(self) -> dict[str, Any]:
@@ -669,7 +686,7 @@ class DistributedOptimizer:
         else:
             self.ranks.send([command])
 
-    def _follow(self, own_batch: int = 0) -> Any:
+    def _follow(self, own_batch: int = 0) -> object:
         """On a rank other than 0: follows rank 0's call (`serve_rank0`); returns its result."""
         result, self._epoch = serve_rank0(self._mode, self.ranks, own_batch)
         return result

@@ -17,14 +17,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from gpt2_common import byte_corpus, tiny_gpt2
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from swarm.compression import CompressionType
 from swarm.integrations.session import SwarmArguments
@@ -61,7 +60,8 @@ def main() -> None:
     last = [-1]
 
     class Record(TrainerCallback):
-        def on_step_end(self, a: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_step_end(self, a: TrainingArguments, state: TrainerState, control: TrainerControl,
+                        **kwargs: object) -> None:
             session = holder["trainer"].session
             assert session is not None
             own[0] += BATCH
@@ -73,7 +73,8 @@ def main() -> None:
             if swarm_opt is not None:
                 seen.extend(r.samples for r in swarm_opt.tracker.reports() if r.peer_id != swarm_opt.peer.peer_id)
 
-        def on_train_end(self, a: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_train_end(self, a: TrainingArguments, state: TrainerState, control: TrainerControl,
+                         **kwargs: object) -> None:
             session = holder["trainer"].session
             assert session is not None
             opt = session.optimizer  # the round in flight landed (SwarmTrainer's flush ran first)
