@@ -28,7 +28,9 @@ What it changes, and how each `TrainingArguments` setting reads in a swarm (docs
   collaborative optimizer state, the step count and this peer's data position; a resumed peer goes
   on from its checkpoint and takes the swarm's newer state at its first step;
 - each peer draws the training set in its own order (`swarm.integrations.data.PeerShardSampler`),
-  endlessly, resumed from the checkpoint: no replay after a restart (`ignore_data_skip` is implied).
+  endlessly, resumed from the checkpoint: no replay after a restart (`ignore_data_skip` is implied);
+- under `torchrun --nproc-per-node K`, the job's ranks are one peer: rank 0 starts it, the others
+  follow it (`swarm.optim.distributed`; docs/operations.md, "A multi-GPU machine as one peer").
 """
 
 from __future__ import annotations
