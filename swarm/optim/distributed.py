@@ -29,6 +29,10 @@ So the swarm sees one peer per machine: one record, one member of each group, on
 network. Why rank 0 talks for the machine rather than every rank averaging a shard of the tensors
 with the swarm: docs/operations.md, "A multi-GPU machine as one peer".
 
+The training integrations build it through `swarm_optimizer` (a `swarm.Optimizer` for a process on
+its own, this in a job of several ranks), so that a `SwarmTrainer` script run under torchrun is one
+peer per machine unchanged.
+
 Sharded models (FSDP, DTensor parameters) are refused: a rank's replica must hold the whole model
 for the ranks' steps to be the same step.
 
@@ -476,8 +480,10 @@ class DistributedOptimizer:
 
     Every local rank constructs it and calls the same methods in the same order (`step`,
     `zero_grad`, `flush`, `load_state_from_peers`, `shutdown`), as with DistributedDataParallel.
-    Rank 0 passes its `swarm.Peer`; the other ranks pass None. Don't wrap the model in
+    Rank 0 passes its `swarm.Peer`; the other ranks pass None. The model needs no
     DistributedDataParallel: gradients are reduced here, once per round, not on every backward.
+    Wrapped in it anyway (transformers' `Trainer` does, under torchrun), each rank's gradients are
+    already the ranks' mean: the same step, at the cost of an all-reduce per backward.
 
     Example (one command per machine: ``torchrun --nproc-per-node 4 train.py``)::
 
@@ -493,7 +499,8 @@ class DistributedOptimizer:
     Args:
         peer: rank 0's `swarm.Peer`; None on the other ranks.
         group: the process group of this machine's ranks (default: the whole job).
-        The others: as `swarm.Optimizer`'s (factories are called on every rank).
+        The others: as `swarm.Optimizer`'s (`OptimizerOptions`; factories are called on every
+            rank), but for `mode_wrapper`, which is this class's own.
 
     Raises:
         ConfigError: torch.distributed not initialized, a peer on a rank other than 0 (or none on
