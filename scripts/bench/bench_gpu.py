@@ -15,9 +15,7 @@ Exits with an error when no CUDA device is present.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,32 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from swarm.averaging import Averager
+from swarm.core.loop_lag import LoopLag
 from swarm.moe import ExpertServer, RemoteExpert
 from swarm.moe.server.experts import FeedforwardExpert
 from swarm.peer import Peer
 
 LISTEN = "/ip4/127.0.0.1/tcp/0"
-
-
-class LoopLag:
-    """The largest lateness of a 10 ms timer on `loop` while it runs (seconds)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.worst = 0.0
-        self._stop = threading.Event()
-        self._future = asyncio.run_coroutine_threadsafe(self._probe(), loop)
-
-    async def _probe(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._stop.is_set():
-            before = loop.time()
-            await asyncio.sleep(0.01)
-            self.worst = max(self.worst, loop.time() - before - 0.01)
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._future.result(5)
-        return self.worst
 
 
 def bench_averaging(device: str, mbytes: float, rounds: int, peers: list[Peer], prefix: str) -> tuple[float, float]:

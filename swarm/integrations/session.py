@@ -33,8 +33,8 @@ from swarm.integrations.admission import AdmissionConfig, ModelAdmission
 from swarm.integrations.data import PeerShardSampler, peer_seed
 from swarm.integrations.fingerprint import ModelFingerprint, model_fingerprint, scoped_prefix
 from swarm.optim.config import CollaborationConfig, DiLoCoConfig
+from swarm.optim.distributed import is_following_rank, machine_peer_id, swarm_optimizer
 from swarm.optim.group_averaging import make_swarm_averager
-from swarm.optim.optimizer import Optimizer
 from swarm.optim.outcome import StepOutcome
 from swarm.peer import Peer
 
@@ -133,30 +133,39 @@ class SwarmSession:
                  fingerprint: ModelFingerprint | None = None, sampler: PeerShardSampler | None = None) -> None:
         self.args = args
         self.model = model
-        self._owns_peer = peer is None
-        self.peer = peer if peer is not None else Peer(initial_peers=args.peers_to_join(), listen=args.listen,
-                                                       identity_path=args.identity_path, client_mode=args.client_mode)
+        # in a torchrun job, rank 0's peer is the machine's and the other ranks follow it (`swarm.optim.distributed`)
+        following = is_following_rank()
+        self._owns_peer = peer is None and not following
+        self.peer: Peer | None = peer if peer is not None or following else Peer(
+            initial_peers=args.peers_to_join(), listen=args.listen, identity_path=args.identity_path,
+            client_mode=args.client_mode)
         self.sampler = sampler
         self.inner_steps = 0  # DiLoCo: the swarm's inner steps, as this peer counts them
+        self.admission: ModelAdmission | None = None
         try:
             self.fingerprint = fingerprint or model_fingerprint(model)
-            self.admission = ModelAdmission(self.peer, args.run_id, self.fingerprint, args.admission)
-            self.admission.admit()
-            self.peer.attach(self.admission)
+            if self.peer is not None:
+                self.admission = ModelAdmission(self.peer, args.run_id, self.fingerprint, args.admission)
+                self.admission.admit()
+                self.peer.attach(self.admission)
+            self.peer_id = machine_peer_id(self.peer)
             config = args.config
             compression = args.diloco.compression if args.diloco is not None else config.gradient_compression
             params = [p for p in model.parameters() if p.requires_grad]
-            self.optimizer = Optimizer(
-                self.peer, args.run_id, params, optimizer, scheduler=scheduler, diloco=args.diloco, config=config,
-                averager_factory=lambda tensors, prefix: make_swarm_averager(
-                    self.peer, tensors, scoped_prefix(prefix, self.fingerprint), config, compression))
+            swarm_peer = self.peer
+            self.optimizer = swarm_optimizer(
+                swarm_peer, args.run_id, params, optimizer, scheduler=scheduler, diloco=args.diloco, config=config,
+                averager_factory=None if swarm_peer is None else lambda tensors, prefix: make_swarm_averager(
+                    swarm_peer, tensors, scoped_prefix(prefix, self.fingerprint), config, compression))
         except BaseException:
-            if self._owns_peer:
+            if self._owns_peer and self.peer is not None:
                 self.peer.shutdown()
             raise
-        logger.info("[%s] this peer: %s; others join with initial peers %s", args.run_id, self.peer.peer_id,
-                    " ".join(self.peer.addrs) or "(client mode: join through another peer)")
-        if args.min_peers > 1 and not self.optimizer.wait_for_peers(args.min_peers, args.peers_timeout):
+        if self.peer is not None:
+            logger.info("[%s] this peer: %s; others join with initial peers %s", args.run_id, self.peer.peer_id,
+                        " ".join(self.peer.addrs) or "(client mode: join through another peer)")
+        if args.min_peers > 1 and not self.optimizer.wait_for_peers(args.min_peers, args.peers_timeout) and (
+                self.peer is not None):
             logger.warning("[%s] fewer than %d peers after %.0f s: training with %d", args.run_id, args.min_peers,
                            args.peers_timeout, self.optimizer.progress.num_peers)
 
@@ -171,7 +180,7 @@ class SwarmSession:
 
     def make_sampler(self, num_samples: int) -> PeerShardSampler:
         """This peer's endless, resumable order of a dataset of `num_samples` (kept for checkpoints)."""
-        self.sampler = PeerShardSampler(num_samples, peer_seed(self.peer.peer_id, self.args.run_id))
+        self.sampler = PeerShardSampler(num_samples, peer_seed(self.peer_id, self.args.run_id))
         return self.sampler
 
     def step(self, batch_size: int) -> StepOutcome:
@@ -202,10 +211,11 @@ class SwarmSession:
         try:
             self.optimizer.flush()
             self.optimizer.shutdown()
-            self.peer.run(self.admission.ashutdown(), timeout=self.args.admission.timeout + 5)
-            self.peer.detach(self.admission)
+            if self.peer is not None and self.admission is not None:
+                self.peer.run(self.admission.ashutdown(), timeout=self.args.admission.timeout + 5)
+                self.peer.detach(self.admission)
         finally:
-            if self._owns_peer:
+            if self._owns_peer and self.peer is not None:
                 self.peer.shutdown()
 
 

@@ -28,7 +28,9 @@ What it changes, and how each `TrainingArguments` setting reads in a swarm (docs
   collaborative optimizer state, the step count and this peer's data position; a resumed peer goes
   on from its checkpoint and takes the swarm's newer state at its first step;
 - each peer draws the training set in its own order (`swarm.integrations.data.PeerShardSampler`),
-  endlessly, resumed from the checkpoint: no replay after a restart (`ignore_data_skip` is implied).
+  endlessly, resumed from the checkpoint: no replay after a restart (`ignore_data_skip` is implied);
+- under `torchrun --nproc-per-node K`, the job's ranks are one peer: rank 0 starts it, the others
+  follow it (`swarm.optim.distributed`; docs/operations.md, "A multi-GPU machine as one peer").
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from swarm.integrations.session import (
     SwarmTorchOptimizer,
     batch_size_of,
 )
+from swarm.optim.distributed import is_following_rank, machine_peer_id
 from swarm.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -115,8 +118,9 @@ class SwarmTrainer(transformers.Trainer):
         if not isinstance(swarm, SwarmArguments):
             raise TypeError(f"swarm must be a SwarmArguments, got {type(swarm).__name__}")
         super().__init__(*args, **kwargs)
-        if self.args.world_size > 1:
-            raise ValueError("SwarmTrainer runs one process per peer (world_size 1); start one peer per GPU")
+        if self.args.world_size > 1 and (self.args.fsdp or self.args.deepspeed):
+            raise ValueError("SwarmTrainer under torchrun needs every rank to hold the whole model; FSDP and DeepSpeed "
+                             "shard it (docs/operations.md, 'A multi-GPU machine as one peer')")
         if self.optimizer is not None or self.lr_scheduler is not None:
             raise ValueError("SwarmTrainer builds the optimizer from TrainingArguments (optim, learning_rate, ...); "
                              "pass optimizer_cls_and_kwargs instead of optimizers=")
@@ -140,8 +144,9 @@ class SwarmTrainer(transformers.Trainer):
     # -- the peer, the data ------------------------------------------------------------------------
 
     @property
-    def peer(self) -> Peer:
-        if self._given_peer is not None:
+    def peer(self) -> Peer | None:
+        """The machine's peer; None on a torchrun job's ranks other than 0 (they follow rank 0's)."""
+        if self._given_peer is not None or is_following_rank():
             return self._given_peer
         if self._peer is None:
             s = self.swarm
@@ -151,7 +156,7 @@ class SwarmTrainer(transformers.Trainer):
 
     def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler | None:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        self._sampler = PeerShardSampler(len(dataset), peer_seed(self.peer.peer_id, self.swarm.run_id))
+        self._sampler = PeerShardSampler(len(dataset), peer_seed(machine_peer_id(self.peer), self.swarm.run_id))
         return self._sampler
 
     # -- training ---------------------------------------------------------------------------------
@@ -239,7 +244,7 @@ class SwarmTrainer(transformers.Trainer):
             logs["train_loss"] = logs["train_loss"] * moved / self._local_steps
         if "loss" in logs:
             self._logged_local, self._logged_global = self._local_steps, self.state.global_step
-        if self.session is not None:
+        if self.session is not None and self.session.peer is not None:
             logs["swarm_peers"] = self.session.optimizer.progress.num_peers
         super().log(logs, *args, **kwargs)
 

@@ -29,6 +29,10 @@ So the swarm sees one peer per machine: one record, one member of each group, on
 network. Why rank 0 talks for the machine rather than every rank averaging a shard of the tensors
 with the swarm: docs/operations.md, "A multi-GPU machine as one peer".
 
+The training integrations build it through `swarm_optimizer` (a `swarm.Optimizer` for a process on
+its own, this in a job of several ranks), so that a `SwarmTrainer` script run under torchrun is one
+peer per machine unchanged.
+
 Sharded models (FSDP, DTensor parameters) are refused: a rank's replica must hold the whole model
 for the ranks' steps to be the same step.
 
@@ -45,22 +49,16 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import torch
 import torch.distributed as dist
 
 from swarm.core.errors import ConfigError, SwarmError
 from swarm.dht.handle import PeerHandle
-from swarm.optim.config import CollaborationConfig, DiLoCoConfig
+from swarm.optim.config import CollaborationConfig
 from swarm.optim.mode import TrainingMode
-from swarm.optim.optimizer import (
-    AveragerFactory,
-    Optimizer,
-    OptimizerFactory,
-    SchedulerFactory,
-    build_mode,
-)
+from swarm.optim.optimizer import Optimizer, OptimizerFactory, OptimizerOptions, build_mode, check_options
 from swarm.optim.outcome import RoundOutcome, StepOutcome
 from swarm.optim.progress import SwarmProgress
 from swarm.optim.training_state import TrainingState
@@ -170,7 +168,7 @@ class LocalRanks:
             if self.rank != src:
                 _unflatten(flat, group)
 
-    def broadcast_object(self, obj: Any = None) -> Any:
+    def broadcast_object(self, obj: object = None) -> object:
         """Rank 0's picklable `obj`, on every rank."""
         box = [obj]
         dist.broadcast_object_list(box, self._global(0), group=self.group, device=self.device)
@@ -178,18 +176,29 @@ class LocalRanks:
 
     def broadcast_state(self, state: TrainingState | None) -> TrainingState:
         """Rank 0's training state (parameters, optimizer and scheduler state, epoch) on every rank."""
-        if self.rank == 0:
-            assert state is not None
+        if state is not None:  # rank 0
             tensors, metadata = state.to_wire()
             self.broadcast_object((metadata, [(tuple(t.shape), t.dtype) for t in tensors]))
-        else:
-            metadata, specs = self.broadcast_object()
-            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+            self.broadcast(tensors)
+            return state
+        received, specs = _state_description(self.broadcast_object())
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
         self.broadcast(tensors)
-        return state if state is not None else TrainingState.from_wire(tensors, metadata)
+        return TrainingState.from_wire(tensors, received)
 
     def _flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1).to(self.device) for t in tensors])
+
+
+def _state_description(received: object) -> tuple[object, list[tuple[tuple[int, ...], torch.dtype]]]:
+    """The (metadata, tensor shapes and dtypes) of a training state rank 0 sent (`broadcast_state`)."""
+    if isinstance(received, tuple) and len(received) == 2 and isinstance(received[1], list):
+        specs = [(tuple(int(n) for n in shape), dtype) for shape, dtype in (
+            spec for spec in received[1] if isinstance(spec, tuple) and len(spec) == 2)
+            if isinstance(shape, tuple) and isinstance(dtype, torch.dtype)]
+        if len(specs) == len(received[1]):
+            return received[0], specs
+    raise LocalRankError("rank 0 sent a malformed description of its training state")
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -338,7 +347,7 @@ class MirroredMode:
         self._samples = self._in_flight_samples = 0
 
 
-def serve_rank0(mode: TrainingMode, ranks: LocalRanks, own_batch: int = 0) -> Any:
+def serve_rank0(mode: TrainingMode, ranks: LocalRanks, own_batch: int = 0) -> tuple[object, int]:
     """On a rank other than 0: makes rank 0's changes to this rank's `mode`, in order, until rank 0's
     call ends; returns what that call returned and rank 0's epoch then (pickled from rank 0).
 
@@ -350,7 +359,7 @@ def serve_rank0(mode: TrainingMode, ranks: LocalRanks, own_batch: int = 0) -> An
     while True:
         for op, arg in ranks.receive():
             if op in (_Op.DONE, _Op.DONE_STEP, _Op.DONE_OBJECT):
-                result: Any = (None if op == _Op.DONE else StepOutcome(arg) if op == _Op.DONE_STEP
+                result: object = (None if op == _Op.DONE else StepOutcome(arg) if op == _Op.DONE_STEP
                                else ranks.broadcast_object())
                 if failed is not None:
                     raise LocalRankError(f"local rank {ranks.rank} could not follow rank 0: {failed}")
@@ -393,6 +402,37 @@ def _follow(mode: TrainingMode, ranks: LocalRanks, op: _Op, epoch: int, own_batc
         raise LocalRankError(f"unknown command {op!r} from rank 0")
 
 
+def job_ranks(group: dist.ProcessGroup | None = None) -> LocalRanks | None:
+    """This process's local ranks when it is one of several ranks of an initialized torch.distributed
+    job (a `torchrun` job, or a framework that started one, as transformers' `Trainer` does under
+    torchrun); None for a process on its own, which is a peer of its own."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return None
+    return LocalRanks(group)
+
+
+def is_following_rank() -> bool:
+    """True on a rank other than 0 of a torch.distributed job: a rank that starts no `swarm.Peer`,
+    because rank 0's peer is the machine's."""
+    ranks = job_ranks()
+    return ranks is not None and ranks.rank != 0
+
+
+def machine_peer_id(peer: PeerHandle | None) -> str:
+    """The PeerID of the machine's peer on every rank: `peer`'s own outside a job; in a job (where
+    every rank calls it at the same point) rank 0's `peer`, sent to the others."""
+    ranks = job_ranks()
+    if ranks is None or ranks.rank == 0:
+        if peer is None:
+            raise ConfigError("the process that talks to the swarm (rank 0 of a job) needs its swarm.Peer")
+        if ranks is None:
+            return peer.peer_id
+    peer_id = ranks.broadcast_object(peer.peer_id if peer is not None else None)
+    if not isinstance(peer_id, str):
+        raise LocalRankError(f"rank 0 sent no PeerID (got {type(peer_id).__name__})")
+    return peer_id
+
+
 def check_not_sharded(params: Sequence[torch.Tensor], ranks: LocalRanks) -> None:
     """Raises ConfigError unless every rank holds the whole model (same shapes on every rank, no
     FSDP flat parameters or DTensors): a sharded model's ranks hold different parts, and the
@@ -414,13 +454,36 @@ def check_not_sharded(params: Sequence[torch.Tensor], ranks: LocalRanks) -> None
                           "swarm.DistributedOptimizer needs every rank to hold the whole, same model")
 
 
+def swarm_optimizer(peer: PeerHandle | None, run_id: str, params: Iterable[torch.nn.Parameter],
+                    optimizer: torch.optim.Optimizer | OptimizerFactory, target_batch_size: int | None = None,
+                    **options: Unpack[OptimizerOptions]) -> Optimizer | DistributedOptimizer:
+    """`swarm.Optimizer` for a process on its own, `DistributedOptimizer` for a rank of a
+    torch.distributed job (`job_ranks`): what a training integration builds, so that the same script
+    runs as one peer per process or, under `torchrun`, as one peer per machine. Rank 0 passes its
+    peer, the other ranks None (`is_following_rank`)."""
+    if job_ranks() is None:
+        if peer is None:
+            raise ConfigError("a process on its own is a peer: pass its swarm.Peer")
+        return Optimizer(peer, run_id, params, optimizer, target_batch_size, **options)
+    return DistributedOptimizer(peer, run_id, params, optimizer, target_batch_size, **options)
+
+
+def _expect(value: object, kind: type[T]) -> T:
+    """`value`, the result of rank 0's call that this rank followed, if it is a `kind`."""
+    if not isinstance(value, kind):
+        raise LocalRankError(f"rank 0's call returned a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
 class DistributedOptimizer:
     """`swarm.Optimizer` for a `torchrun --nproc-per-node K` job: the machine is one swarm peer.
 
     Every local rank constructs it and calls the same methods in the same order (`step`,
     `zero_grad`, `flush`, `load_state_from_peers`, `shutdown`), as with DistributedDataParallel.
-    Rank 0 passes its `swarm.Peer`; the other ranks pass None. Don't wrap the model in
+    Rank 0 passes its `swarm.Peer`; the other ranks pass None. The model needs no
     DistributedDataParallel: gradients are reduced here, once per round, not on every backward.
+    Wrapped in it anyway (transformers' `Trainer` does, under torchrun), each rank's gradients are
+    already the ranks' mean: the same step, at the cost of an all-reduce per backward.
 
     Example (one command per machine: ``torchrun --nproc-per-node 4 train.py``)::
 
@@ -436,7 +499,8 @@ class DistributedOptimizer:
     Args:
         peer: rank 0's `swarm.Peer`; None on the other ranks.
         group: the process group of this machine's ranks (default: the whole job).
-        The others: as `swarm.Optimizer`'s (factories are called on every rank).
+        The others: as `swarm.Optimizer`'s (`OptimizerOptions`; factories are called on every
+            rank), but for `mode_wrapper`, which is this class's own.
 
     Raises:
         ConfigError: torch.distributed not initialized, a peer on a rank other than 0 (or none on
@@ -451,22 +515,23 @@ class DistributedOptimizer:
         optimizer: torch.optim.Optimizer | OptimizerFactory,
         target_batch_size: int | None = None,
         *,
-        batch_size_per_step: int | None = None,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None = None,
-        diloco: DiLoCoConfig | None = None,
-        config: CollaborationConfig | None = None,
-        averager_factory: AveragerFactory | None = None,
         group: dist.ProcessGroup | None = None,
+        **options: Unpack[OptimizerOptions],
     ) -> None:
+        check_options(options, "swarm.DistributedOptimizer")
+        if "mode_wrapper" in options:
+            raise TypeError("swarm.DistributedOptimizer wraps the mode itself (its local ranks follow rank 0's): "
+                            "mode_wrapper is not one of its arguments")
         self.ranks = LocalRanks(group)
-        if (peer is None) != (self.ranks.rank != 0):
+        misplaced = (peer is None) != (self.ranks.rank != 0)
+        if self.ranks.sum_int(int(misplaced)):  # refused on every rank, so that none waits for the others
             raise ConfigError(f"local rank {self.ranks.rank}: rank 0 passes its swarm.Peer and the other ranks "
-                              f"pass None (got {'none' if peer is None else 'a peer'})")
+                              f"pass None (got {'none' if peer is None else 'a peer'} here; "
+                              f"{'this rank' if misplaced else 'another rank'} is wrong)")
         self.params = list(params)
-        self.batch_size_per_step = batch_size_per_step
+        self.batch_size_per_step = options.get("batch_size_per_step")
         check_not_sharded(self.params, self.ranks)
         self.ranks.broadcast(self.params)  # every rank starts from rank 0's initial parameters
-        config = config or CollaborationConfig()
         self.swarm: Optimizer | None = None
         self._mirror: MirroredMode | None = None
         self._mode: TrainingMode
@@ -477,14 +542,14 @@ class DistributedOptimizer:
                 self._mirror = MirroredMode(mode, self.ranks)
                 return self._mirror
 
-            self.swarm = self._on_rank0(lambda: Optimizer(
-                peer, run_id, self.params, optimizer, target_batch_size, batch_size_per_step=batch_size_per_step,
-                scheduler=scheduler, diloco=diloco, config=config, averager_factory=averager_factory,
-                mode_wrapper=wrap))
+            wrapped: OptimizerOptions = {**options, "mode_wrapper": wrap}
+            self.swarm = self._on_rank0(lambda: Optimizer(peer, run_id, self.params, optimizer, target_batch_size,
+                                                          **wrapped))
             assert self._mirror is not None
             self._mode = self._mirror.inner
         else:
-            self._mode = build_mode(self.params, optimizer, scheduler, diloco, config)
+            config = options.get("config") or CollaborationConfig()
+            self._mode = build_mode(self.params, optimizer, options.get("scheduler"), options.get("diloco"), config)
             self._follow()
 
     @property
@@ -513,8 +578,7 @@ class DistributedOptimizer:
             raise ValueError("pass batch_size to step() or batch_size_per_step to the constructor")
         machine = self.ranks.sum_int(batch_size)
         if self.swarm is None:
-            outcome: StepOutcome = self._follow(batch_size)
-            return outcome
+            return _expect(self._follow(batch_size), StepOutcome)
         assert self._mirror is not None
         self._mirror.own_batch, self._mirror.machine_batch = batch_size, machine
         swarm = self.swarm
@@ -525,8 +589,7 @@ class DistributedOptimizer:
         False on timeout (`swarm.Optimizer.wait_for_peers`)."""
         swarm = self.swarm
         if swarm is None:
-            found: bool = self._follow()
-            return found
+            return _expect(self._follow(), bool)
         return self._on_rank0(lambda: swarm.wait_for_peers(count, timeout))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -537,16 +600,15 @@ class DistributedOptimizer:
         """Lands the round in flight on every rank (`swarm.Optimizer.flush`)."""
         swarm = self.swarm
         if swarm is None:
-            landed: RoundOutcome | None = self._follow()
-            return landed
+            landed = self._follow()
+            return None if landed is None else _expect(landed, RoundOutcome)
         return self._on_rank0(swarm.flush)
 
     def load_state_from_peers(self, min_epoch: int = 0) -> bool:
         """Downloads the swarm's state on rank 0 and lands it in every rank."""
         swarm = self.swarm
         if swarm is None:
-            loaded: bool = self._follow()
-            return loaded
+            return _expect(self._follow(), bool)
         return self._on_rank0(lambda: swarm.load_state_from_peers(min_epoch))
 
     def state_dict(self) -> dict[str, Any]:
@@ -569,6 +631,17 @@ class DistributedOptimizer:
     def epoch(self) -> int:
         """Collective steps taken (rank 0's count, which the others learn at the end of each call)."""
         return self.swarm.epoch if self.swarm is not None else self._epoch
+
+    @property
+    def progress(self) -> SwarmProgress:
+        """The swarm's progress as rank 0 sees it (`swarm.Optimizer.progress`).
+
+        Raises:
+            LocalRankError: on another rank, which does not read the swarm's records.
+        """
+        if self.swarm is None:
+            raise LocalRankError(f"local rank {self.rank} does not see the swarm's progress: only rank 0 does")
+        return self.swarm.progress
 
     def shutdown(self) -> None:
         """Leaves the swarm (rank 0 withdraws its record); every rank calls it. After a rank died,
@@ -620,7 +693,7 @@ class DistributedOptimizer:
         else:
             self.ranks.send([command])
 
-    def _follow(self, own_batch: int = 0) -> Any:
+    def _follow(self, own_batch: int = 0) -> object:
         """On a rank other than 0: follows rank 0's call (`serve_rank0`); returns its result."""
         result, self._epoch = serve_rank0(self._mode, self.ranks, own_batch)
         return result
@@ -629,4 +702,7 @@ class DistributedOptimizer:
         return f"swarm.DistributedOptimizer(rank={self.rank}/{self.ranks.size}, epoch={self.epoch})"
 
 
-__all__ = ["DistributedOptimizer", "LocalRankError", "LocalRanks", "MirroredMode", "serve_rank0"]
+__all__ = [
+    "DistributedOptimizer", "LocalRankError", "LocalRanks", "MirroredMode", "is_following_rank", "job_ranks",
+    "machine_peer_id", "serve_rank0", "swarm_optimizer",
+]

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 
@@ -96,6 +96,29 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 AveragerFactory = Callable[[Sequence[torch.Tensor], str], AveragerLike]
 ModeWrapper = Callable[[TrainingMode], TrainingMode]
+
+
+class OptimizerOptions(TypedDict, total=False):
+    """`Optimizer`'s keyword-only arguments (its docstring says what each means), stated once for
+    it and for the constructors that pass them through (`swarm.DistributedOptimizer`)."""
+
+    batch_size_per_step: int | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None
+    diloco: DiLoCoConfig | None
+    config: CollaborationConfig | None
+    averager_factory: AveragerFactory | None
+    mode_wrapper: ModeWrapper | None
+    checkpoint_dir: str | Path | None
+    checkpoint: CheckpointConfig | None
+    resume_from: str | Path | None
+
+
+def check_options(options: OptimizerOptions, of: str) -> None:
+    """Raises TypeError for a keyword that is none of `OptimizerOptions` (a misspelt setting)."""
+    unknown = sorted(set(options) - OptimizerOptions.__optional_keys__)
+    if unknown:
+        raise TypeError(f"{of} got unexpected keyword arguments {unknown}; it takes "
+                        f"{sorted(OptimizerOptions.__optional_keys__)}")
 
 
 def build_mode(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | OptimizerFactory,
@@ -172,20 +195,17 @@ class Optimizer:
         params: Iterable[torch.nn.Parameter],
         optimizer: torch.optim.Optimizer | OptimizerFactory,
         target_batch_size: int | None = None,
-        *,
-        batch_size_per_step: int | None = None,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None = None,
-        diloco: DiLoCoConfig | None = None,
-        config: CollaborationConfig | None = None,
-        averager_factory: AveragerFactory | None = None,
-        mode_wrapper: ModeWrapper | None = None,
-        checkpoint_dir: str | Path | None = None,
-        checkpoint: CheckpointConfig | None = None,
-        resume_from: str | Path | None = None,
+        **options: Unpack[OptimizerOptions],
     ) -> None:
         if not isinstance(run_id, str) or not run_id or any(c.isspace() for c in run_id):
             raise ConfigError(f"run_id must be a non-empty string without spaces, got {run_id!r}")
-        config = config or CollaborationConfig()
+        check_options(options, "swarm.Optimizer")
+        batch_size_per_step, scheduler, diloco = (
+            options.get("batch_size_per_step"), options.get("scheduler"), options.get("diloco"))
+        averager_factory, mode_wrapper = options.get("averager_factory"), options.get("mode_wrapper")
+        checkpoint_dir, checkpoint, resume_from = (
+            options.get("checkpoint_dir"), options.get("checkpoint"), options.get("resume_from"))
+        config = options.get("config") or CollaborationConfig()
         if target_batch_size is not None:
             config = replace(config, target_batch_size=target_batch_size)
         if diloco is None and config.target_batch_size is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 
 from swarm.averaging import Averager
 from swarm.averaging.partition import FlatTensors
+from swarm.core.loop_lag import LoopLag
 from swarm.moe import ExpertServer, RemoteExpert
 from swarm.moe.client.expert import as_payload, payloads
 from swarm.moe.server.experts import FeedforwardExpert
@@ -37,25 +39,27 @@ def test_cpu_tensors_are_used_in_place_and_sent_as_they_are() -> None:
     assert asyncio.run(payloads([t]))[0].data_ptr() == t.data_ptr()
 
 
-class LoopLag:
-    """The largest lateness of a 10 ms timer on `loop` while it runs."""
+def test_the_loop_probe_sees_a_stall_of_the_loop() -> None:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        lag = LoopLag(loop)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.worst = 0.0
-        self._stop = threading.Event()
-        self._future = asyncio.run_coroutine_threadsafe(self._probe(), loop)
+        stalled = threading.Event()
 
-    async def _probe(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._stop.is_set():
-            before = loop.time()
-            await asyncio.sleep(0.01)
-            self.worst = max(self.worst, loop.time() - before - 0.01)
+        def stall() -> None:
+            time.sleep(0.3)  # blocking work on the loop: what the probe must see
+            stalled.set()
 
-    def stop(self) -> float:
-        self._stop.set()
-        self._future.result(5)
-        return self.worst
+        # 5 ms on: after the probe's first step (queued before it) set its 10 ms timer
+        loop.call_soon_threadsafe(loop.call_later, 0.005, stall)
+        assert stalled.wait(10)
+        assert lag.stop() >= 0.25
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 def _busy_device(seconds: float = 1.0) -> None:

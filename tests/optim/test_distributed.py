@@ -160,6 +160,43 @@ def test_a_job_restarted_with_its_identity_rejoins_and_catches_up_in_diloco_mode
             assert line["digest"] == single_digests[line["epoch"]], line
 
 
+HF_WORKER = str(Path(__file__).parent / "dist_hf_proc.py")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_two_rank_swarm_trainer_job_is_one_peer_identical_to_a_one_process_trainer(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    pytest.importorskip("datasets", reason="the transformers extra is not installed")
+    steps = ["--steps", "4"]
+    single = _start([sys.executable, HF_WORKER, "--out", str(tmp_path), "--name", "single", *steps], tmp_path, "single")
+    procs = [single]
+    try:
+        _wait_for(lambda: _addr(tmp_path / "single.out") is not None, START, "the one-process trainer", procs)
+        # the user's script unchanged, under torchrun: transformers' Trainer starts gloo, SwarmTrainer makes the ranks one peer
+        job = _start([*TORCHRUN, "--nproc-per-node", "2", HF_WORKER, "--out", str(tmp_path), "--name", "job", *steps,
+                      "--initial-peers", _addr(tmp_path / "single.out")], tmp_path, "job")
+        procs.append(job)
+        assert job.wait(START + 120) == 0, (tmp_path / "job.err").read_text()[-3000:]
+        assert single.wait(60) == 0, (tmp_path / "single.err").read_text()[-3000:]
+    finally:
+        _stop(procs)
+    runs = {name: _lines(tmp_path / f"{name}.jsonl") for name in ("job-r0", "job-r1", "single-r0")}
+    digests = {name: {r["epoch"]: r["digest"] for r in lines} for name, lines in runs.items()}
+    # max_steps counts the swarm's steps: all three stopped at the 4th, holding the same parameters at each
+    assert all(lines[-1]["epoch"] == 4 for lines in runs.values()), runs
+    for e in range(1, 5):
+        assert digests["job-r0"][e] == digests["job-r1"][e] == digests["single-r0"][e], e
+    # the job is one peer counting both ranks' samples: rank 0's optimizer took in both ranks' batches,
+    # and the other peer read reports of 16 samples a step (8 per rank), never rank 0's 8 alone
+    r0, r1 = runs["job-r0"][-1], runs["job-r1"][-1]
+    # (a batch a catch-up drops is not counted: at most both ranks' batches)
+    assert r0["own"] == r1["own"] > 0 and r0["own"] < r0["machine"] <= r0["own"] + r1["own"], (r0, r1)
+    assert r0["machine"] % 16 == 0, r0
+    seen = [s for s in runs["single-r0"][-1]["seen"] if s > 0]
+    assert seen and all(s % 16 == 0 for s in seen), seen
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -237,3 +274,27 @@ def test_a_one_rank_job_trains_as_a_plain_optimizer_would(one_rank_group, make_p
             torch.testing.assert_close(mine, theirs)
     finally:
         opt.shutdown()
+
+
+def test_a_misspelt_setting_is_refused_by_both_constructors(one_rank_group, make_peer) -> None:
+    from swarm.optim import Optimizer
+
+    model = torch.nn.Linear(2, 2)
+    for cls in (Optimizer, DistributedOptimizer):
+        with pytest.raises(TypeError, match="unexpected keyword arguments \\['confg'\\]"):
+            cls(make_peer(), "r", model.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1), 8, confg=None)
+    with pytest.raises(TypeError, match="wraps the mode itself"):
+        DistributedOptimizer(make_peer(), "r", model.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1), 8,
+                             mode_wrapper=lambda mode: mode)
+
+
+def test_a_process_alone_or_in_a_one_rank_group_is_a_peer_of_its_own(make_peer) -> None:
+    from swarm.optim.distributed import is_following_rank, job_ranks, machine_peer_id
+
+    peer = make_peer()
+    assert job_ranks() is None and not is_following_rank() and machine_peer_id(peer) == peer.peer_id
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # a group of one rank is not a job of several: the process stays a peer of its own
+        assert job_ranks() is None and not is_following_rank()
+    finally:
+        dist.destroy_process_group()
