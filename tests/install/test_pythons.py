@@ -6,9 +6,9 @@ The suite itself runs on 3.11 (scripts/test.sh's .venv). The interpreters are lo
 pyenv and on PATH; where one is missing its test skips and says so. The venvs are kept in
 .venv/pythons/ (ignored by git, keyed by pyproject.toml and the constraints; a lock keeps two runs
 from making one at once), so after the first run these tests spend their time on the tests. By
-default they run the torch-free part less its long multi-node tests (`torch_free.LONG`: about a
-minute each interpreter; BENCHMARKS.md, "Infrastructure nodes without torch"); SWARM_TEST_PYTHONS=full
-runs all of it, SWARM_TEST_PYTHONS=0 none.
+default they run the torch-free part less its long multi-node tests (`torch_free.LONG`; ~460
+tests, on two xdist workers: mostly waiting on processes; BENCHMARKS.md, "Infrastructure nodes
+without torch"); SWARM_TEST_PYTHONS=full runs all of it, SWARM_TEST_PYTHONS=0 none.
 """
 
 from __future__ import annotations
