@@ -17,12 +17,15 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
+import torch_free
 from procs import PeerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,3 +310,33 @@ def test_torch_without_numpy_names_numpy_and_the_install_command(tmp_path: Path)
                          cwd=tmp_path, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("swarm.RemoteExpert needs numpy,") and 'swarm-peer[torch]"' in out.stdout, out.stdout
+
+
+def _only_in_extras() -> set[str]:
+    """The import names of what the extras bring and a venv of `swarm-peer[test]` lacks (torch,
+    numpy, safetensors, matplotlib, ...): tests/install/test_pythons.py runs the torch-free part there."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower().replace("-", "_") for r in requirements}
+
+    extras = project["optional-dependencies"]
+    kept = names(project["dependencies"]) | names(extras["test"])
+    return set().union(*(names(r) for name, r in extras.items() if name != "test")) - kept
+
+
+@pytest.mark.timeout(180)
+def test_the_torch_free_part_of_the_suite_collects_where_the_extras_cannot_be_imported(tmp_path: Path) -> None:
+    """On 3.11, where torch is installed, a test file of the torch-free part that imports torch (or
+    another package only an extra brings) at module level fails here, not first on 3.12 or 3.13."""
+    blocked = _only_in_extras()
+    assert {"torch", "numpy", "safetensors"} <= blocked
+    env = no_torch_env(tmp_path)
+    (tmp_path / "notorch" / "sitecustomize.py").write_text(BLOCK_TORCH.replace('("torch", "numpy")',
+                                                                               repr(tuple(sorted(blocked)))))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-p", "no:randomly", *torch_free.pytest_args()], capture_output=True, text=True,
+                         timeout=150, env=env, cwd=ROOT, check=False)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    assert out.returncode == 0 and re.fullmatch(r"\d+(/\d+)? tests? collected.*", summary), \
+        out.stdout[-4000:] + out.stderr[-2000:]

@@ -323,7 +323,8 @@ def test_the_infra_image_has_no_torch_and_serves_as_bootstrap_and_relay(infra_im
     network = infra_network
     inspect = json.loads(podman("image", "inspect", infra_image).stdout)[0]
     assert inspect["Config"]["User"] == "swarm" and inspect["Config"]["Entrypoint"] == ["swarm-peer"]
-    print(f"\ninfra image size: {inspect['Size'] / 2**20:.0f} MiB", file=sys.stderr)
+    print(f"\ninfra image size: {inspect['Size'] / 1e6:.1f} MB", file=sys.stderr)
+    assert inspect["Size"] <= 150e6, f"the infrastructure image holds {inspect['Size'] / 1e6:.1f} MB (goal: 150)"
     missing = podman("run", "--rm", "--entrypoint", "python", infra_image, "-c",
                      "import importlib.util as u; print([n for n in ('torch', 'numpy') if u.find_spec(n)])")
     assert missing.stdout.strip() == "[]", missing.stdout

@@ -8,14 +8,20 @@ machine's CPU torch wheel lies in PIP_FIND_LINKS) and installs without byte-comp
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSTRAINTS = ROOT / "scripts" / "constraints.txt"
+CACHE = ROOT / ".venv" / "pythons"
+"""Venvs kept between runs (ignored by git; scripts/test.sh's .venv holds them)."""
 TORCH = next(line for line in CONSTRAINTS.read_text().splitlines() if line.startswith("torch=="))
 _IGNORE = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache",
                                  "build", "dist", "demo-out", "*.whl")
@@ -95,3 +101,25 @@ def without_torch(constraints: Path, out: Path) -> Path:
 
 def normalize(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
+
+
+@contextmanager
+def cached_venv(python: str | Path, name: str, *inputs: bytes) -> Iterator[tuple[Venv, bool]]:
+    """A venv of `python` kept in `CACHE` as `name`, held under a lock, and whether it was made now:
+    then the caller installs its packages, and it is marked ready once the caller's block returns
+    (a failed install leaves it to be made again). It is made again when pyproject.toml, the
+    constraints or `inputs` change."""
+    key = hashlib.sha256(b"\0".join([(ROOT / "pyproject.toml").read_bytes(), CONSTRAINTS.read_bytes(),
+                                     *inputs])).hexdigest()[:16]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"{name}-{key}"
+    with open(CACHE / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another run, or another xdist worker, making the same one
+        for stale in CACHE.glob(f"{name}-*"):
+            if stale != path and stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+        ready = path / ".ready"
+        fresh = not ready.is_file()
+        venv = Venv(path, python=python, reuse=not fresh)
+        yield venv, fresh
+        ready.touch()
