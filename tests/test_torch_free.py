@@ -48,6 +48,7 @@ TORCH_FREE_INSIDE: tuple[str, ...] = (
     "swarm.moe.uids",  # expert names: `swarm-peer status` lists experts
     "swarm.moe.dht_declare",  # the experts' DHT records: read by `swarm-peer status`
     "swarm.moe.sources",
+    "swarm.moe.server_role",  # every peer of a private swarm checks who may declare experts
     "swarm.moe.server",
     "swarm.moe.server.cli",  # `--experts` is checked before torch is needed
     "swarm.optim",  # its names resolve lazily (those that need torch say so)

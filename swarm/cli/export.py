@@ -7,7 +7,7 @@ one safetensors file (docs/operations.md, "Checkpoints and a cold restart").
 
 With ``--transformers`` (a run made with the transformers integration; CONFIG is the model's
 ``config.json`` or a directory holding it) ``--out`` is a directory that ``from_pretrained``
-loads (`swarm.cli.export_transformers`).
+loads (`swarm.optim.pretrained`).
 
 From a checkpoint, the parameters keep the names they were saved under (a trainer that passed its
 model's ``named_parameters()`` names gets a file ``model.load_state_dict`` takes as it is) and the
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_id = args.run
             epoch, params = from_live_run(run_id, args.initial_peers, args.timeout)
         if args.transformers is not None:
-            from swarm.cli.export_transformers import WEIGHTS_FILE, copy_config, pretrained_params
+            from swarm.optim.pretrained import WEIGHTS_FILE, copy_config, pretrained_params
 
             named = pretrained_params(params, args.transformers)
             args.out.mkdir(parents=True, exist_ok=True)
