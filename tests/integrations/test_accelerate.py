@@ -17,6 +17,11 @@ pytestmark = pytest.mark.alone  # two peers average in this process against roun
 
 
 def test_two_accelerate_loops_take_identical_collective_steps(swarm_peers):
+    # accelerate keeps one state per process, and a transformers Trainer made earlier in this
+    # process (the suite's other integration tests) fixed it without bf16: start from a clean one
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
     torch.manual_seed(0)
     data = torch.randn(256, 8), torch.randint(0, 4, (256,))
