@@ -111,20 +111,8 @@ class ButterflyAllReduce:
         self.my_part = group.part_of(self.my_index)
         self.chunk_numel = self.codec.chunk_numel(config.chunk_bytes)
         self.parts = [Part(j, offsets[j], sizes[j], r) for j, r in enumerate(group.reducers)]
-        self.reducer: PartReducer | None = None
-        if self.my_part is not None:
-            p = self.parts[self.my_part]
-            total = scratch_numel(group, self.my_index)
-            self.reducer = PartReducer(
-                group, self.my_index, self.my_part, p.start, p.size, flat, scratch[:total - p.size],
-                scratch[total - p.size:total], self.codec, config, faults, self.t0, timeout, report,
-            )
-        if self.me.is_sender:
-            pos = 0
-            for p in self.parts:
-                if p.index != self.my_part:
-                    p.values = scratch[pos:pos + p.size]
-                    pos += p.size
+        self.reducer = self._make_reducer(scratch, report)
+        self._place_parts(scratch)
         estimates = peer.pool.estimates
         self.silence = {i: silence_limit(estimates, m.peer_id, config.chunk_bytes, config.sender_timeout)
                         for i, m in enumerate(group.members) if i != self.my_index}
@@ -152,6 +140,29 @@ class ButterflyAllReduce:
         self._decided_at: float | None = None  # loop time this member first learned the round's decision
         self._tasks: list[asyncio.Task[Any]] = []
         self._probed: set[int] = set()  # members whose address this member probed (`_suspect`)
+
+    def _make_reducer(self, scratch: torch.Tensor, report: ReportFn) -> PartReducer | None:
+        """The reducer of the part this member averages (None where it reduces no part).
+
+        It takes the end of `scratch`: the others' contributions, then its accumulator."""
+        if self.my_part is None:
+            return None
+        p = self.parts[self.my_part]
+        total = scratch_numel(self.group, self.my_index)
+        return PartReducer(
+            self.group, self.my_index, self.my_part, p.start, p.size, self.flat, scratch[:total - p.size],
+            scratch[total - p.size:total], self.codec, self.config, self.faults, self.t0, self.timeout, report,
+        )
+
+    def _place_parts(self, scratch: torch.Tensor) -> None:
+        """Give each part that another member reduces its slice of `scratch`, where the mean arrives."""
+        if not self.me.is_sender:
+            return
+        pos = 0
+        for p in self.parts:
+            if p.index != self.my_part:
+                p.values = scratch[pos:pos + p.size]
+                pos += p.size
 
     @property
     def round_tag(self) -> str:

@@ -205,6 +205,25 @@ class PartCollector:
             if s.sink is not None:
                 s.sink.detach()
 
+    def _decode_chunk(self, sender: _Sender, message: bytes | Sunk, a: int, b: int) -> str | None:
+        """Put one received chunk (`a:b` of the part) into the sender's slot; why it is refused, or None.
+
+        A `Sunk` chunk is in the slot already (the stream wrote it there): only its header is checked."""
+        if isinstance(message, Sunk):
+            if message.dropped or not is_raw_float32(message.views[0], b - a):
+                return "malformed chunk"
+            return None
+        if not message or message[0] != self.codec.kind:
+            return _control_reason(message) or "malformed chunk"
+        if len(message) != self.codec.encoded_size(b - a):
+            return "malformed chunk"
+        assert sender.slot is not None
+        try:
+            self.codec.decode(message, sender.slot[a:b])
+        except (CompressionError, ValueError, TypeError) as e:
+            return f"malformed chunk: {e}"
+        return None
+
     async def _read(self, sender: _Sender, requests: AsyncIterator[bytes]) -> None:
         loop = asyncio.get_running_loop()
         it = requests.__aiter__()
@@ -214,34 +233,12 @@ class PartCollector:
                     message = await it.__anext__()
                     if self.frozen or sender.failed:
                         continue  # reported already: late data is not in this round
-                    if isinstance(message, Sunk):  # already in the slot: check what the header says
-                        if message.dropped or not is_raw_float32(message.views[0], b - a):
-                            sender.failed = "malformed chunk"
-                            self._changed.set()
-                            return
-                        self.sum[a:b].add_(sender.slot[a:b], alpha=sender.weight)  # type: ignore[index]
-                        sender.added = True
-                        sender.last_progress = loop.time()
-                        self.received_chunks += 1
-                        await self.faults.hit(FaultPoint.AFTER_CHUNKS_RECEIVED, self.received_chunks)
-                        continue
-                    if not message or message[0] != self.codec.kind:
-                        sender.failed = _control_reason(message) or "malformed chunk"
+                    refused = self._decode_chunk(sender, message, a, b)
+                    if refused is not None:
+                        sender.failed = refused
                         self._changed.set()
                         return
-                    if len(message) != self.codec.encoded_size(b - a):
-                        sender.failed = "malformed chunk"
-                        self._changed.set()
-                        return
-                    assert sender.slot is not None
-                    slot = sender.slot[a:b]
-                    try:
-                        self.codec.decode(message, slot)
-                    except (CompressionError, ValueError, TypeError) as e:
-                        sender.failed = f"malformed chunk: {e}"
-                        self._changed.set()
-                        return
-                    self.sum[a:b].add_(slot, alpha=sender.weight)
+                    self.sum[a:b].add_(sender.slot[a:b], alpha=sender.weight)  # type: ignore[index]
                     sender.added = True
                     sender.last_progress = loop.time()
                     self.received_chunks += 1
@@ -496,41 +493,14 @@ class PartReducer(PartCollector):
         self, header: averaging_pb2.ReduceHeader, requests: AsyncIterator[bytes], ctx: CallContext
     ) -> AsyncIterator[bytes]:
         """Serves one sender's stream: reads its part, then yields the result header and chunks."""
-        caller = ctx.peer_id
-        sender = self.senders.get(header.sender)
-        if sender is None or header.sender == self.my_index:
-            raise InvalidRequest(f"member {header.sender} does not send to this reducer")
-        if self.group.members[header.sender].peer_id != caller:
-            raise InvalidRequest("the stream's sender index does not match the caller")
-        if header.part != self.part or header.numel != self.size:
-            raise InvalidRequest(f"part {header.part} of {header.numel} does not match part {self.part} of {self.size}")
-        if sender.streaming:
-            raise InvalidRequest("a second stream from the same sender")
-        sender.streaming = True
-        sender.has_data = header.has_data and sender.weight > 0
-        if sender.has_data and self.codec.kind == 0 and sender.slot is not None:
-            sender.sink = Sink(self._chooser(sender))
-            ctx.receive_into(sender.sink)
+        sender = self._admit(header, ctx)
         loop = asyncio.get_running_loop()
         sender.last_progress = loop.time()
         reader = spawn(self._read(sender, requests), name=f"avg-read-p{self.part}-s{header.sender}")
         self._streams.append(reader)
         deadline = self.t0 + self.timeout
-        finished = asyncio.ensure_future(self.finished.wait())
-        try:
-            while not finished.done():
-                await asyncio.wait({finished, reader}, timeout=max(0.0, deadline - loop.time()),
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if sender.broken:
-                    raise FaultInjected(f"stream from member {header.sender} dropped")
-                if loop.time() >= deadline:
-                    return
-                if reader.done():  # the sender closed its side: wait for the outcome only
-                    await asyncio.wait({finished}, timeout=max(0.0, deadline - loop.time()))
-                    if not finished.done():
-                        return
-        finally:
-            finished.cancel()
+        if not await self._outcome_known(sender, reader, deadline):
+            return
         if self.aborted:
             yield averaging_pb2.ResultHeader(abort=True, reason=self.abort_reason, part=self.part).SerializeToString()
             return
@@ -554,6 +524,45 @@ class PartReducer(PartCollector):
         logger.debug("part %d: result to sender %d queued after %.3f s", self.part, header.sender, loop.time() - self.t0)
         # keep the call open until the sender holds every part and closes its side
         await asyncio.wait({reader}, timeout=max(0.0, deadline + self.config.linger - loop.time()))
+
+    def _admit(self, header: averaging_pb2.ReduceHeader, ctx: CallContext) -> _Sender:
+        """The sender a stream's header names, checked against the caller and this part, marked as
+        streaming (its chunks land in its slot directly where the codec allows)."""
+        sender = self.senders.get(header.sender)
+        if sender is None or header.sender == self.my_index:
+            raise InvalidRequest(f"member {header.sender} does not send to this reducer")
+        if self.group.members[header.sender].peer_id != ctx.peer_id:
+            raise InvalidRequest("the stream's sender index does not match the caller")
+        if header.part != self.part or header.numel != self.size:
+            raise InvalidRequest(f"part {header.part} of {header.numel} does not match part {self.part} of {self.size}")
+        if sender.streaming:
+            raise InvalidRequest("a second stream from the same sender")
+        sender.streaming = True
+        sender.has_data = header.has_data and sender.weight > 0
+        if sender.has_data and self.codec.kind == 0 and sender.slot is not None:
+            sender.sink = Sink(self._chooser(sender))
+            ctx.receive_into(sender.sink)
+        return sender
+
+    async def _outcome_known(self, sender: _Sender, reader: asyncio.Task[None], deadline: float) -> bool:
+        """Wait until the part's outcome is known (`finished`): False where the deadline comes first."""
+        loop = asyncio.get_running_loop()
+        finished = asyncio.ensure_future(self.finished.wait())
+        try:
+            while not finished.done():
+                await asyncio.wait({finished, reader}, timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if sender.broken:
+                    raise FaultInjected(f"stream from member {sender.index} dropped")
+                if loop.time() >= deadline:
+                    return False
+                if reader.done():  # the sender closed its side: wait for the outcome only
+                    await asyncio.wait({finished}, timeout=max(0.0, deadline - loop.time()))
+                    if not finished.done():
+                        return False
+        finally:
+            finished.cancel()
+        return True
 
     async def _wait_server_acks(self, deadline: float) -> None:
         """Before a client-mode member may complete the part, every server-mode sender acknowledged
