@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Coroutine, Sequence
-from typing import Any, Self, TypeVar
+from typing import Self, TypeVar
 
 from swarm.core.errors import ConfigError, MultiaddrError
 from swarm.core.identity import Identity, IdentityFile
@@ -232,7 +232,7 @@ class Peer:
             relays=[r.relay_id or "" for r in map(Multiaddr.parse, self.addrs) if r.relay_id],
         )
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[object, None, T], timeout: float | None = None) -> T:
         """Runs a coroutine on the peer's event loop and waits for it (the sync bridge)."""
         return self.loop.run(coro, timeout)
 

@@ -138,7 +138,7 @@ class ButterflyAllReduce:
         self.received_chunks = 0
         self._changed = asyncio.Event()
         self._decided_at: float | None = None  # loop time this member first learned the round's decision
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._tasks: list[asyncio.Task[object]] = []
         self._probed: set[int] = set()  # members whose address this member probed (`_suspect`)
 
     def _make_reducer(self, scratch: torch.Tensor, report: ReportFn) -> PartReducer | None:
@@ -499,7 +499,7 @@ class ButterflyAllReduce:
         """Streams part `part` as this member holds it, to a member that lost it (see `serve_part` below)."""
         return serve_part(self, part)
 
-    def close(self, linger: bool = True) -> list[asyncio.Task[Any]]:
+    def close(self, linger: bool = True) -> list[asyncio.Task[object]]:
         """Cancels whatever still runs for this round (at release or shutdown). With `linger`, the
         stream of a part held here is left to end by itself: this member's END is on its way
         (`finished`), and the reducer's comes back a round trip later, leaving the connection for
@@ -581,7 +581,7 @@ async def fetch_part(ar: ButterflyAllReduce, p: Part) -> None:
     ar.resolve(p, PartState.COMPLETE, decision=decision)
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
+def _retrieve(task: asyncio.Task[object]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.debug("a fetch from a holder failed: %s", task.exception())
 

@@ -83,7 +83,7 @@ class AveragingService:
         self.rounds: dict[tuple[str, bytes], RoundEntry] = {}
         self._waiters: dict[tuple[str, bytes], asyncio.Future[RoundEntry]] = {}
         self._finished: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self.join_handlers: dict[str, Callable[[averaging_pb2.JoinRequest, CallContext], Awaitable[Any]]] = {}
+        self.join_handlers: dict[str, Callable[[averaging_pb2.JoinRequest, CallContext], Awaitable[object]]] = {}
         self.state_handlers: dict[str, Callable[[averaging_pb2.StateRequest, CallContext], AsyncIterator[bytes]]] = {}
         server = peer.server
         if server is not None:

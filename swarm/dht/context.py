@@ -11,7 +11,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from swarm.dht.config import DHTConfig
 from swarm.dht.ids import DHTID
@@ -20,6 +20,8 @@ from swarm.dht.routing import RoutingTable
 from swarm.dht.storage import CacheStorage, DHTLocalStorage
 from swarm.dht.traversal import Traversal
 from swarm.dht.validation import DHTRecord, RecordValidator
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -74,7 +76,7 @@ class NodeContext(Protocol):
         """Records this node wrote, republished until they expire."""
         ...
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[object, None, T], name: str) -> asyncio.Task[T]:
         """Runs `coro` as a task the node owns (cancelled at shutdown, failures logged)."""
         ...
 

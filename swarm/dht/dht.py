@@ -92,10 +92,10 @@ class DHT:
             await coalescer.close()
         await self.node.shutdown()
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _run(self, coro: Coroutine[object, None, T]) -> T:
         return self.peer.run(coro, timeout=self.config.lookup_timeout + 2 * self.config.request_timeout + 5)
 
-    async def _in_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def _in_loop(self, coro: Coroutine[object, None, T]) -> T:
         return await self.peer.loop.wrap(coro)
 
     # -- records ------------------------------------------------------------------------------------

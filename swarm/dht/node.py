@@ -24,7 +24,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from swarm.core.errors import DeadlineExceeded, DHTError, MultiaddrError, RPCError
 from swarm.core.loop import spawn
@@ -50,6 +50,7 @@ from swarm.net.channels import ChannelPool
 from swarm.net.server import RPCServer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class DHTNode:
@@ -88,7 +89,7 @@ class DHTNode:
         self.stats = LookupStats()
         self.published: dict[tuple[bytes, bytes], DHTRecord] = {}
         """Records this node wrote, republished until they expire (§2.5)."""
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self.closed = False
         self._replicator = Replicator(self)
         self._retriever = Retriever(self)
@@ -125,13 +126,13 @@ class DHTNode:
         node.spawn(node._republish_loop(), "dht-republish")
         return node
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[object, None, T], name: str) -> asyncio.Task[T]:
         task = spawn(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def adopt(self, task: asyncio.Task[Any]) -> None:
+    def adopt(self, task: asyncio.Task[object]) -> None:
         """Keeps a task running in the background, cancelled at shutdown (a lookup's request to a
         suspect: `traversal.Traversal`)."""
         self._tasks.add(task)

@@ -35,7 +35,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -53,7 +53,7 @@ from swarm.net.errors import from_status, to_status
 from swarm.net.frames import DATA, END, ERROR, BulkProtocolError, FrameConnection, Sink, Sunk
 from swarm.net.sealed import SealedProtocol
 from swarm.net.sockets import connected_socket, listening_socket
-from swarm.net.tls import SERVER_NAME_BYTES, client_context
+from swarm.net.tls import SERVER_NAME_BYTES, ServerContext, client_context
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +128,10 @@ class BulkListener:
         self._tickets: dict[bytes, _Ticket] = {}
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
-        self._ssl: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None
+        self._ssl: ServerContext | Callable[[], ServerContext] | None = None
 
     async def start(self, host: str, port: int = 0,
-                    ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None) -> int:
+                    ssl_context: ServerContext | Callable[[], ServerContext] | None = None) -> int:
         """Listens on `host:port`; with `ssl_context` (`swarm.net.tls.server_context`), every
         connection is a TLS handshake first, then sealed records (`swarm.net.sealed`).
 
@@ -151,10 +151,9 @@ class BulkListener:
         protocol: asyncio.BufferedProtocol = conn
         ready = conn.connected
         if self._ssl is not None:
-            if not isinstance(self._ssl, ssl.SSLContext):
+            if not isinstance(self._ssl, ServerContext):
                 self._ssl = self._ssl()
-            protocol = SealedProtocol(conn, self._ssl, server_side=True,
-                                      certificate=getattr(self._ssl, "certificate_der", b""))
+            protocol = SealedProtocol(conn, self._ssl, server_side=True, certificate=self._ssl.certificate_der)
             ready = protocol.ready
         task = asyncio.ensure_future(self._accept(conn, ready, protocol))
         self._connections.add(task)
@@ -481,14 +480,14 @@ def _length(message: Any) -> int:
 async def _send(conn: FrameConnection, requests: AsyncIterator[bytes] | Iterable[bytes],
                 on_sent: Callable[[int], None] | None) -> None:
     try:
-        if hasattr(requests, "__aiter__"):
-            async for message in requests:  # type: ignore[union-attr]
+        if isinstance(requests, AsyncIterable):
+            async for message in requests:
                 conn.write_frame(DATA, message)
                 if on_sent is not None:
                     on_sent(_length(message))
                 await conn.drain()
         else:
-            for message in requests:  # type: ignore[union-attr]
+            for message in requests:
                 conn.write_frame(DATA, message)
                 if on_sent is not None:
                     on_sent(_length(message))

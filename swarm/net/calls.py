@@ -74,8 +74,8 @@ class _Outbox:
     write ends the outbox (`on_error` learns why); items put after that are dropped.
     """
 
-    def __init__(self, write: Callable[[bytes], Awaitable[Any]], batch: type, on_error: Callable[[BaseException], None],
-                 name: str, ready: Callable[[], Awaitable[Any]] | None = None) -> None:
+    def __init__(self, write: Callable[[bytes], Awaitable[object]], batch: type, on_error: Callable[[BaseException], None],
+                 name: str, ready: Callable[[], Awaitable[object]] | None = None) -> None:
         self._write = write
         self._ready = ready
         self._batch = batch

@@ -17,7 +17,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -657,9 +657,9 @@ def _counted(
     """Counts sent bytes of a request stream (metrics): one addition per message."""
     sent = stats.sent
     # gRPC sends bytes: a message given as a tuple of buffers (`Codec.encode_views`) is joined here
-    if hasattr(requests, "__aiter__"):
+    if isinstance(requests, AsyncIterable):
         async def count_async() -> AsyncIterator[bytes]:
-            async for request in requests:  # type: ignore[union-attr]
+            async for request in requests:
                 if not isinstance(request, bytes):
                     request = b"".join(request) if isinstance(request, tuple | list) else bytes(request)
                 sent.value += len(request)
@@ -668,7 +668,7 @@ def _counted(
         return count_async()
 
     def count_sync() -> Iterable[bytes]:
-        for request in requests:  # type: ignore[union-attr]
+        for request in requests:
             if not isinstance(request, bytes):
                 request = b"".join(request) if isinstance(request, tuple | list) else bytes(request)
             sent.value += len(request)

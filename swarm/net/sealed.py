@@ -42,12 +42,15 @@ import os
 import ssl
 import struct
 import threading
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from swarm.net.frames import FrameConnection
 
 RECORD_BYTES = 1 << 20      # most plaintext bytes in one record
 RANDOM_BYTES = 32           # each side's key material, sent inside TLS
@@ -56,6 +59,7 @@ _LENGTH = struct.Struct("<I")
 _HANDSHAKE_READ = 1 << 14
 _HANDSHAKE_LIMIT = 1 << 16  # bytes a peer may send before the keys are agreed
 _KDF_INFO = b"swarm bulk sealed records v1"
+T = TypeVar("T")
 _MAX_RECORDS = 1 << 64      # nonces of one direction (never reached: 2^64 MiB)
 _POOL = 8                   # record buffers kept for reuse per connection
 
@@ -124,12 +128,12 @@ def stop_workers() -> None:
         executor.shutdown(wait=True)  # jobs are pure cipher work: they end without the loop
 
 
-def _submit(fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+def _submit(fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
     """`fn(*args)` on a worker; right here once the workers are gone (the interpreter is exiting)."""
     try:
         return _workers().submit(fn, *args)
     except RuntimeError:
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
         try:
             done.set_result(fn(*args))
         except Exception as e:  # noqa: BLE001 - to whoever waits on it, as from a worker
@@ -243,9 +247,9 @@ class SealedProtocol(asyncio.BufferedProtocol):
     protocol after the records received before it.
     """
 
-    def __init__(self, inner: asyncio.BufferedProtocol, context: ssl.SSLContext, server_side: bool,
+    def __init__(self, inner: FrameConnection, context: ssl.SSLContext, server_side: bool,
                  server_hostname: str | bytes | None = None, certificate: bytes = b"", off_loop: bool | None = None) -> None:
-        self.inner: Any = inner  # a FrameConnection; this object is its (duck-typed) transport
+        self.inner = inner  # this object is its transport (a `swarm.net.frames.RecordLayer`)
         self._certificate = certificate
         self.server_side = server_side
         self.off_loop = OFF_LOOP if off_loop is None else off_loop
@@ -259,7 +263,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._handshake_bytes = 0
         self._handshaken = False
         self._key_material = b"" if server_side else os.urandom(RANDOM_BYTES)
-        self._transport: Any = None
+        self._transport: Any = None  # the TCP transport: asyncio's or uvloop's (no asyncio.Transport subclass)
         self._sealer: Sealer | None = None
         self._opener: Opener | None = None
         self._closing = False   # no more writes (the inner protocol closed or aborted, or a record failed)
@@ -289,18 +293,18 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._pool: list[tuple[Any, int]] = []
         self._written = 0
         # off the loop: records in nonce order (the sealing job or the record, its buffer)
-        self._sealing: collections.deque[tuple[concurrent.futures.Future[Any] | None, Any, Any]] = (
+        self._sealing: collections.deque[tuple[concurrent.futures.Future[bytes | memoryview] | None, Any, Any]] = (
             collections.deque())
         self._unsealed = 0
         self._transport_write_paused = False
         self._inner_write_paused = False
         self._sealing_full = False  # more than _SEAL_AHEAD bytes unsealed, until half of them are sent
         self._woken = False  # a call of `_finished` is on its way to the loop
-        self._extra: dict[str, Any] = {}
+        self._extra: dict[str, object] = {}
 
     # -- the TCP side ------------------------------------------------------------------------
 
-    def connection_made(self, transport: Any) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
         self._extra = {"peername": transport.get_extra_info("peername"),
                        "sockname": transport.get_extra_info("sockname"),
@@ -428,7 +432,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
         if not self._opening and self._open_job is None:
             self._drained()
 
-    def _wake(self, _: concurrent.futures.Future[Any]) -> None:  # on a worker's thread
+    def _wake(self, _: object) -> None:  # on a worker's thread, given the finished job's future
         """Has the loop take the finished records (once for the records that finish meanwhile: a
         job's future is done before this runs, so the loop sees it even when it skips the call)."""
         if self._woken:
@@ -590,7 +594,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._handshake_buffer = bytearray()
         self._new_record_buffer()
         self.ready.set_result(None)
-        self.inner.connection_made(self)
+        self.inner.sealed_by(self)
         view = memoryview(leftover)
         while view and not self.is_closing():
             target = self.get_buffer(len(view))
@@ -679,7 +683,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._record_buffers -= len(self._spare)
         self._spare.clear()
 
-    def writelines(self, parts: Any) -> None:
+    def writelines(self, parts: Iterable[Any]) -> None:
         for part in parts:
             self.write(part)
 

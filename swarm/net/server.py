@@ -41,9 +41,10 @@ from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics
 from swarm.net.auth import TicketVerifier
-from swarm.net.bulk import OPEN_BULK, BulkListener
+from swarm.net.bulk import OPEN_BULK, BulkListener, Sink
 from swarm.net.calls import ACCEPTED, CALLS, Admission, serve_calls
 from swarm.net.errors import to_status
+from swarm.net.frames import FrameConnection
 from swarm.net.limits import CallLimit, CallLimiter
 from swarm.net.membership import MEMBERSHIP, MembershipGate, address_of
 from swarm.net.membership import METADATA_KEY as MEMBERSHIP_KEY
@@ -165,10 +166,10 @@ class CallContext:
     peer_id: str
     grpc_context: grpc.aio.ServicerContext | None
     deadline: float | None = None
-    connection: Any = None  # the bulk side channel's connection, if the call came over it
+    connection: FrameConnection | None = None  # the bulk side channel's connection, if the call came over it
     source: str = ""  # the network the call came from (`source_of`); "" when exempt or unknown
 
-    def receive_into(self, sink: Any) -> bool:
+    def receive_into(self, sink: Sink) -> bool:
         """Lets a `swarm.net.bulk.Sink` place the payloads of the later request messages (the first
         message after this call is index 0 only if none arrived yet: the sink sees each message's
         index in the stream). False, changing nothing, for a call over gRPC."""
@@ -185,7 +186,7 @@ class CallContext:
         return None
 
 
-UnaryHandler = Callable[[Any, CallContext], Awaitable[Any]]
+UnaryHandler = Callable[[Any, CallContext], Awaitable[object]]
 StreamHandler = Callable[[AsyncIterator[bytes], CallContext], AsyncIterator[Any]]
 
 
@@ -271,9 +272,9 @@ class RPCServer:
 
     # -- registration -------------------------------------------------------------------------
 
-    def _bulk_context(self, caller: str, deadline: float, conn: Any) -> CallContext:
+    def _bulk_context(self, caller: str, deadline: float, conn: FrameConnection) -> CallContext:
         """The context of a stream over the bulk side channel, its source read from the socket."""
-        transport = getattr(conn, "transport", None)
+        transport = conn.transport
         peername = transport.get_extra_info("peername") if transport is not None else None
         source = source_of_host(str(peername[0]), self.config) if isinstance(peername, tuple) and peername else ""
         return CallContext(caller, None, deadline, conn, source=source)
@@ -292,7 +293,7 @@ class RPCServer:
 
     async def _respond(
         self, path: str, stats: Any, context: grpc.aio.ServicerContext, authenticated: bool,
-        invoke: Callable[[CallContext], Awaitable[Any]], limit: CallLimit | None,
+        invoke: Callable[[CallContext], Awaitable[object]], limit: CallLimit | None,
     ) -> bytes:
         """One response for one call: authenticate, admit, run the handler, map failures to statuses."""
         try:
@@ -424,7 +425,7 @@ class RPCServer:
         factory = grpc.stream_stream_rpc_method_handler if request_streaming else grpc.unary_stream_rpc_method_handler
         self._dispatcher.handlers[path] = factory(behavior)
 
-    def add_stream_unary(self, path: str, handler: Callable[[AsyncIterator[bytes], CallContext], Awaitable[Any]], *,
+    def add_stream_unary(self, path: str, handler: Callable[[AsyncIterator[bytes], CallContext], Awaitable[object]], *,
                          limit: CallLimit | None = None) -> None:
         """Registers `handler(request_iterator, ctx) -> response` for client-streaming calls."""
 
@@ -505,7 +506,7 @@ class RPCServer:
 
 
 async def _handle(
-    stats: MethodMetrics, make_context: Callable[[], CallContext], run: Callable[[CallContext], Awaitable[Any]],
+    stats: MethodMetrics, make_context: Callable[[], CallContext], run: Callable[[CallContext], Awaitable[object]],
     limiter: CallLimiter, limit: CallLimit | None,
 ) -> bytes:
     """What every call answered with one response shares, over gRPC or a Calls stream: its
