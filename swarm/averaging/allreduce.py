@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,7 +36,7 @@ from swarm.averaging.group import GroupInfo
 from swarm.averaging.liveness import refuses_connections
 from swarm.averaging.lockstep import Lockstep
 from swarm.averaging.partition import FlatTensors, chunk_bounds
-from swarm.averaging.parts import Part, PartState, RoundFailed, plan_parts, scratch_numel
+from swarm.averaging.parts import ClaimFields, Part, PartState, RoundFailed, plan_parts, scratch_numel
 from swarm.averaging.reducer import PartReducer, ReportFn, encode_failure_message, is_raw_float32
 from swarm.averaging.service import FETCH, REDUCE
 from swarm.compression import Codec, CompressionError, get_codec
@@ -49,6 +49,9 @@ from swarm.metrics import REGISTRY
 from swarm.net.bulk import Sink, Sunk
 from swarm.net.estimates import LinkEstimates
 from swarm.proto import averaging_pb2
+
+if TYPE_CHECKING:
+    import numpy
 
 logger = logging.getLogger(__name__)
 
@@ -418,12 +421,12 @@ class ButterflyAllReduce:
 
         self._tasks.append(spawn(probe(), name=f"avg-probe-{self.round_tag}-m{index}"))
 
-    def _chooser(self, p: Part) -> Any:
+    def _chooser(self, p: Part) -> Callable[[int, int], tuple[bytearray, numpy.ndarray] | None]:
         """Where result messages of part `p` go on the bulk channel: straight into `p.values` (after a
         scratch buffer for the codec's header), once the slots it shares memory with are free."""
         bounds = chunk_bounds(p.size, self.chunk_numel)
 
-        def choose(index: int, length: int) -> tuple[bytearray, Any] | None:
+        def choose(index: int, length: int) -> tuple[bytearray, numpy.ndarray] | None:
             i = index - 1  # message 0 is the ResultHeader
             if not 0 <= i < len(bounds) or p.state is not PartState.PENDING or p.values is None:
                 return None
@@ -436,7 +439,7 @@ class ButterflyAllReduce:
 
         return choose
 
-    async def _receive(self, p: Part, stream: Any) -> None:
+    async def _receive(self, p: Part, stream: AsyncIterator[bytes | memoryview | Sunk]) -> None:
         header: averaging_pb2.ResultHeader | None = None
         bounds = chunk_bounds(p.size, self.chunk_numel)
         i = 0
@@ -482,7 +485,7 @@ class ButterflyAllReduce:
                 self.resolve(p, PartState.COMPLETE, decision=header.decision)
                 self._observe_link(p)
 
-    def _timeline(self, what: str, *args: Any) -> None:
+    def _timeline(self, what: str, *args: object) -> None:
         """A point of the round's timeline in the debug log (`lab_averaging.py --diag`)."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("round %s: " + what + " at %.3f s", self.round_tag, *args,
@@ -639,7 +642,7 @@ async def serve_part(ar: ButterflyAllReduce, part: int) -> AsyncIterator[bytes]:
 
 
 
-def claim_fields_of(header: averaging_pb2.ResultHeader | None) -> dict[str, Any]:
+def claim_fields_of(header: averaging_pb2.ResultHeader | None) -> ClaimFields:
     """The robust and verification fields of a received `ResultHeader`, to pass on with a fetched part."""
     if header is None:
         return {}

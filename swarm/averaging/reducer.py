@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,7 @@ from swarm.averaging.config import AllReduceConfig
 from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import FlatTensors, chunk_bounds
+from swarm.averaging.parts import ClaimFields
 from swarm.averaging.robust import ClipOutcome, centered_clip, too_few
 from swarm.averaging.verification import input_distances, part_digest, sketch
 from swarm.compression import Codec, CompressionError, has_nonfinite
@@ -43,6 +44,9 @@ from swarm.core.loop import spawn
 from swarm.net.bulk import Sink, Sunk
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
+
+if TYPE_CHECKING:
+    import numpy
 
 logger = logging.getLogger(__name__)
 
@@ -183,11 +187,11 @@ class PartCollector:
 
     # -- a sender's stream -------------------------------------------------------------------
 
-    def _chooser(self, sender: _Sender) -> Any:
+    def _chooser(self, sender: _Sender) -> Callable[[int, int], tuple[bytearray, numpy.ndarray] | None]:
         """Where chunk messages of `sender` go on the bulk channel: straight into its slot (after a
         scratch buffer for the codec's header), while the part still collects."""
 
-        def choose(index: int, length: int) -> tuple[bytearray, Any] | None:
+        def choose(index: int, length: int) -> tuple[bytearray, numpy.ndarray] | None:
             i = index - 1  # message 0 is the ReduceHeader
             if not 0 <= i < len(self.chunks) or self.frozen or sender.failed:
                 return None
@@ -269,7 +273,7 @@ class PartCollector:
                 self.streams_closed.set()
 
 
-def is_raw_float32(header: Any, numel: int) -> bool:
+def is_raw_float32(header: memoryview | bytes, numel: int) -> bool:
     """Whether a received codec header announces `numel` float32 values without compression."""
     try:
         parsed = read_header(bytes(header))
@@ -459,13 +463,13 @@ class PartReducer(PartCollector):
             self.claim = await loop.run_in_executor(None, lambda: publish_claim(self, decision))
             self.slots_released.set()
 
-    def claim_fields(self) -> dict[str, Any]:
+    def claim_fields(self) -> ClaimFields:
         """The robust and verification fields of this part's `ResultHeader` (none in plain mode)."""
-        fields: dict[str, Any] = {}
+        fields: ClaimFields = {}
         if self.clip is not None:
-            fields.update(clip_scales=self.clip.scales, clip_tau=self.clip.tau, clip_step=self.clip.step)
+            fields["clip_scales"], fields["clip_tau"], fields["clip_step"] = self.clip.scales, self.clip.tau, self.clip.step
         if self.claim is not None:
-            fields.update(digest=self.claim[0], sketches=self.claim[1], distances=self.claim[2])
+            fields["digest"], fields["sketches"], fields["distances"] = self.claim
         return fields
 
     def stream_tasks(self) -> list[asyncio.Task[None]]:

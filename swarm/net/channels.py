@@ -19,7 +19,7 @@ import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar, overload
 
 import grpc
 from google.protobuf.message import Message
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from swarm.net.holepunch import DirectPaths
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)  # a response message type
 
 def _count_bulk_connection(how: str) -> None:
     # the family is made on the first bulk stream: a DHT-only daemon loads no prometheus_client
@@ -251,6 +252,7 @@ class PeerChannel:
             response = await self._raw_unary(
                 HANDSHAKE, request, peer_pb2.HandshakeResponse, self.pool.config.handshake_timeout, metadata=()
             )
+            assert isinstance(response, peer_pb2.HandshakeResponse)  # decoded as that type (or raised)
         except PeerUnreachable:
             found = await tls_probe(self.addr.host, self.addr.port or 0, self.pool.config.handshake_timeout)
             if found.speaks_tls:
@@ -310,10 +312,18 @@ class PeerChannel:
                 f"{found.peer_id or 'no libp2p identity'}{f' ({found.error})' if found.error else ''}",
                 peer_id=self.peer_id)
 
+    @overload
+    async def unary(self, method: str, request: Message | bytes, response_type: type[M],
+                    timeout: float | None = None) -> M: ...
+
+    @overload
+    async def unary(self, method: str, request: Message | bytes, response_type: None = None,
+                    timeout: float | None = None) -> bytes: ...
+
     async def unary(
-        self, method: str, request: Message | bytes, response_type: type[Message] | None = None,
+        self, method: str, request: Message | bytes, response_type: type[M] | None = None,
         timeout: float | None = None,
-    ) -> Any:
+    ) -> M | bytes:
         """One request, one response; raises swarm's `RPCError` subclasses on failure.
 
         Small requests travel on the channel's Calls stream (`swarm.net.calls`), others as gRPC
@@ -337,8 +347,8 @@ class PeerChannel:
         return await self._raw_unary(method, payload, response_type, timeout, self._metadata())
 
     async def _multiplexed(
-        self, method: str, payload: bytes, response_type: type[Message] | None, timeout: float | None,
-    ) -> Any:
+        self, method: str, payload: bytes, response_type: type[M] | None, timeout: float | None,
+    ) -> M | bytes:
         calls = self._calls_stream()
         stats = self.pool.metrics.method(method)  # metrics
         started, ok = stats.start(), False  # metrics
@@ -361,9 +371,9 @@ class PeerChannel:
         return calls
 
     async def _raw_unary(
-        self, method: str, request: Message | bytes, response_type: type[Message] | None,
-        timeout: float | None, metadata: Any,
-    ) -> Any:
+        self, method: str, request: Message | bytes, response_type: type[M] | None,
+        timeout: float | None, metadata: tuple[tuple[str, bytes], ...],
+    ) -> M | bytes:
         callable_ = self._unary.get(method)
         if callable_ is None:
             callable_ = self._unary[method] = self.channel.unary_unary(method)
@@ -390,7 +400,7 @@ class PeerChannel:
             stats.finish(started, ok)  # metrics
         return self._decode(data, response_type)
 
-    def _decode(self, data: bytes, response_type: type[Message] | None) -> Any:
+    def _decode(self, data: bytes, response_type: type[M] | None) -> M | bytes:
         if response_type is None:
             return data
         try:
