@@ -23,7 +23,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from swarm.averaging.agreement import Coordinator, Report
 from swarm.averaging.group import GroupInfo
@@ -83,7 +83,7 @@ class AveragingService:
         self.rounds: dict[tuple[str, bytes], RoundEntry] = {}
         self._waiters: dict[tuple[str, bytes], asyncio.Future[RoundEntry]] = {}
         self._finished: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self.join_handlers: dict[str, Callable[[averaging_pb2.JoinRequest, CallContext], Awaitable[object]]] = {}
+        self.join_handlers: dict[str, Callable[[averaging_pb2.JoinRequest, CallContext], Awaitable[averaging_pb2.JoinResponse]]] = {}
         self.state_handlers: dict[str, Callable[[averaging_pb2.StateRequest, CallContext], AsyncIterator[bytes]]] = {}
         server = peer.server
         if server is not None:
@@ -166,7 +166,7 @@ class AveragingService:
         decision = await coordinator.submit(Report.from_proto(request))
         return decision.to_bytes()
 
-    async def rpc_verify(self, request: averaging_pb2.VerifyReport, ctx: CallContext) -> Any:
+    async def rpc_verify(self, request: averaging_pb2.VerifyReport, ctx: CallContext) -> averaging_pb2.VerifyVerdict:
         entry = await self._entry(request.prefix, request.round_id, ctx)
         verdict = entry.verdict
         if verdict is None:
@@ -189,7 +189,7 @@ class AveragingService:
         async for message in entry.allreduce.serve_fetch(request.part):
             yield message
 
-    async def rpc_join(self, request: averaging_pb2.JoinRequest, ctx: CallContext) -> Any:
+    async def rpc_join(self, request: averaging_pb2.JoinRequest, ctx: CallContext) -> averaging_pb2.JoinResponse:
         handler = self.join_handlers.get(request.prefix)
         if handler is None:
             return averaging_pb2.JoinResponse(accepted=False, reason=f"no averager for {request.prefix!r} here")

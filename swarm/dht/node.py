@@ -24,7 +24,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from swarm.core.errors import DeadlineExceeded, DHTError, MultiaddrError, RPCError
 from swarm.core.loop import spawn
@@ -43,7 +43,7 @@ from swarm.dht.retrieval import Retriever
 from swarm.dht.routing import RoutingTable
 from swarm.dht.storage import CacheStorage, DHTLocalStorage, StorageQuota
 from swarm.dht.store_outcome import StoreOutcome
-from swarm.dht.traversal import LookupResult, Traversal
+from swarm.dht.traversal import AskFn, LookupResult, Traversal
 from swarm.dht.validation import DHTRecord, RecordValidator
 from swarm.dht.wire import node_id_of
 from swarm.net.channels import ChannelPool
@@ -253,7 +253,8 @@ class DHTNode:
         return {query_id: self.routing_table.get_nearest_neighbors(query_id, k) for query_id in query_ids}
 
     def lookup(
-        self, query_ids: Sequence[DHTID], ask: Any, beam_size: int, on_finished: Any, alpha: int | None = None,
+        self, query_ids: Sequence[DHTID], ask: AskFn, beam_size: int,
+        on_finished: Callable[[list[tuple[DHTID, LookupResult]]], None] | None, alpha: int | None = None,
         hedge_after: float | None = None,
     ) -> Traversal:
         # §2.3: a node that fails to answer quickly frees its place among the alpha requests in

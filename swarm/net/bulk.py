@@ -148,7 +148,7 @@ class BulkListener:
 
     def _protocol(self) -> asyncio.BufferedProtocol:
         conn = FrameConnection(self.max_frame_bytes, first_frame_limit=TOKEN_BYTES)
-        protocol: asyncio.BufferedProtocol = conn
+        protocol: FrameConnection | SealedProtocol = conn
         ready = conn.connected
         if self._ssl is not None:
             if not isinstance(self._ssl, ServerContext):
@@ -191,7 +191,7 @@ class BulkListener:
 
     # -- connections -------------------------------------------------------------------------
 
-    async def _accept(self, conn: FrameConnection, ready: asyncio.Future[None], protocol: Any) -> None:
+    async def _accept(self, conn: FrameConnection, ready: asyncio.Future[None], protocol: FrameConnection | SealedProtocol) -> None:
         try:
             # over TLS the frames start only once the handshake and the key agreement succeeded
             # (never, for a plaintext or unverifiable caller): wait a bounded time
@@ -356,7 +356,7 @@ async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_
     return conn
 
 
-def limit_unsent(sock: Any) -> None:
+def limit_unsent(sock: socket.socket | None) -> None:
     """Sets `NOTSENT_LOWAT` on a bulk connection's TCP socket (not on other kinds: a relay's circuit
     may be a Unix socket; nor where the platform lacks the option)."""
     option = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # 25: Linux's value (Python names it from 3.12 on)

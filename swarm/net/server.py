@@ -31,7 +31,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -186,11 +186,15 @@ class CallContext:
         return None
 
 
-UnaryHandler = Callable[[Any, CallContext], Awaitable[object]]
-StreamHandler = Callable[[AsyncIterator[bytes], CallContext], AsyncIterator[Any]]
+Frame: TypeAlias = bytes | bytearray | memoryview
+Frames: TypeAlias = Frame | tuple[Frame, ...] | list[Frame]
+Response: TypeAlias = Message | Frames
+"""What a handler may answer with: a message, its encoding, or buffers sent back to back."""
+UnaryHandler = Callable[[Any, CallContext], Awaitable[object]]  # Any: each handler takes its own request type
+StreamHandler = Callable[[AsyncIterator[bytes], CallContext], AsyncIterator[Response]]
 
 
-def _serialize(response: Any) -> bytes:
+def _serialize(response: Response) -> bytes:
     """The bytes gRPC sends for a response: itself, a message's encoding, or joined buffers."""
     if isinstance(response, bytes):
         return response
@@ -201,14 +205,14 @@ def _serialize(response: Any) -> bytes:
     return response.SerializeToString()
 
 
-def as_frame(response: Any) -> Any:
+def as_frame(response: Response) -> Frames:
     """What the bulk side channel sends for a response: buffers as they are, a message's encoding."""
     if isinstance(response, bytes | bytearray | memoryview | tuple | list):
         return response
     return response.SerializeToString()
 
 
-def frame_length(message: Any) -> int:
+def frame_length(message: Frames) -> int:
     """Bytes in a message that may be a tuple of buffers."""
     return sum(len(part) for part in message) if isinstance(message, tuple | list) else len(message)
 
@@ -292,7 +296,7 @@ class RPCServer:
         return caller
 
     async def _respond(
-        self, path: str, stats: Any, context: grpc.aio.ServicerContext, authenticated: bool,
+        self, path: str, stats: MethodMetrics, context: grpc.aio.ServicerContext, authenticated: bool,
         invoke: Callable[[CallContext], Awaitable[object]], limit: CallLimit | None,
     ) -> bytes:
         """One response for one call: authenticate, admit, run the handler, map failures to statuses."""
@@ -324,7 +328,7 @@ class RPCServer:
         self._dispatcher.handlers[path] = grpc.unary_unary_rpc_method_handler(behavior)
         self._unary[path] = (handler, request_type, authenticated, stats, limit)
 
-    async def _serve_calls(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
+    async def _serve_calls(self, _requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """One caller's Calls stream (`swarm.net.calls`): its small unary calls, multiplexed."""
         try:
             caller = self._caller(context, True)
@@ -349,12 +353,13 @@ class RPCServer:
             unary, limiter, gate = self._unary, self.limiter, self.gate
             metadata, address = context.invocation_metadata(), address_of(context.peer() or "")
 
-            def context_for(path: str, stream: Any, deadline: float | None, authenticated: bool) -> CallContext:
+            def context_for(path: str, stream: grpc.aio.ServicerContext, deadline: float | None,
+                            authenticated: bool) -> CallContext:
                 if gate is not None:  # each call: a member may have expired or been revoked since the stream opened
                     gate.admit(caller, metadata, address, path)
                 return CallContext(caller if authenticated else "", stream, deadline, source=origin)
 
-            async def invoke(path: str, payload: bytes, stream: Any, deadline: float | None) -> bytes:
+            async def invoke(path: str, payload: bytes, stream: grpc.aio.ServicerContext, deadline: float | None) -> bytes:
                 handler, request_type, authenticated, stats, method_limit = unary[path]
                 stats.received.value += len(payload)  # metrics
                 return await _handle(stats, lambda: context_for(path, stream, deadline, authenticated),
@@ -383,7 +388,7 @@ class RPCServer:
         stats = self.metrics.method(path)  # metrics
         limiter = self.limiter
         if bulk:
-            async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+            async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[Frames]:
                 if self.gate is not None:  # its token came from a checked OpenBulk; a kept connection's
                     self.gate.still_member(ctx.peer_id, path)  # reopen frame did not: it may be revoked since
                 limiter.admit(limit, ctx.peer_id, ctx.source)
@@ -526,7 +531,7 @@ async def _handle(
         stats.finish(started, ok)  # metrics
 
 
-async def _single(request: Any, stats: MethodMetrics) -> AsyncIterator[Any]:
+async def _single(request: bytes, stats: MethodMetrics) -> AsyncIterator[bytes]:
     stats.received.value += len(request)  # metrics
     yield request
 

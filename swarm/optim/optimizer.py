@@ -799,6 +799,6 @@ class Optimizer:
 __all__ = ["Optimizer"]
 
 
-def _log_announce_failure(future: Any) -> None:
+def _log_announce_failure(future: concurrent.futures.Future[bool]) -> None:
     if not future.cancelled() and future.exception() is not None:
         logger.debug("announcing the next round failed: %s", future.exception())
