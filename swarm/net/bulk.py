@@ -35,9 +35,9 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 import grpc
 
@@ -96,7 +96,12 @@ def decode_error(payload: bytes | memoryview, peer_id: str, method: str) -> RPCE
     return from_status(code, message, peer_id, method)
 
 
-class BulkListener:
+C = TypeVar("C")  # the context a handler is given (the server's `CallContext`)
+BulkHandler = Callable[[AsyncIterator[bytes], C], AsyncGenerator[object, None]]
+"""`handler(requests, ctx)`: a bulk-enabled stream's handler; it yields the response messages."""
+
+
+class BulkListener(Generic[C]):
     """The callee's side: issues tokens, accepts connections, runs the registered stream handlers.
 
     Args:
@@ -110,7 +115,7 @@ class BulkListener:
     """
 
     def __init__(
-        self, handlers: dict[str, Any], make_context: Callable[[str, float, FrameConnection], Any],
+        self, handlers: dict[str, BulkHandler[C]], make_context: Callable[[str, float, FrameConnection], C],
         max_frame_bytes: int,
         token_ttl: float = 10.0, max_tickets: int = 4096, idle_timeout: float = 60.0,
     ) -> None:
@@ -238,7 +243,8 @@ class BulkListener:
         assert me is not None
         expire = loop.call_at(deadline, me.cancel)
         requests = _Requests(conn)
-        responses = self.handlers[ticket.method](requests, ctx)
+        # large messages arrive as memoryviews (or `Sunk`): handlers read them as they read bytes
+        responses = self.handlers[ticket.method](cast("AsyncIterator[bytes]", requests), ctx)
         clean = False
         try:
             async for response in responses:

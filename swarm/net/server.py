@@ -29,7 +29,7 @@ import functools
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -262,7 +262,7 @@ class RPCServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics = RPCMetrics("server")  # metrics
-        self.bulk = BulkListener({}, self._bulk_context, self.config.max_message_bytes)
+        self.bulk: BulkListener[CallContext] = BulkListener({}, self._bulk_context, self.config.max_message_bytes)
         self.limiter = CallLimiter(self.config.max_inflight_per_source, self.config.max_inflight_per_caller)
         """Admits every call (`swarm.net.limits`): what one source network or caller runs at once."""
         self._unary: dict[str, tuple[UnaryHandler, type[Message] | None, bool, MethodMetrics, CallLimit | None]] = {}
@@ -388,7 +388,7 @@ class RPCServer:
         stats = self.metrics.method(path)  # metrics
         limiter = self.limiter
         if bulk:
-            async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[Frames]:
+            async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncGenerator[Frames, None]:
                 if self.gate is not None:  # its token came from a checked OpenBulk; a kept connection's
                     self.gate.still_member(ctx.peer_id, path)  # reopen frame did not: it may be revoked since
                 limiter.admit(limit, ctx.peer_id, ctx.source)
