@@ -53,7 +53,7 @@ class State:
     the averaging round they last completed together); a download resumes across them.
     """
 
-    metadata: Any
+    metadata: object
     tensors: Sequence[torch.Tensor]
     version: bytes | None = None
 
