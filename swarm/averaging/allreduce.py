@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,6 +48,7 @@ from swarm.dht.handle import PeerHandle
 from swarm.metrics import REGISTRY
 from swarm.net.bulk import Sink, Sunk
 from swarm.net.estimates import LinkEstimates
+from swarm.net.frames import Frames
 from swarm.proto import averaging_pb2
 
 if TYPE_CHECKING:
@@ -322,7 +323,7 @@ class ButterflyAllReduce:
 
     # -- the stream to one reducer -------------------------------------------------------------
 
-    async def _requests(self, p: Part, cancel: asyncio.Event) -> Any:
+    async def _requests(self, p: Part, cancel: asyncio.Event) -> AsyncIterator[Frames]:
         has_data = self.me.weight > 0 and p.size > 0
         yield averaging_pb2.ReduceHeader(
             prefix=self.group.prefix, round_id=self.group.round_id, part=p.index, sender=self.my_index,

@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +42,7 @@ from swarm.core.errors import InvalidRequest
 from swarm.core.faults import Action, FaultInjected, FaultPlan
 from swarm.core.loop import spawn
 from swarm.net.bulk import Sink, Sunk
+from swarm.net.frames import Frames
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
 
@@ -480,7 +481,7 @@ class PartReducer(PartCollector):
         """The averaged part (valid once `finished` is set and not aborted)."""
         return self.sum
 
-    def _payload(self, i: int) -> Any:
+    def _payload(self, i: int) -> Frames:
         """Chunk `i` of the mean as sent: views of it (NONE, fixed until the round is released), or
         the payload encoded once for every stream (lossy codecs)."""
         a, b = self.chunks[i]
@@ -495,7 +496,7 @@ class PartReducer(PartCollector):
 
     async def rpc_reduce(
         self, header: averaging_pb2.ReduceHeader, requests: AsyncIterator[bytes], ctx: CallContext
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[Frames]:
         """Serves one sender's stream: reads its part, then yields the result header and chunks."""
         sender = self._admit(header, ctx)
         loop = asyncio.get_running_loop()

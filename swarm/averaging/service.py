@@ -32,6 +32,7 @@ from swarm.averaging.verification import Verdict
 from swarm.core.collector import freeze_long_lived
 from swarm.core.errors import InvalidRequest, NotFound
 from swarm.core.malloc import tune_malloc
+from swarm.net.frames import Frames
 from swarm.net.handle import NetworkHandle
 from swarm.net.limits import CallLimit
 from swarm.net.server import CallContext
@@ -140,7 +141,7 @@ class AveragingService:
 
     # -- handlers ------------------------------------------------------------------------------
 
-    async def rpc_reduce(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+    async def rpc_reduce(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[Frames]:
         it = requests.__aiter__()
         try:
             first = await it.__anext__()

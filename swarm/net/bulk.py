@@ -37,7 +37,7 @@ import struct
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast
+from typing import Generic, TypeVar, cast
 
 import grpc
 
@@ -50,7 +50,7 @@ from swarm.core.errors import (
     RPCError,
 )
 from swarm.net.errors import from_status, to_status
-from swarm.net.frames import DATA, END, ERROR, BulkProtocolError, FrameConnection, Sink, Sunk
+from swarm.net.frames import DATA, END, ERROR, BulkProtocolError, FrameConnection, Frames, Sink, Sunk
 from swarm.net.sealed import SealedProtocol
 from swarm.net.sockets import connected_socket, listening_socket
 from swarm.net.tls import SERVER_NAME_BYTES, ServerContext, client_context
@@ -383,7 +383,7 @@ async def _dial(host: str, port: int, timeout: float, peer_id: str) -> socket.so
 
 
 async def exchange(
-    conn: FrameConnection, requests: AsyncIterator[bytes] | Iterable[bytes], deadline: float, peer_id: str,
+    conn: FrameConnection, requests: AsyncIterator[Frames] | Iterable[Frames], deadline: float, peer_id: str,
     method: str, on_sent: Callable[[int], None] | None = None, on_received: Callable[[int], None] | None = None,
     release: Callable[[FrameConnection], None] | None = None,
 ) -> AsyncIterator[bytes | memoryview]:
@@ -479,11 +479,11 @@ def _socket_open(conn: FrameConnection) -> bool:
         probe.close()
 
 
-def _length(message: Any) -> int:
+def _length(message: Frames) -> int:
     return sum(len(part) for part in message) if isinstance(message, tuple | list) else len(message)
 
 
-async def _send(conn: FrameConnection, requests: AsyncIterator[bytes] | Iterable[bytes],
+async def _send(conn: FrameConnection, requests: AsyncIterator[Frames] | Iterable[Frames],
                 on_sent: Callable[[int], None] | None) -> None:
     try:
         if isinstance(requests, AsyncIterable):

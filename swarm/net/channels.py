@@ -43,6 +43,7 @@ from swarm.net.auth import TicketSigner, check_handshake
 from swarm.net.calls import MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
 from swarm.net.errors import from_grpc_error
 from swarm.net.estimates import LinkEstimates
+from swarm.net.frames import Frames
 from swarm.net.membership import MEMBERSHIP, MembershipGate
 from swarm.net.membership import METADATA_KEY as MEMBERSHIP_KEY
 from swarm.net.tls import SERVER_NAME, trust_anchor
@@ -410,7 +411,7 @@ class PeerChannel:
                                  peer_id=self.peer_id) from None
 
     async def stream(
-        self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None,
+        self, method: str, requests: AsyncIterator[Frames] | Iterable[Frames], timeout: float | None = None,
         *, bulk: bool = False, sink: bulk_channel.Sink | None = None,
     ) -> AsyncGenerator[bytes | memoryview, None]:
         """Bidirectional stream of raw-bytes messages; yields responses; errors become `RPCError`.
@@ -540,7 +541,7 @@ class PeerChannel:
         return lambda timeout: relay.open_circuit(addr, port, timeout)
 
     async def stream_unary(
-        self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None
+        self, method: str, requests: AsyncIterator[Frames] | Iterable[Frames], timeout: float | None = None
     ) -> bytes:
         """Client-streaming call: many requests, one raw-bytes response."""
         await self.verify()
@@ -662,7 +663,7 @@ class ChannelPool:
 
 
 def _counted(
-    requests: AsyncIterator[bytes] | Iterable[bytes], stats: MethodMetrics
+    requests: AsyncIterator[Frames] | Iterable[Frames], stats: MethodMetrics
 ) -> AsyncIterator[bytes] | Iterable[bytes]:
     """Counts sent bytes of a request stream (metrics): one addition per message."""
     sent = stats.sent

@@ -21,6 +21,10 @@ from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
+Frame = bytes | bytearray | memoryview
+Frames = Frame | tuple[Frame, ...] | list[Frame]
+"""One message as a writer hands it in: a buffer, or buffers sent back to back (not copied)."""
+
 
 class FrameTransport(Protocol):
     """What a `FrameConnection` writes through and pauses: the socket's asyncio (or uvloop)

@@ -44,7 +44,7 @@ from swarm.net.auth import TicketVerifier
 from swarm.net.bulk import OPEN_BULK, BulkListener, Sink
 from swarm.net.calls import ACCEPTED, CALLS, Admission, serve_calls
 from swarm.net.errors import to_status
-from swarm.net.frames import FrameConnection
+from swarm.net.frames import FrameConnection, Frames
 from swarm.net.limits import CallLimit, CallLimiter
 from swarm.net.membership import MEMBERSHIP, MembershipGate, address_of
 from swarm.net.membership import METADATA_KEY as MEMBERSHIP_KEY
@@ -186,8 +186,6 @@ class CallContext:
         return None
 
 
-Frame: TypeAlias = bytes | bytearray | memoryview
-Frames: TypeAlias = Frame | tuple[Frame, ...] | list[Frame]
 Response: TypeAlias = Message | Frames
 """What a handler may answer with: a message, its encoding, or buffers sent back to back."""
 UnaryHandler = Callable[[Any, CallContext], Awaitable[object]]  # Any: each handler takes its own request type
