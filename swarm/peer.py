@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Coroutine, Sequence
-from typing import Any, Self, TypeVar
+from typing import Self, TypeVar
 
 from swarm.core.errors import ConfigError, MultiaddrError
 from swarm.core.identity import Identity, IdentityFile
@@ -241,7 +241,7 @@ class Peer:
         _add_status(self, info)
         return info
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[object, None, T], timeout: float | None = None) -> T:
         """Runs a coroutine on the peer's event loop and waits for it (the sync bridge)."""
         return self.loop.run(coro, timeout)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""DHT benchmark (issue #3). One run starts 16 `python -m swarm` daemons on loopback (one process
+"""DHT benchmark. One run starts 16 `python -m swarm` daemons on loopback (one process
 each) and a client-mode peer in this process that keeps no records and no cache, so every
 operation it makes crosses the network. It reports, one line per figure:
 

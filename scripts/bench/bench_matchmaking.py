@@ -7,7 +7,7 @@ rounds, each after a random stretch of "computing" (`--compute`), averaging unde
 of the round. In round `--kill-round` one member SIGKILLs itself mid-round (after sending its
 first chunk, through its fault plan). Two settings run in the same invocation:
 
-- adaptive: the defaults since issue #14 (leaders wait for announced and declared peers up to
+- adaptive: the defaults (leaders wait for announced and declared peers up to
   a learned bound, "group started" answers, round timeouts from measured rounds); each peer
   announces its next round with its expected readiness, as `swarm.Optimizer` does;
 - fixed: `MatchmakingConfig(adaptive=False)`, the fixed-constant behaviour before it (0.3 s

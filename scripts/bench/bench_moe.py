@@ -1,4 +1,4 @@
-"""MoE benchmark (issue #5). One run on loopback, expert servers as separate processes:
+"""MoE benchmark. One run on loopback, expert servers as separate processes:
 
   (a) one RemoteExpert ffn (hidden 1024), batch 256x1024 fp32: forward+backward calls/s, beside
       the same module's forward+backward+optimizer step run locally in this process (the baseline);

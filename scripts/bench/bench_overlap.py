@@ -22,7 +22,7 @@ same data, each phase `--seconds` of wall time:
    with `--plain-between`, the plain baseline after every phase instead, each phase counted against
    the mean of the plain runs just before and just after it (the plain process alone moved by up to
    9% between two runs of one invocation: a drift over ten minutes falls on both sides of each phase).
-   Either way each such line ends with whether the phase met issue 19's goals against that baseline
+   Either way each such line ends with whether the phase met the overlap goals against that baseline
    (`SPEED_GOAL`: >= 0.9x the samples/s, `LOSS_GOAL`: <= 1.05x the held-out loss).
 
 For each swarm phase: samples/s of all trainers over the plain process's, held-out loss over the
@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 HERE = Path(__file__).parent
-# issue 19's goals for a phase against the plain process: at least this share of its samples/s,
+# the overlap goals for a phase against the plain process: at least this share of its samples/s,
 # at most this multiple of its held-out loss after the same wall time
 SPEED_GOAL, LOSS_GOAL = 0.9, 1.05
 _spec = importlib.util.spec_from_file_location("bench_training", HERE / "bench_training.py")

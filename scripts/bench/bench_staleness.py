@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["128:0.0085", "172:0.0085"],
                         help="BATCH:LR pairs, each replayed with the gradient applied at once and one step late")
     parser.add_argument("--hidden-dim", type=int, default=128,
-                        help="the model's width (480: the 9.5M-parameter model of issue 19's comparison, "
+                        help="the model's width (480: the 9.5M-parameter model of the overlap comparison, "
                              "bench_overlap.py --hidden-dim 480; default: the demo's)")
     parser.add_argument("--at-once-only", action="store_true",
                         help="replay each setting with the gradient applied at once only (waiting rounds)")

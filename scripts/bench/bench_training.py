@@ -420,7 +420,7 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7, help=argparse.SUPPRESS)  # DiLoCo's outer SGD
     parser.add_argument("--outer-momentum", type=float, default=0.9, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)  # the plain process's batch
-    # the model's width: 128 is the demo's (0.73M parameters), 480 about the issue 19 comparison's 9.8M
+    # the model's width: 128 is the demo's (0.73M parameters), 480 about the overlap comparison's 9.8M
     parser.add_argument("--hidden-dim", type=int, default=128, help=argparse.SUPPRESS)
     parser.add_argument("--near-target", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--gradient-compression", default=None, help=argparse.SUPPRESS)  # large-batch's wire codec

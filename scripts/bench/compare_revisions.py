@@ -13,6 +13,12 @@ made per second; then the medians per revision. Worktrees are removed at the end
 
     .venv/bin/python scripts/bench/compare_revisions.py REV [REV ...] [--repeat 2] [--seconds 40]
 
+With `--averaging "ARGS"` each revision runs its own `scripts/bench/bench_averaging.py ARGS` instead
+(the all-reduce benchmark; its workers import that revision's `swarm`), in the same alternation, and
+its result lines are printed prefixed by the revision:
+
+    .venv/bin/python scripts/bench/compare_revisions.py 89795b9 HEAD --repeat 3 --averaging "--peers 4 8"
+
 Used for changes that have no switch to turn them off in one tree (BENCHMARKS.md says which).
 """
 
@@ -22,8 +28,10 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import shlex
 import statistics
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +95,18 @@ def run(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_averaging(tree: Path, bench_args: list[str], timeout: float) -> list[str]:
+    """One run of `tree`'s own bench_averaging.py (it puts `tree` first on its path, so it and its
+    workers import that tree's `swarm`); its output lines, the first saying where `swarm` came from."""
+    probe = "import sys; sys.path.insert(0, sys.argv[1]); import swarm; print(swarm.__file__)"
+    where = subprocess.run([sys.executable, "-c", probe, str(tree)], cwd=tree, capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, str(tree / "scripts/bench/bench_averaging.py"), *bench_args], cwd=tree,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_averaging.py failed in {tree}:\n{done.stderr[-4000:]}")
+    return [f"swarm imported from {where.stdout.strip()}"] + [line for line in done.stdout.splitlines() if line.strip()]
+
+
 def describe(rev: str, r: dict[str, Any]) -> str:
     rpcs = ", ".join(f"{m} {v:.1f}" for m, v in sorted(r["rpcs"].items(), key=lambda kv: -kv[1]) if v >= 0.5)
     return (f"{rev}: {r['steps']} collective steps, {r['samples_per_s']:.1f} samples/s, held-out loss {r['loss']:.3f}, "
@@ -108,8 +128,20 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=0, choices=(0, 1))
     parser.add_argument("--hidden-dim", type=int, default=None,
                         help="the model's width (bench_training.py --hidden-dim; 480: 9.5M parameters)")
+    parser.add_argument("--averaging", default=None, metavar="ARGS",
+                        help="run each revision's bench_averaging.py with these arguments (one quoted string) "
+                             "instead of the training workload")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one bench_averaging.py run may take")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()}", flush=True)
+    if args.averaging is not None:
+        with worktrees(args.revisions) as trees:
+            for attempt in range(args.repeat):
+                for rev, tree in trees.items():
+                    for line in run_averaging(tree, shlex.split(args.averaging), args.timeout):
+                        print(f"{rev} (run {attempt + 1}): {line}", flush=True)
+        print(f"load average after: {os.getloadavg()}", flush=True)
+        return
     runs: dict[str, list[dict[str, Any]]] = {rev: [] for rev in args.revisions}
     with worktrees(args.revisions) as trees:
         for _ in range(args.repeat):

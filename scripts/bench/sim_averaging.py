@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Averaging simulation (issue #20): hundreds of peers averaging in Moshpit groups, over swarm's own code.
+"""Averaging simulation: hundreds of peers averaging in Moshpit groups, over swarm's own code.
 
 Every peer is a real `swarm.dht.DHT` node with a real `swarm.averaging.Averager` (matchmaking
 through DHT declarations, the butterfly all-reduce with its partitioning, agreement and fetches,
@@ -376,7 +376,7 @@ def main() -> None:
                         help="MatchmakingConfig.join_window: a leader with enough members waits this long for one more")
     parser.add_argument("--all-to-all", action="store_true", help="also average once in one group of all peers")
     parser.add_argument("--full-refresh", action="store_true",
-                        help="DHT bucket refreshes as full lookups (the refresh before issue #20's fix)")
+                        help="DHT bucket refreshes as full lookups (as refreshes were before they became cheap)")
     parser.add_argument("--no-leader-checks", action="store_true",
                         help="followers never give up a silent leader (the behaviour before the fix)")
     parser.add_argument("--seed", type=int, default=0)

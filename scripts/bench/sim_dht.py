@@ -21,7 +21,7 @@ memory per node (the process's RSS growth while the network was built, divided b
 wall time. Payload bytes are the protobuf messages; gRPC/HTTP/2/TCP framing comes on top. The
 upkeep is also split by the activity that sent it (join, join far-bucket refresh, periodic refresh,
 republish, hand-off, stale-contact pings, goodbyes). `--compare-refresh` runs every size twice:
-bucket refreshes as full lookups (before issue #20's fix), then as they are now.
+bucket refreshes as full lookups (as before refreshes became cheap), then as they are now.
 
 Usage: .venv/bin/python scripts/bench/sim_dht.py [--sizes 100,250,500,1000] [--minutes 30]
        [--churn 0.3] [--lookups 1000] [--keys 200] [--loss 0.02] [--seed 0] [--compare-refresh] [--json FILE]
@@ -300,7 +300,7 @@ def main() -> None:
     parser.add_argument("--join-wave", type=int, default=25, help="nodes joining at once while the network is built")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-refresh", action="store_true",
-                        help="run every size twice: bucket refreshes as full lookups (before issue #20's fix), then cheap")
+                        help="run every size twice: bucket refreshes as full lookups (as before refreshes became cheap), then cheap")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
@@ -323,7 +323,7 @@ def main() -> None:
     results = []
     for i, size in enumerate(sizes):
         for policy in policies:
-            # "full": the refresh before issue #20's fix, a full lookup (k nodes must answer) per stale bucket
+            # "full": the refresh as it was before it became cheap, a full lookup (k nodes must answer) per stale bucket
             DHTNode._refresh_lookup = cheap_refresh if policy == "cheap" else DHTNode.find_nearest_nodes
             r = simnet.run(Simulation(args, size, args.seed + 1000 * i).run())
             r["refresh"] = policy

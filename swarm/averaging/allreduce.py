@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,7 +36,7 @@ from swarm.averaging.group import GroupInfo
 from swarm.averaging.liveness import refuses_connections
 from swarm.averaging.lockstep import Lockstep
 from swarm.averaging.partition import FlatTensors, chunk_bounds
-from swarm.averaging.parts import Part, PartState, RoundFailed, plan_parts, scratch_numel
+from swarm.averaging.parts import ClaimFields, Part, PartState, RoundFailed, plan_parts, scratch_numel
 from swarm.averaging.reducer import PartReducer, ReportFn, encode_failure_message, is_raw_float32
 from swarm.averaging.service import FETCH, REDUCE
 from swarm.compression import Codec, CompressionError, get_codec
@@ -48,7 +48,11 @@ from swarm.dht.handle import PeerHandle
 from swarm.metrics import REGISTRY
 from swarm.net.bulk import Sink, Sunk
 from swarm.net.estimates import LinkEstimates
+from swarm.net.frames import Frames
 from swarm.proto import averaging_pb2
+
+if TYPE_CHECKING:
+    import numpy
 
 logger = logging.getLogger(__name__)
 
@@ -111,20 +115,8 @@ class ButterflyAllReduce:
         self.my_part = group.part_of(self.my_index)
         self.chunk_numel = self.codec.chunk_numel(config.chunk_bytes)
         self.parts = [Part(j, offsets[j], sizes[j], r) for j, r in enumerate(group.reducers)]
-        self.reducer: PartReducer | None = None
-        if self.my_part is not None:
-            p = self.parts[self.my_part]
-            total = scratch_numel(group, self.my_index)
-            self.reducer = PartReducer(
-                group, self.my_index, self.my_part, p.start, p.size, flat, scratch[:total - p.size],
-                scratch[total - p.size:total], self.codec, config, faults, self.t0, timeout, report,
-            )
-        if self.me.is_sender:
-            pos = 0
-            for p in self.parts:
-                if p.index != self.my_part:
-                    p.values = scratch[pos:pos + p.size]
-                    pos += p.size
+        self.reducer = self._make_reducer(scratch, report)
+        self._place_parts(scratch)
         estimates = peer.pool.estimates
         self.silence = {i: silence_limit(estimates, m.peer_id, config.chunk_bytes, config.sender_timeout)
                         for i, m in enumerate(group.members) if i != self.my_index}
@@ -150,8 +142,31 @@ class ButterflyAllReduce:
         self.received_chunks = 0
         self._changed = asyncio.Event()
         self._decided_at: float | None = None  # loop time this member first learned the round's decision
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._tasks: list[asyncio.Task[object]] = []
         self._probed: set[int] = set()  # members whose address this member probed (`_suspect`)
+
+    def _make_reducer(self, scratch: torch.Tensor, report: ReportFn) -> PartReducer | None:
+        """The reducer of the part this member averages (None where it reduces no part).
+
+        It takes the end of `scratch`: the others' contributions, then its accumulator."""
+        if self.my_part is None:
+            return None
+        p = self.parts[self.my_part]
+        total = scratch_numel(self.group, self.my_index)
+        return PartReducer(
+            self.group, self.my_index, self.my_part, p.start, p.size, self.flat, scratch[:total - p.size],
+            scratch[total - p.size:total], self.codec, self.config, self.faults, self.t0, self.timeout, report,
+        )
+
+    def _place_parts(self, scratch: torch.Tensor) -> None:
+        """Give each part that another member reduces its slice of `scratch`, where the mean arrives."""
+        if not self.me.is_sender:
+            return
+        pos = 0
+        for p in self.parts:
+            if p.index != self.my_part:
+                p.values = scratch[pos:pos + p.size]
+                pos += p.size
 
     @property
     def round_tag(self) -> str:
@@ -308,7 +323,7 @@ class ButterflyAllReduce:
 
     # -- the stream to one reducer -------------------------------------------------------------
 
-    async def _requests(self, p: Part, cancel: asyncio.Event) -> Any:
+    async def _requests(self, p: Part, cancel: asyncio.Event) -> AsyncIterator[Frames]:
         has_data = self.me.weight > 0 and p.size > 0
         yield averaging_pb2.ReduceHeader(
             prefix=self.group.prefix, round_id=self.group.round_id, part=p.index, sender=self.my_index,
@@ -407,12 +422,12 @@ class ButterflyAllReduce:
 
         self._tasks.append(spawn(probe(), name=f"avg-probe-{self.round_tag}-m{index}"))
 
-    def _chooser(self, p: Part) -> Any:
+    def _chooser(self, p: Part) -> Callable[[int, int], tuple[bytearray, numpy.ndarray] | None]:
         """Where result messages of part `p` go on the bulk channel: straight into `p.values` (after a
         scratch buffer for the codec's header), once the slots it shares memory with are free."""
         bounds = chunk_bounds(p.size, self.chunk_numel)
 
-        def choose(index: int, length: int) -> tuple[bytearray, Any] | None:
+        def choose(index: int, length: int) -> tuple[bytearray, numpy.ndarray] | None:
             i = index - 1  # message 0 is the ResultHeader
             if not 0 <= i < len(bounds) or p.state is not PartState.PENDING or p.values is None:
                 return None
@@ -425,7 +440,7 @@ class ButterflyAllReduce:
 
         return choose
 
-    async def _receive(self, p: Part, stream: Any) -> None:
+    async def _receive(self, p: Part, stream: AsyncIterator[bytes | memoryview | Sunk]) -> None:
         header: averaging_pb2.ResultHeader | None = None
         bounds = chunk_bounds(p.size, self.chunk_numel)
         i = 0
@@ -471,7 +486,7 @@ class ButterflyAllReduce:
                 self.resolve(p, PartState.COMPLETE, decision=header.decision)
                 self._observe_link(p)
 
-    def _timeline(self, what: str, *args: Any) -> None:
+    def _timeline(self, what: str, *args: object) -> None:
         """A point of the round's timeline in the debug log (`lab_averaging.py --diag`)."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("round %s: " + what + " at %.3f s", self.round_tag, *args,
@@ -488,7 +503,7 @@ class ButterflyAllReduce:
         """Streams part `part` as this member holds it, to a member that lost it (see `serve_part` below)."""
         return serve_part(self, part)
 
-    def close(self, linger: bool = True) -> list[asyncio.Task[Any]]:
+    def close(self, linger: bool = True) -> list[asyncio.Task[object]]:
         """Cancels whatever still runs for this round (at release or shutdown). With `linger`, the
         stream of a part held here is left to end by itself: this member's END is on its way
         (`finished`), and the reducer's comes back a round trip later, leaving the connection for
@@ -570,7 +585,7 @@ async def fetch_part(ar: ButterflyAllReduce, p: Part) -> None:
     ar.resolve(p, PartState.COMPLETE, decision=decision)
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
+def _retrieve(task: asyncio.Task[object]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.debug("a fetch from a holder failed: %s", task.exception())
 
@@ -628,7 +643,7 @@ async def serve_part(ar: ButterflyAllReduce, part: int) -> AsyncIterator[bytes]:
 
 
 
-def claim_fields_of(header: averaging_pb2.ResultHeader | None) -> dict[str, Any]:
+def claim_fields_of(header: averaging_pb2.ResultHeader | None) -> ClaimFields:
     """The robust and verification fields of a received `ResultHeader`, to pass on with a fetched part."""
     if header is None:
         return {}

@@ -45,7 +45,7 @@ def check_parts(ar: ButterflyAllReduce, decision: Decision) -> tuple[list[bytes]
             assert ar.reducer is not None and ar.reducer.claim is not None
             digests.append(ar.reducer.claim[0])
             continue
-        assert p.values is not None
+        assert p.values is not None and p.claim is not None  # a complete part came with its header
         try:
             claim = PartClaim.from_header(p.claim, len(contributors))
         except (ValueError, TypeError, RuntimeError) as e:

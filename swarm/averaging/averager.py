@@ -17,7 +17,6 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -158,7 +157,7 @@ class Averager:
         self.schema = fold_schema(schema_digest(self.tensors), self.config.allreduce.aggregation_tag())
         self._scratch = ScratchPool()
         self._lock = asyncio.Lock()
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Task[object]] = set()
         self._formed: bool | None = None  # during a step: whether its group formed yet
         self._forming: asyncio.Task[GroupInfo] | None = None
         self._abandoned: str | None = None
@@ -340,7 +339,7 @@ class Averager:
             adopt=self._adopt, closing=lambda: self._closed,
         ).run()
 
-    def _adopt(self, task: asyncio.Task[Any]) -> None:
+    def _adopt(self, task: asyncio.Task[object]) -> None:
         """Keeps `task` (a round's release, a stream left to end) until it ends; cancelled at shutdown."""
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from swarm.averaging.group import MemberInfo
 from swarm.core.errors import ConfigError
@@ -299,7 +299,7 @@ class DHTElection:
         stopped looking (and, when it is in a group, which round: a peer that missed it learns so
         from here). The store runs in the background: the round must not wait on it (a dead
         node among the key's closest would hold every member's start); the next `begin` waits for it."""
-        value: dict[str, Any] = {"addr": me.addr, "client_mode": me.client_mode, "done": True}
+        value: dict[str, object] = {"addr": me.addr, "client_mode": me.client_mode, "done": True}
         if started is not None:
             value["started"], value["at"] = started.hex(), get_dht_time()
         key, expiration = self.key, self._expiration + 0.001

@@ -26,7 +26,7 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from swarm.averaging.election import Candidate, Election
 from swarm.averaging.group import GroupInfo, MemberInfo, cap_relayed_parts
@@ -36,8 +36,9 @@ from swarm.core.errors import AveragingError, ConfigError, DeadlineExceeded, Pee
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.handle import PeerHandle
 from swarm.metrics import REGISTRY
+from swarm.net.channels import PeerChannel
 from swarm.net.server import CallContext
-from swarm.proto import averaging_pb2
+from swarm.proto import averaging_pb2, peer_pb2
 
 # The elections and Moshpit group keys live in `election` and `moshpit`.
 __all__ = ["Matchmaking", "MatchmakingConfig"]
@@ -189,6 +190,22 @@ class _Step:
     following: bool = False  # this step waits on another peer's Join now
 
 
+class RoundStart(TypedDict, total=False):
+    """Figures behind the last group a peer led (`Matchmaking.last_start`; empty before its first)."""
+
+    why: str                     # what let the round start
+    size: int                    # members of the group
+    waited: float                # seconds the leader waited for joiners
+    wait_bound: float            # how long it would have waited at most
+    lags_seen: int               # late arrivals in the spread behind that bound
+    left_waiting_for: list[str]  # declared peers that had not come when it started
+    round_timeout: float         # the timeout written into the group
+    timeout_cap: float
+    expected_round: float | None
+    backoff: float
+    rtt: float | None
+
+
 class Matchmaking:
     """Forms groups for one averager (one prefix) on one peer.
 
@@ -218,7 +235,7 @@ class Matchmaking:
         """How late joiners arrived past their readiness: the bound a leader waits for a declared peer."""
         self.timing = RoundTiming(multiple=cfg.round_timeout_multiple, floor=cfg.min_round_timeout)
         """What this peer's rounds took: the timeout a leader writes into its group."""
-        self.last_start: dict[str, Any] = {}
+        self.last_start: RoundStart = {}
         """Figures behind the last group this peer led (why it started, waits, the round's timeout)."""
         self._joiners: dict[str, _Joiner] = {}
         self._arrived = asyncio.Event()
@@ -438,7 +455,8 @@ class Matchmaking:
             step.down = set(step.vanished)
         await asyncio.sleep(self.config.retry_interval * (1 + random.random()))
 
-    async def _leader_vanished(self, leader: Candidate, channel: Any, join: asyncio.Future[Any]) -> bool:
+    async def _leader_vanished(self, leader: Candidate, channel: PeerChannel,
+                               join: asyncio.Future[averaging_pb2.JoinResponse]) -> bool:
         """Waits for the join's answer; True if the leader stopped answering first.
 
         Every `poll_interval` the follower asks the leader's Info over the channel the join
@@ -459,7 +477,8 @@ class Matchmaking:
                                           cap=cfg.poll_interval)
             sent = loop.time()
             probe = asyncio.ensure_future(channel.info(timeout=timeout))
-            done, _ = await asyncio.wait({join, probe}, return_when=asyncio.FIRST_COMPLETED)
+            racing: set[asyncio.Future[averaging_pb2.JoinResponse] | asyncio.Task[peer_pb2.PeerInfo]] = {join, probe}
+            done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
             if join in done:
                 probe.cancel()
                 await asyncio.gather(probe, return_exceptions=True)

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import part_offsets, part_sizes
 from swarm.core.errors import AveragingError
+from swarm.proto import averaging_pb2
+
+if TYPE_CHECKING:
+    from swarm.net.bulk import Sink
 
 
 class RoundFailed(AveragingError):
@@ -48,10 +53,21 @@ class Part:
     fetch: asyncio.Task[None] | None = None
     last_progress: float = 0.0
     exchange: asyncio.Task[None] | None = None
-    sink: Any = None  # swarm.net.bulk.Sink receiving the averaged part straight into `values`
-    claim: Any = None  # the ResultHeader it came with (robust mode and verification read its fields)
+    sink: Sink | None = None  # receives the averaged part straight into `values`
+    claim: averaging_pb2.ResultHeader | None = None  # the header it came with (robust mode and verification read its fields)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)  # complete, lost or aborted
     settled: asyncio.Event = field(default_factory=asyncio.Event)   # no longer pending
+
+
+class ClaimFields(TypedDict, total=False):
+    """The robust and verification fields of a part's `ResultHeader` (none in plain mode)."""
+
+    clip_scales: Sequence[float]
+    clip_tau: float
+    clip_step: float
+    digest: bytes
+    sketches: Sequence[float]
+    distances: Sequence[float]
 
 
 def plan_parts(group: GroupInfo) -> tuple[list[int], list[int]]:

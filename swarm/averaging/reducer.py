@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +33,7 @@ from swarm.averaging.config import AllReduceConfig
 from swarm.averaging.faults import FaultPoint
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.partition import FlatTensors, chunk_bounds
+from swarm.averaging.parts import ClaimFields
 from swarm.averaging.robust import ClipOutcome, centered_clip, too_few
 from swarm.averaging.verification import input_distances, part_digest, sketch
 from swarm.compression import Codec, CompressionError, has_nonfinite
@@ -41,8 +42,12 @@ from swarm.core.errors import InvalidRequest
 from swarm.core.faults import Action, FaultInjected, FaultPlan
 from swarm.core.loop import spawn
 from swarm.net.bulk import Sink, Sunk
+from swarm.net.frames import Frames
 from swarm.net.server import CallContext
 from swarm.proto import averaging_pb2
+
+if TYPE_CHECKING:
+    import numpy
 
 logger = logging.getLogger(__name__)
 
@@ -183,11 +188,11 @@ class PartCollector:
 
     # -- a sender's stream -------------------------------------------------------------------
 
-    def _chooser(self, sender: _Sender) -> Any:
+    def _chooser(self, sender: _Sender) -> Callable[[int, int], tuple[bytearray, numpy.ndarray] | None]:
         """Where chunk messages of `sender` go on the bulk channel: straight into its slot (after a
         scratch buffer for the codec's header), while the part still collects."""
 
-        def choose(index: int, length: int) -> tuple[bytearray, Any] | None:
+        def choose(index: int, length: int) -> tuple[bytearray, numpy.ndarray] | None:
             i = index - 1  # message 0 is the ReduceHeader
             if not 0 <= i < len(self.chunks) or self.frozen or sender.failed:
                 return None
@@ -205,6 +210,25 @@ class PartCollector:
             if s.sink is not None:
                 s.sink.detach()
 
+    def _decode_chunk(self, sender: _Sender, message: bytes | Sunk, a: int, b: int) -> str | None:
+        """Put one received chunk (`a:b` of the part) into the sender's slot; why it is refused, or None.
+
+        A `Sunk` chunk is in the slot already (the stream wrote it there): only its header is checked."""
+        if isinstance(message, Sunk):
+            if message.dropped or not is_raw_float32(message.views[0], b - a):
+                return "malformed chunk"
+            return None
+        if not message or message[0] != self.codec.kind:
+            return _control_reason(message) or "malformed chunk"
+        if len(message) != self.codec.encoded_size(b - a):
+            return "malformed chunk"
+        assert sender.slot is not None
+        try:
+            self.codec.decode(message, sender.slot[a:b])
+        except (CompressionError, ValueError, TypeError) as e:
+            return f"malformed chunk: {e}"
+        return None
+
     async def _read(self, sender: _Sender, requests: AsyncIterator[bytes]) -> None:
         loop = asyncio.get_running_loop()
         it = requests.__aiter__()
@@ -214,34 +238,12 @@ class PartCollector:
                     message = await it.__anext__()
                     if self.frozen or sender.failed:
                         continue  # reported already: late data is not in this round
-                    if isinstance(message, Sunk):  # already in the slot: check what the header says
-                        if message.dropped or not is_raw_float32(message.views[0], b - a):
-                            sender.failed = "malformed chunk"
-                            self._changed.set()
-                            return
-                        self.sum[a:b].add_(sender.slot[a:b], alpha=sender.weight)  # type: ignore[index]
-                        sender.added = True
-                        sender.last_progress = loop.time()
-                        self.received_chunks += 1
-                        await self.faults.hit(FaultPoint.AFTER_CHUNKS_RECEIVED, self.received_chunks)
-                        continue
-                    if not message or message[0] != self.codec.kind:
-                        sender.failed = _control_reason(message) or "malformed chunk"
+                    refused = self._decode_chunk(sender, message, a, b)
+                    if refused is not None:
+                        sender.failed = refused
                         self._changed.set()
                         return
-                    if len(message) != self.codec.encoded_size(b - a):
-                        sender.failed = "malformed chunk"
-                        self._changed.set()
-                        return
-                    assert sender.slot is not None
-                    slot = sender.slot[a:b]
-                    try:
-                        self.codec.decode(message, slot)
-                    except (CompressionError, ValueError, TypeError) as e:
-                        sender.failed = f"malformed chunk: {e}"
-                        self._changed.set()
-                        return
-                    self.sum[a:b].add_(slot, alpha=sender.weight)
+                    self.sum[a:b].add_(sender.slot[a:b], alpha=sender.weight)  # type: ignore[index]
                     sender.added = True
                     sender.last_progress = loop.time()
                     self.received_chunks += 1
@@ -272,7 +274,7 @@ class PartCollector:
                 self.streams_closed.set()
 
 
-def is_raw_float32(header: Any, numel: int) -> bool:
+def is_raw_float32(header: memoryview | bytes, numel: int) -> bool:
     """Whether a received codec header announces `numel` float32 values without compression."""
     try:
         parsed = read_header(bytes(header))
@@ -462,13 +464,13 @@ class PartReducer(PartCollector):
             self.claim = await loop.run_in_executor(None, lambda: publish_claim(self, decision))
             self.slots_released.set()
 
-    def claim_fields(self) -> dict[str, Any]:
+    def claim_fields(self) -> ClaimFields:
         """The robust and verification fields of this part's `ResultHeader` (none in plain mode)."""
-        fields: dict[str, Any] = {}
+        fields: ClaimFields = {}
         if self.clip is not None:
-            fields.update(clip_scales=self.clip.scales, clip_tau=self.clip.tau, clip_step=self.clip.step)
+            fields["clip_scales"], fields["clip_tau"], fields["clip_step"] = self.clip.scales, self.clip.tau, self.clip.step
         if self.claim is not None:
-            fields.update(digest=self.claim[0], sketches=self.claim[1], distances=self.claim[2])
+            fields["digest"], fields["sketches"], fields["distances"] = self.claim
         return fields
 
     def stream_tasks(self) -> list[asyncio.Task[None]]:
@@ -479,7 +481,7 @@ class PartReducer(PartCollector):
         """The averaged part (valid once `finished` is set and not aborted)."""
         return self.sum
 
-    def _payload(self, i: int) -> Any:
+    def _payload(self, i: int) -> Frames:
         """Chunk `i` of the mean as sent: views of it (NONE, fixed until the round is released), or
         the payload encoded once for every stream (lossy codecs)."""
         a, b = self.chunks[i]
@@ -494,43 +496,16 @@ class PartReducer(PartCollector):
 
     async def rpc_reduce(
         self, header: averaging_pb2.ReduceHeader, requests: AsyncIterator[bytes], ctx: CallContext
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[Frames]:
         """Serves one sender's stream: reads its part, then yields the result header and chunks."""
-        caller = ctx.peer_id
-        sender = self.senders.get(header.sender)
-        if sender is None or header.sender == self.my_index:
-            raise InvalidRequest(f"member {header.sender} does not send to this reducer")
-        if self.group.members[header.sender].peer_id != caller:
-            raise InvalidRequest("the stream's sender index does not match the caller")
-        if header.part != self.part or header.numel != self.size:
-            raise InvalidRequest(f"part {header.part} of {header.numel} does not match part {self.part} of {self.size}")
-        if sender.streaming:
-            raise InvalidRequest("a second stream from the same sender")
-        sender.streaming = True
-        sender.has_data = header.has_data and sender.weight > 0
-        if sender.has_data and self.codec.kind == 0 and sender.slot is not None:
-            sender.sink = Sink(self._chooser(sender))
-            ctx.receive_into(sender.sink)
+        sender = self._admit(header, ctx)
         loop = asyncio.get_running_loop()
         sender.last_progress = loop.time()
         reader = spawn(self._read(sender, requests), name=f"avg-read-p{self.part}-s{header.sender}")
         self._streams.append(reader)
         deadline = self.t0 + self.timeout
-        finished = asyncio.ensure_future(self.finished.wait())
-        try:
-            while not finished.done():
-                await asyncio.wait({finished, reader}, timeout=max(0.0, deadline - loop.time()),
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if sender.broken:
-                    raise FaultInjected(f"stream from member {header.sender} dropped")
-                if loop.time() >= deadline:
-                    return
-                if reader.done():  # the sender closed its side: wait for the outcome only
-                    await asyncio.wait({finished}, timeout=max(0.0, deadline - loop.time()))
-                    if not finished.done():
-                        return
-        finally:
-            finished.cancel()
+        if not await self._outcome_known(sender, reader, deadline):
+            return
         if self.aborted:
             yield averaging_pb2.ResultHeader(abort=True, reason=self.abort_reason, part=self.part).SerializeToString()
             return
@@ -554,6 +529,45 @@ class PartReducer(PartCollector):
         logger.debug("part %d: result to sender %d queued after %.3f s", self.part, header.sender, loop.time() - self.t0)
         # keep the call open until the sender holds every part and closes its side
         await asyncio.wait({reader}, timeout=max(0.0, deadline + self.config.linger - loop.time()))
+
+    def _admit(self, header: averaging_pb2.ReduceHeader, ctx: CallContext) -> _Sender:
+        """The sender a stream's header names, checked against the caller and this part, marked as
+        streaming (its chunks land in its slot directly where the codec allows)."""
+        sender = self.senders.get(header.sender)
+        if sender is None or header.sender == self.my_index:
+            raise InvalidRequest(f"member {header.sender} does not send to this reducer")
+        if self.group.members[header.sender].peer_id != ctx.peer_id:
+            raise InvalidRequest("the stream's sender index does not match the caller")
+        if header.part != self.part or header.numel != self.size:
+            raise InvalidRequest(f"part {header.part} of {header.numel} does not match part {self.part} of {self.size}")
+        if sender.streaming:
+            raise InvalidRequest("a second stream from the same sender")
+        sender.streaming = True
+        sender.has_data = header.has_data and sender.weight > 0
+        if sender.has_data and self.codec.kind == 0 and sender.slot is not None:
+            sender.sink = Sink(self._chooser(sender))
+            ctx.receive_into(sender.sink)
+        return sender
+
+    async def _outcome_known(self, sender: _Sender, reader: asyncio.Task[None], deadline: float) -> bool:
+        """Wait until the part's outcome is known (`finished`): False where the deadline comes first."""
+        loop = asyncio.get_running_loop()
+        finished = asyncio.ensure_future(self.finished.wait())
+        try:
+            while not finished.done():
+                await asyncio.wait({finished, reader}, timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if sender.broken:
+                    raise FaultInjected(f"stream from member {sender.index} dropped")
+                if loop.time() >= deadline:
+                    return False
+                if reader.done():  # the sender closed its side: wait for the outcome only
+                    await asyncio.wait({finished}, timeout=max(0.0, deadline - loop.time()))
+                    if not finished.done():
+                        return False
+        finally:
+            finished.cancel()
+        return True
 
     async def _wait_server_acks(self, deadline: float) -> None:
         """Before a client-mode member may complete the part, every server-mode sender acknowledged

@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -182,7 +181,7 @@ class AveragingRound:
 
     def __init__(self, peer: PeerHandle, group: GroupInfo, flat: FlatTensors | None, timeline: RoundTimeline,
                  faults: FaultPlan, service: AveragingService, timing: RoundTiming, scratch: ScratchPool,
-                 adopt: Callable[[asyncio.Task[Any]], None], closing: Callable[[], bool]) -> None:
+                 adopt: Callable[[asyncio.Task[object]], None], closing: Callable[[], bool]) -> None:
         self.peer, self.group, self.flat, self.timeline = peer, group, flat, timeline
         self.faults, self.service, self.timing, self.scratch = faults, service, timing, scratch
         self.adopt, self.closing = adopt, closing

@@ -23,7 +23,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from swarm.averaging.agreement import Coordinator, Report
 from swarm.averaging.group import GroupInfo
@@ -32,6 +32,7 @@ from swarm.averaging.verification import Verdict
 from swarm.core.collector import freeze_long_lived
 from swarm.core.errors import InvalidRequest, NotFound
 from swarm.core.malloc import tune_malloc
+from swarm.net.frames import Frames
 from swarm.net.handle import NetworkHandle
 from swarm.net.limits import CallLimit
 from swarm.net.server import CallContext
@@ -83,7 +84,7 @@ class AveragingService:
         self.rounds: dict[tuple[str, bytes], RoundEntry] = {}
         self._waiters: dict[tuple[str, bytes], asyncio.Future[RoundEntry]] = {}
         self._finished: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self.join_handlers: dict[str, Callable[[averaging_pb2.JoinRequest, CallContext], Awaitable[Any]]] = {}
+        self.join_handlers: dict[str, Callable[[averaging_pb2.JoinRequest, CallContext], Awaitable[averaging_pb2.JoinResponse]]] = {}
         self.state_handlers: dict[str, Callable[[averaging_pb2.StateRequest, CallContext], AsyncIterator[bytes]]] = {}
         server = peer.server
         if server is not None:
@@ -140,7 +141,7 @@ class AveragingService:
 
     # -- handlers ------------------------------------------------------------------------------
 
-    async def rpc_reduce(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+    async def rpc_reduce(self, requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[Frames]:
         it = requests.__aiter__()
         try:
             first = await it.__anext__()
@@ -166,7 +167,7 @@ class AveragingService:
         decision = await coordinator.submit(Report.from_proto(request))
         return decision.to_bytes()
 
-    async def rpc_verify(self, request: averaging_pb2.VerifyReport, ctx: CallContext) -> Any:
+    async def rpc_verify(self, request: averaging_pb2.VerifyReport, ctx: CallContext) -> averaging_pb2.VerifyVerdict:
         entry = await self._entry(request.prefix, request.round_id, ctx)
         verdict = entry.verdict
         if verdict is None:
@@ -189,7 +190,7 @@ class AveragingService:
         async for message in entry.allreduce.serve_fetch(request.part):
             yield message
 
-    async def rpc_join(self, request: averaging_pb2.JoinRequest, ctx: CallContext) -> Any:
+    async def rpc_join(self, request: averaging_pb2.JoinRequest, ctx: CallContext) -> averaging_pb2.JoinResponse:
         handler = self.join_handlers.get(request.prefix)
         if handler is None:
             return averaging_pb2.JoinResponse(accepted=False, reason=f"no averager for {request.prefix!r} here")

@@ -19,7 +19,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +53,7 @@ class State:
     the averaging round they last completed together); a download resumes across them.
     """
 
-    metadata: Any
+    metadata: object
     tensors: Sequence[torch.Tensor]
     version: bytes | None = None
 
@@ -175,7 +175,7 @@ def _views(tensors: Sequence[torch.Tensor]) -> list[memoryview]:
     return views
 
 
-def _chunks(tensors: Sequence[torch.Tensor], offset: int, chunk_bytes: int) -> Any:
+def _chunks(tensors: Sequence[torch.Tensor], offset: int, chunk_bytes: int) -> Iterator[bytes]:
     """The tensors' bytes back to back from `offset`, in messages of `chunk_bytes` (one copy each)."""
     pending = bytearray()
     position = 0

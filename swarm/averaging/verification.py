@@ -237,19 +237,10 @@ def check_part(
         tau_scale: the agreed `AllReduceConfig.clip_tau_scale` (automatic radius).
         chunk_numel: elements per chunk of the round's codec (where its ranges restart).
     """
-    if part_digest(values) != claim.digest:
-        return "the values differ from the digest published with them"
-    scales = claim.scales
-    if any(not (math.isfinite(c) and 0 <= c <= 1) for c in scales):
-        return "clip scales outside [0, 1]"
-    distances = claim.distances
-    if len(distances) != len(scales) or any(not (math.isfinite(d) and d >= 0) for d in distances):
-        return "invalid distances of the inputs"
-    if robust:
-        if not (math.isfinite(claim.tau) and claim.tau > 0 and math.isfinite(claim.step) and claim.step >= 0):
-            return "invalid clipping radius or step"
-        if tau is not None and not math.isclose(claim.tau, tau, rel_tol=1e-9):
-            return f"clipping radius {claim.tau} instead of the agreed {tau}"
+    reason = _check_published(claim, values, robust, tau)
+    if reason:
+        return reason
+    scales, distances = claim.scales, claim.distances
     pulls = [w * c for w, c in zip(weights, scales)]
     total = sum(pulls)
     if not total > 0:
@@ -267,33 +258,13 @@ def check_part(
         if claim.step > most:
             return f"step {claim.step:.4g} beyond what the radius allows ({most:.4g})"
     mine = sketch([values] + ([own] if own is not None else []), round_id, part, claim.digest)
-    result_sketch = mine[0]
     if own is not None:
-        k = list(contributors).index(me)
-        allowed = SKETCH_RTOL * float(mine[1].norm()) + 1e-30
-        if float((claim.sketches[k] - mine[1]).abs().max()) > allowed:
-            return "the input it claims to have received from this member is not what this member sent"
-        exact = input_distances([own], values)[0]
-        if abs(distances[k] - exact) > DISTANCE_RTOL * exact + 1e-30:
-            return f"this member's distance from the part published as {distances[k]:.6g}, it is {exact:.6g}"
-        if robust:
-            d = exact + claim.step + eps  # >= its distance from CenteredClip's last centre
-            least = 1.0 if d <= claim.tau else claim.tau / d
-            if scales[k] < least * (1 - CLIP_RTOL):
-                return f"this member's input clipped to {scales[k]:.3g}, its distance allows {least:.3g}"
-    # an input's distance as published against the sketches' estimate of it: the estimate exceeds
-    # PULL_SLACK times the true distance with odds below 1e-11 (docs/security.md)
-    for i, d in enumerate(distances):
-        estimate = float((claim.sketches[i] - result_sketch).norm()) / math.sqrt(SKETCHES)
-        noise = 1e-9 * (float(claim.sketches[i].norm()) + float(result_sketch.norm()))
-        if estimate > PULL_SLACK * d + noise:
-            return f"member {contributors[i]}'s input is farther from the part than published ({estimate:.3g} > {d:.3g})"
-    # the part against the published combination of the inputs
-    error = eps + float32_error
-    combined = sum(a * claim.sketches[i] for i, a in enumerate(coefficients))
-    scale = sum(a * float(claim.sketches[i].norm()) for i, a in enumerate(coefficients)) + float(result_sketch.norm())
-    if float((combined - result_sketch).abs().max()) > Z_SIGNS * error + 1e-12 * scale + 1e-30:
-        return "the part is not the published combination of the inputs received"
+        reason = _check_own_input(claim, values, own, mine[1], list(contributors).index(me), robust, eps)
+        if reason:
+            return reason
+    reason = _check_sketches(claim, mine[0], coefficients, contributors, eps + float32_error)
+    if reason:
+        return reason
     if robust:
         # no input pulls the part further than the radius allows: c_i |x_i - v| <= tau + step (+ rounding)
         limit = (claim.tau + claim.step + eps) * (1 + CLIP_RTOL)
@@ -301,9 +272,67 @@ def check_part(
             if w > 0 and c * d > limit:
                 return f"member {contributors[i]}'s input pulls the part {c * d:.3g} > {limit:.3g}"
     if robust and tau is None:
-        reason = _check_auto_tau(claim, weights, tau_scale, eps)
-        if reason:
-            return reason
+        return _check_auto_tau(claim, weights, tau_scale, eps)
+    return ""
+
+
+def _check_published(claim: PartClaim, values: torch.Tensor, robust: bool, tau: float | None) -> str:
+    """The claim on its own: the digest matches the values, the numbers are in range, and (robust
+    mode) the radius is the agreed one. Why it fails, or ""."""
+    if part_digest(values) != claim.digest:
+        return "the values differ from the digest published with them"
+    if any(not (math.isfinite(c) and 0 <= c <= 1) for c in claim.scales):
+        return "clip scales outside [0, 1]"
+    distances = claim.distances
+    if len(distances) != len(claim.scales) or any(not (math.isfinite(d) and d >= 0) for d in distances):
+        return "invalid distances of the inputs"
+    if robust:
+        if not (math.isfinite(claim.tau) and claim.tau > 0 and math.isfinite(claim.step) and claim.step >= 0):
+            return "invalid clipping radius or step"
+        if tau is not None and not math.isclose(claim.tau, tau, rel_tol=1e-9):
+            return f"clipping radius {claim.tau} instead of the agreed {tau}"
+    return ""
+
+
+def _check_own_input(
+    claim: PartClaim, values: torch.Tensor, own: torch.Tensor, own_sketch: torch.Tensor, k: int, robust: bool,
+    eps: float,
+) -> str:
+    """What the claim says about this member's own input (contributor `k`): its sketch, its distance
+    from the part and (robust mode) its clip scale are what this member can compute itself."""
+    allowed = SKETCH_RTOL * float(own_sketch.norm()) + 1e-30
+    if float((claim.sketches[k] - own_sketch).abs().max()) > allowed:
+        return "the input it claims to have received from this member is not what this member sent"
+    exact = input_distances([own], values)[0]
+    published = claim.distances[k]
+    if abs(published - exact) > DISTANCE_RTOL * exact + 1e-30:
+        return f"this member's distance from the part published as {published:.6g}, it is {exact:.6g}"
+    if robust:
+        d = exact + claim.step + eps  # >= its distance from CenteredClip's last centre
+        least = 1.0 if d <= claim.tau else claim.tau / d
+        if claim.scales[k] < least * (1 - CLIP_RTOL):
+            return f"this member's input clipped to {claim.scales[k]:.3g}, its distance allows {least:.3g}"
+    return ""
+
+
+def _check_sketches(
+    claim: PartClaim, result_sketch: torch.Tensor, coefficients: Sequence[float], contributors: Sequence[int],
+    error: float,
+) -> str:
+    """The part's sketch against the inputs' published sketches: each input's published distance is
+    not smaller than the sketches show, and the part is their published combination (up to `error`,
+    the codec's and float32's rounding)."""
+    # an input's distance as published against the sketches' estimate of it: the estimate exceeds
+    # PULL_SLACK times the true distance with odds below 1e-11 (docs/security.md)
+    for i, d in enumerate(claim.distances):
+        estimate = float((claim.sketches[i] - result_sketch).norm()) / math.sqrt(SKETCHES)
+        noise = 1e-9 * (float(claim.sketches[i].norm()) + float(result_sketch.norm()))
+        if estimate > PULL_SLACK * d + noise:
+            return f"member {contributors[i]}'s input is farther from the part than published ({estimate:.3g} > {d:.3g})"
+    combined = sum(a * claim.sketches[i] for i, a in enumerate(coefficients))
+    scale = sum(a * float(claim.sketches[i].norm()) for i, a in enumerate(coefficients)) + float(result_sketch.norm())
+    if float((combined - result_sketch).abs().max()) > Z_SIGNS * error + 1e-12 * scale + 1e-30:
+        return "the part is not the published combination of the inputs received"
     return ""
 
 

@@ -19,12 +19,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from swarm.core.errors import PermissionDenied, SwarmError
 from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
 from swarm.net.channels import ChannelConfig, ChannelPool
+
+if TYPE_CHECKING:
+    from swarm.cli.config import PeerOptions
 
 logger = logging.getLogger("swarm.cli.health")
 
@@ -49,7 +52,7 @@ def _daemon_argv(pid: int = 1) -> list[str] | None:
     return None if rest[:1] == ["status"] else rest
 
 
-def _daemon_options() -> Any:
+def _daemon_options() -> PeerOptions:
     from swarm.cli.config import build_parser as daemon_parser
     from swarm.cli.config import resolve
 

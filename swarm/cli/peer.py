@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from swarm.cli.config import PeerOptions, build_parser, resolve
 from swarm.cli.private import COMMANDS as PRIVATE_COMMANDS
@@ -22,6 +22,7 @@ from swarm.core.errors import SwarmError
 from swarm.core.signals import handle_stop_signals
 
 if TYPE_CHECKING:
+    from swarm.moe.server.expert_server import ExpertServer
     from swarm.peer import Peer
 
 logger = logging.getLogger("swarm.cli")
@@ -35,7 +36,7 @@ def _setup_logging(level: str) -> None:
         logging.getLogger("asyncio").setLevel(logging.ERROR)
 
 
-def _attach_services(peer: Peer, options: PeerOptions) -> Any:
+def _attach_services(peer: Peer, options: PeerOptions) -> ExpertServer | None:
     """Starts what the options ask for beyond the bare peer (experts, metrics); the expert server, if any."""
     server = None
     if options.experts:
@@ -53,10 +54,10 @@ def _attach_services(peer: Peer, options: PeerOptions) -> Any:
     return server
 
 
-def _unsaved(server: Any) -> str | None:
+def _unsaved(server: ExpertServer | None) -> str | None:
     """Why the expert server's last checkpoint failed, if it did (the trained updates are lost)."""
-    saver = getattr(server, "checkpoints", None)
-    error = getattr(saver, "last_error", None)
+    saver = server.checkpoints if server is not None else None
+    error = saver.last_error if saver is not None else None
     return None if error is None else str(error)
 
 
@@ -91,7 +92,7 @@ def run_daemon(options: PeerOptions) -> int:
         nat=NatConfig(reachability=options.reachability, relay=options.relay, relay_port=options.relay_port),
         **private_peer_arguments(options),
     )
-    server = None
+    server: ExpertServer | None = None
     archive_stop = threading.Event()
     try:
         server = _attach_services(peer, options)

@@ -23,12 +23,15 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from swarm.core.errors import ConfigError, SwarmError
 from swarm.core.multiaddr import Multiaddr
 from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.handle import KeyValueStore, PeerHandle
+
+if TYPE_CHECKING:
+    from swarm.net.channels import ChannelPool
 
 logger = logging.getLogger("swarm.cli.status")
 
@@ -98,13 +101,16 @@ class Unreachable:
     error: str
 
 
+Json = dict[str, "Json"] | list["Json"] | str | int | float | bool | None
+
+
 @dataclass
 class SwarmView:
     peers: list[PeerReport] = field(default_factory=list)
     unreachable: list[Unreachable] = field(default_factory=list)
     dht: bool = False
     dht_experts: dict[str, dict[str, str]] = field(default_factory=dict)  # prefix -> {uid: addr}
-    records: dict[str, Any] = field(default_factory=dict)
+    records: dict[str, Json] = field(default_factory=dict)
 
     def experts_by_prefix(self) -> dict[str, dict[str, list[str]]]:
         """``{grid prefix: {expert uid: [peer ids serving it]}}`` from the peers' `Info`."""
@@ -116,7 +122,7 @@ class SwarmView:
         return {g: dict(sorted(uids.items())) for g, uids in sorted(grids.items())}
 
 
-async def call_info(pool: Any, addr: Multiaddr, timeout: float, source: str = "initial") -> PeerReport | Unreachable:
+async def call_info(pool: ChannelPool, addr: Multiaddr, timeout: float, source: str = "initial") -> PeerReport | Unreachable:
     """Dials `addr` (learning the PeerID if the address lacks one) and asks for `Info`."""
     try:
         channel = await asyncio.wait_for(pool.dial_unknown(addr), timeout) if not addr.peer_id else pool.get(addr)
@@ -158,7 +164,7 @@ async def survey(peer: PeerHandle, addrs: Sequence[Multiaddr], timeout: float, m
     return view
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> Json:
     """A DHT value as JSON can hold it (bytes as hex, unknown objects as repr)."""
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
@@ -197,14 +203,14 @@ async def list_experts(dht: KeyValueStore, prefix: str, limit: int = 4096) -> di
     return dict(sorted(experts.items())[:limit])
 
 
-def read_records(dht: KeyValueStore, keys: Sequence[str], timeout: float) -> dict[str, Any]:
+def read_records(dht: KeyValueStore, keys: Sequence[str], timeout: float) -> dict[str, Json]:
     """EXTENSION POINT (swarm/optim): the latest value of each DHT key given with --key (e.g. a run key).
 
     Uses ``dht.get(key, latest=True)`` (`swarm.dht.handle.KeyValueStore`), returning a
     `ValueWithExpiration` (a dict of subkeys for dictionary values) or None. Once swarm/moe and
     swarm/optim fix their key schemas (e.g. a run's progress key), decode them here.
     """
-    records: dict[str, Any] = {}
+    records: dict[str, Json] = {}
     for key in keys:
         try:
             records[key] = _plain(dht.get(key, latest=True))

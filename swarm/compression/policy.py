@@ -168,8 +168,8 @@ class RoleAdaptiveCompression:
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int) and callable(getattr(value, "choose", None)):
-                continue
+            if not isinstance(value, int) and isinstance(value, CompressionPolicy):
+                continue  # a nested policy
             object.__setattr__(self, field.name, _as_kind(value, field.name))
 
     def choose(self, tensor_numel: int, role: str = "gradient") -> CompressionType:
@@ -180,7 +180,10 @@ class RoleAdaptiveCompression:
         """
         _check_numel(tensor_numel)
         parsed = TensorRole.parse(role)
-        entry = getattr(self, parsed.value)
+        entry = {
+            TensorRole.PARAMETER: self.parameter, TensorRole.GRADIENT: self.gradient,
+            TensorRole.OPTIMIZER_STATE: self.optimizer_state, TensorRole.ACTIVATION: self.activation,
+        }[parsed]
         if isinstance(entry, CompressionType):
             return entry
         return CompressionType(entry.choose(tensor_numel, parsed.value))

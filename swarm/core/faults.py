@@ -78,7 +78,7 @@ class Fault:
 
 
 def _name(point: Hashable) -> str:
-    return str(getattr(point, "value", point))
+    return str(point.value if isinstance(point, enum.Enum) else point)
 
 
 async def _fire(fault: Fault) -> None:

@@ -224,8 +224,7 @@ class IdentityFile:
         self._lock_fd = fd
 
     def release(self) -> None:
-        for name in ("_key_fd", "_lock_fd"):
-            fd = getattr(self, name)
+        for fd in (self._key_fd, self._lock_fd):
             if fd is not None:
                 os.close(fd)
-                setattr(self, name, None)
+        self._key_fd = self._lock_fd = None

@@ -12,7 +12,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from swarm.core.signals import block_stop_signals
 
@@ -48,13 +48,13 @@ class LoopThread:
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    def submit(self, coro: Coroutine[object, None, T]) -> concurrent.futures.Future[T]:
         if self.loop.is_closed():
             coro.close()
             raise RuntimeError("the peer has been shut down")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[object, None, T], timeout: float | None = None) -> T:
         """Runs `coro` on the loop and blocks until it finishes; cancels it on timeout."""
         if self.in_loop_thread:
             coro.close()
@@ -69,7 +69,7 @@ class LoopThread:
             future.cancel()
             raise
 
-    async def wrap(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def wrap(self, coro: Coroutine[object, None, T]) -> T:
         """Awaitable form for callers inside any event loop (including this one)."""
         try:
             running = asyncio.get_running_loop()
@@ -100,13 +100,13 @@ class LoopThread:
             self.loop.close()
 
 
-def spawn(coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+def spawn(coro: Coroutine[object, None, T], name: str) -> asyncio.Task[T]:
     """Starts an owned, named background task whose failure is logged, never lost."""
     task = asyncio.get_running_loop().create_task(coro, name=name)
     task.add_done_callback(_log_failure)
     return task
 
 
-def _log_failure(task: asyncio.Task[Any]) -> None:
+def _log_failure(task: asyncio.Task[object]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("background task %s failed", task.get_name(), exc_info=task.exception())

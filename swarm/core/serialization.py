@@ -12,7 +12,7 @@ import msgpack
 MAX_VALUE_BYTES = 1 << 20
 
 
-def pack(value: Any) -> bytes:
+def pack(value: object) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 

@@ -9,7 +9,7 @@ reverse order, when it shuts down.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 from swarm.core.errors import ConfigError
 
@@ -31,15 +31,15 @@ class Services:
     """
 
     def __init__(self) -> None:
-        self._by_type: dict[type[Any], Any] = {}
+        self._by_type: dict[type, object] = {}  # each value is an instance of its key
 
     def get(self, kind: type[S]) -> S | None:
         """The peer's service of type `kind`, or None."""
-        return self._by_type.get(kind)
+        return cast("S | None", self._by_type.get(kind))
 
     def get_or_create(self, kind: type[S], create: Callable[[], S]) -> S:
         """The peer's service of type `kind`, made by `create()` the first time it is asked for."""
-        service = self._by_type.get(kind)
+        service = self.get(kind)
         if service is None:
             service = self._by_type[kind] = create()
         return service
@@ -61,5 +61,5 @@ class Services:
         if self._by_type.get(type(service)) is service:
             del self._by_type[type(service)]
 
-    def __contains__(self, kind: type[Any]) -> bool:
+    def __contains__(self, kind: type) -> bool:
         return kind in self._by_type

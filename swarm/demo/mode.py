@@ -22,7 +22,6 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from swarm.core.errors import ConfigError
 
@@ -60,7 +59,7 @@ class ModeChoice:
             what = "large-batch, each round waited for"
         return f"mode: {what} ({self.why})"
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> dict[str, object]:
         return {"mode": self.mode, "local_steps": self.local_steps}
 
 
@@ -69,7 +68,7 @@ def mode_key(run_id: str) -> str:
     return f"{run_id}.mode"
 
 
-def from_record(record: Any) -> ModeChoice | None:
+def from_record(record: object) -> ModeChoice | None:
     """The run's mode as stored in the DHT; None for a missing or malformed record."""
     if not isinstance(record, Mapping):
         return None
@@ -93,7 +92,7 @@ def is_public(addr: str) -> bool:
     return False
 
 
-def pick_mode(requested: str, diloco_steps: int | None, run_record: Any, rtt: float | None,
+def pick_mode(requested: str, diloco_steps: int | None, run_record: object, rtt: float | None,
               announce: Sequence[str], client_mode: bool, max_staleness: str = "auto") -> ModeChoice:
     """The mode this trainer uses.
 

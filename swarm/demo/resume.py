@@ -15,7 +15,6 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from swarm.checkpoint import CheckpointStore, RunCheckpointError
 
@@ -46,13 +45,13 @@ class RunCurve:
     def add_eval(self, seconds: float, loss: float) -> None:
         _append(self.evals, seconds, loss)
 
-    def to_extra(self, elapsed: float) -> dict[str, Any]:
+    def to_extra(self, elapsed: float) -> dict[str, object]:
         """The manifest's ``extra`` entry at `elapsed` seconds of the run."""
         return {EXTRA_KEY: {"elapsed": elapsed, "curves": {n: [list(p) for p in c] for n, c in self.curves.items()},
                             "evals": [list(p) for p in self.evals]}}
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> RunCurve:
+    def from_extra(cls, extra: Mapping[str, object]) -> RunCurve:
         """The curve in a manifest's ``extra`` (empty when absent or malformed: a plot is no reason to fail)."""
         doc = extra.get(EXTRA_KEY)
         try:

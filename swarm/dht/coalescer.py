@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from swarm.core.loop import spawn
 
@@ -28,11 +28,11 @@ class Coalescer(Generic[T, R]):
         name: Name of the batch tasks (for logs).
     """
 
-    def __init__(self, run: Callable[[list[T], Callable[[int, R], None]], Awaitable[Any]], name: str) -> None:
+    def __init__(self, run: Callable[[list[T], Callable[[int, R], None]], Awaitable[object]], name: str) -> None:
         self._run = run
         self._name = name
         self._pending: list[tuple[T, asyncio.Future[R]]] = []
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
 
     def submit(self, item: T) -> asyncio.Future[R]:
         """Queues `item` for the next batch; the future gets its result (call from the loop)."""

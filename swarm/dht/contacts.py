@@ -22,7 +22,6 @@ import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from swarm.core.errors import DeadlineExceeded, PeerUnreachable, RPCError, Unauthenticated
 from swarm.core.loop import spawn
@@ -70,7 +69,7 @@ class Contacts:
         self._timeouts: dict[str, int] = {}  # consecutive timeouts per peer
         self._departed: dict[str, float] = {}  # peer -> monotonic time until which it stays out
         self._closed = False
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
 
     async def close(self) -> None:
         """Stops the liveness checks in flight (and starts no more)."""

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 from swarm.dht.config import DHTConfig
 from swarm.dht.ids import DHTID
 from swarm.dht.protocol import DHTProtocol
 from swarm.dht.routing import RoutingTable
 from swarm.dht.storage import CacheStorage, DHTLocalStorage
-from swarm.dht.traversal import Traversal
+from swarm.dht.traversal import AskFn, LookupResult, Traversal
 from swarm.dht.validation import DHTRecord, RecordValidator
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -74,12 +76,13 @@ class NodeContext(Protocol):
         """Records this node wrote, republished until they expire."""
         ...
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[object, None, T], name: str) -> asyncio.Task[T]:
         """Runs `coro` as a task the node owns (cancelled at shutdown, failures logged)."""
         ...
 
     def lookup(
-        self, query_ids: Sequence[DHTID], ask: Any, beam_size: int, on_finished: Any, alpha: int | None = None,
+        self, query_ids: Sequence[DHTID], ask: AskFn, beam_size: int,
+        on_finished: Callable[[list[tuple[DHTID, LookupResult]]], None] | None, alpha: int | None = None,
         hedge_after: float | None = None,
     ) -> Traversal:
         """An iterative lookup of `query_ids` starting from this node's nearest neighbours."""

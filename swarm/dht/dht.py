@@ -17,7 +17,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from swarm.core.errors import ConfigError, ValidationError
 from swarm.core.serialization import pack, unpack
@@ -92,15 +92,15 @@ class DHT:
             await coalescer.close()
         await self.node.shutdown()
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _run(self, coro: Coroutine[object, None, T]) -> T:
         return self.peer.run(coro, timeout=self.config.lookup_timeout + 2 * self.config.request_timeout + 5)
 
-    async def _in_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def _in_loop(self, coro: Coroutine[object, None, T]) -> T:
         return await self.peer.loop.wrap(coro)
 
     # -- records ------------------------------------------------------------------------------------
 
-    def _record(self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None) -> DHTRecord:
+    def _record(self, key: Key, value: object, expiration_time: float, subkey: Subkey | None) -> DHTRecord:
         """The signed record for a user's store; raises if this node's own validators refuse it."""
         if isinstance(expiration_time, bool) or not isinstance(expiration_time, int | float):
             raise TypeError(f"expiration_time must be a number, got {type(expiration_time).__name__}")
@@ -139,7 +139,7 @@ class DHT:
             except (ValueError, TypeError) as e:
                 logger.debug("dropped an undecodable DHT value: %s", e)
                 return None
-        values: dict[Any, ValueWithExpiration] = {}
+        values: dict[object, ValueWithExpiration] = {}
         for subkey, (value, expiration_time) in found.value.items():
             record = DHTRecord(key, subkey, value, expiration_time, raw_key)
             try:
@@ -155,8 +155,8 @@ class DHT:
     async def _store_batch(self, records: list[DHTRecord], deliver: Callable[[int, StoreOutcome], None]) -> None:
         await self.node.store_many(records, on_result=deliver)
 
-    def _get_batch(self, latest: bool) -> Callable[[list[bytes], Callable[[int, Any], None]], Awaitable[None]]:
-        async def run(raw_keys: list[bytes], deliver: Callable[[int, Any], None]) -> None:
+    def _get_batch(self, latest: bool) -> Callable[[list[bytes], Callable[[int, ValueWithExpiration | None], None]], Awaitable[None]]:
+        async def run(raw_keys: list[bytes], deliver: Callable[[int, ValueWithExpiration | None], None]) -> None:
             positions: dict[bytes, list[int]] = {}
             for index, raw_key in enumerate(raw_keys):
                 positions.setdefault(raw_key, []).append(index)
@@ -171,7 +171,7 @@ class DHT:
 
     # -- awaitable API ------------------------------------------------------------------------------
 
-    async def astore(self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None) -> bool:
+    async def astore(self, key: Key, value: object, expiration_time: float, subkey: Subkey | None = None) -> bool:
         """Stores `value` under `key` (and `subkey`) until `expiration_time` (seconds since the epoch).
 
         A store with a later expiration replaces an earlier one; with a subkey, the key holds a
@@ -236,7 +236,7 @@ class DHT:
     async def astore_many(
         self,
         keys: Sequence[Key],
-        values: Sequence[Any],
+        values: Sequence[object],
         expiration_time: float | Sequence[float],
         subkeys: Sequence[Subkey | None] | None = None,
     ) -> list[bool]:
@@ -293,7 +293,7 @@ class DHT:
 
     # -- blocking API -------------------------------------------------------------------------------
 
-    def store(self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None) -> bool:
+    def store(self, key: Key, value: object, expiration_time: float, subkey: Subkey | None = None) -> bool:
         """Blocking form of `astore`."""
         return self._run(self.astore(key, value, expiration_time, subkey))
 
@@ -304,7 +304,7 @@ class DHT:
     def store_many(
         self,
         keys: Sequence[Key],
-        values: Sequence[Any],
+        values: Sequence[object],
         expiration_time: float | Sequence[float],
         subkeys: Sequence[Subkey | None] | None = None,
     ) -> list[bool]:

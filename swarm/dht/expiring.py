@@ -22,7 +22,7 @@ class ValueWithExpiration(NamedTuple):
     expiration_time: float
 
 
-def subkey_entries(found: ValueWithExpiration | None) -> dict[Any, ValueWithExpiration]:
+def subkey_entries(found: ValueWithExpiration | None) -> dict[object, ValueWithExpiration]:
     """The entries of a dictionary value as `DHT.aget` returns it (subkey -> its own value and
     expiration), typed; empty where `found` is None or holds a plain value. Callers read
     ``entry.value`` and ``entry.expiration_time`` from here instead of probing what a read gave."""
@@ -42,7 +42,7 @@ class ExpiringMap:
         self._data: dict[bytes, ValueWithExpiration] = {}
         self._heap: list[tuple[float, bytes]] = []
 
-    def _set(self, key: bytes, value: Any, expiration_time: float) -> None:
+    def _set(self, key: bytes, value: object, expiration_time: float) -> None:
         self._data[key] = ValueWithExpiration(value, expiration_time)
         heapq.heappush(self._heap, (expiration_time, key))
         if len(self._heap) > 2 * len(self._data) + 64:

@@ -9,7 +9,7 @@ See docs/architecture.md for the layers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from swarm.dht.buckets import NodeInfo
 from swarm.dht.expiring import ValueWithExpiration
@@ -30,7 +30,7 @@ class KeyValueStore(Protocol):
         """The PeerID of the peer this store writes as (the owner of its self-records)."""
         ...
 
-    async def astore(self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None) -> bool:
+    async def astore(self, key: Key, value: object, expiration_time: float, subkey: Subkey | None = None) -> bool:
         """Stores `value` under `key` (and `subkey`) until `expiration_time`; True if a replica took it."""
         ...
 
@@ -47,7 +47,7 @@ class KeyValueStore(Protocol):
     async def astore_many(
         self,
         keys: Sequence[Key],
-        values: Sequence[Any],
+        values: Sequence[object],
         expiration_time: float | Sequence[float],
         subkeys: Sequence[Subkey | None] | None = None,
     ) -> list[bool]:
@@ -77,7 +77,7 @@ class KeyValueStore(Protocol):
         `key`; returns the function that stops it."""
         ...
 
-    def store(self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None) -> bool: ...
+    def store(self, key: Key, value: object, expiration_time: float, subkey: Subkey | None = None) -> bool: ...
 
     def get(self, key: Key, latest: bool = False) -> ValueWithExpiration | None: ...
 

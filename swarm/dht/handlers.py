@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from swarm.core.errors import InvalidRequest, MultiaddrError, ValidationError
 from swarm.core.multiaddr import Multiaddr
@@ -47,6 +47,12 @@ from swarm.dht.wire import (
 from swarm.net.limits import CallLimit
 from swarm.net.server import CallContext, RPCServer
 from swarm.proto import dht_pb2
+
+if TYPE_CHECKING:
+    from google.protobuf.internal.containers import (
+        RepeatedCompositeFieldContainer,
+        RepeatedScalarFieldContainer,
+    )
 
 _RESPONSE_VALUE_BUDGET = 4 << 20  # bytes of values in one Find answer; past it values are omitted
 _ROW_OVERHEAD = 24  # msgpack bytes around one subkey's row, at most
@@ -155,7 +161,8 @@ class DHTHandlers:
         return response
 
     def _add_nearest(
-        self, nearest: Any, key_id: DHTID, count: int, exclude: DHTID | None, indices: dict[DHTID, int], peers: Any
+        self, nearest: RepeatedScalarFieldContainer[int], key_id: DHTID, count: int, exclude: DHTID | None,
+        indices: dict[DHTID, int], peers: RepeatedCompositeFieldContainer[dht_pb2.DHTPeer],
     ) -> None:
         """Appends to `nearest` the indices, in `peers`, of the `count` nodes nearest to `key_id`."""
         for node in self.routing_table.get_nearest_neighbors(key_id, count, exclude):

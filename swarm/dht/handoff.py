@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Collection, Sequence
-from typing import Any
 
 from swarm.dht.batching import chunks
 from swarm.dht.buckets import NodeInfo
@@ -81,7 +80,7 @@ class Handoff:
         self.handed_over = 0
         """Records sent to newcomers and stored by them (for monitoring and tests)."""
         self._newcomers: dict[DHTID, NodeInfo] = {}
-        self._task: asyncio.Task[Any] | None = None
+        self._task: asyncio.Task[object] | None = None
 
     def welcome(self, newcomer: NodeInfo) -> None:
         """Called for each node new to the routing table: hands it its records soon."""

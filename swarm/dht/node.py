@@ -24,7 +24,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TypeVar
 
 from swarm.core.errors import DeadlineExceeded, DHTError, MultiaddrError, RPCError
 from swarm.core.loop import spawn
@@ -43,13 +43,14 @@ from swarm.dht.retrieval import Retriever
 from swarm.dht.routing import RoutingTable
 from swarm.dht.storage import CacheStorage, DHTLocalStorage, StorageQuota
 from swarm.dht.store_outcome import StoreOutcome
-from swarm.dht.traversal import LookupResult, Traversal
+from swarm.dht.traversal import AskFn, LookupResult, Traversal
 from swarm.dht.validation import DHTRecord, RecordValidator
 from swarm.dht.wire import node_id_of
 from swarm.net.channels import ChannelPool
 from swarm.net.server import RPCServer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class DHTNode:
@@ -88,7 +89,7 @@ class DHTNode:
         self.stats = LookupStats()
         self.published: dict[tuple[bytes, bytes], DHTRecord] = {}
         """Records this node wrote, republished until they expire (§2.5)."""
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self.closed = False
         self._replicator = Replicator(self)
         self._retriever = Retriever(self)
@@ -125,13 +126,13 @@ class DHTNode:
         node.spawn(node._republish_loop(), "dht-republish")
         return node
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[object, None, T], name: str) -> asyncio.Task[T]:
         task = spawn(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def adopt(self, task: asyncio.Task[Any]) -> None:
+    def adopt(self, task: asyncio.Task[object]) -> None:
         """Keeps a task running in the background, cancelled at shutdown (a lookup's request to a
         suspect: `traversal.Traversal`)."""
         self._tasks.add(task)
@@ -252,7 +253,8 @@ class DHTNode:
         return {query_id: self.routing_table.get_nearest_neighbors(query_id, k) for query_id in query_ids}
 
     def lookup(
-        self, query_ids: Sequence[DHTID], ask: Any, beam_size: int, on_finished: Any, alpha: int | None = None,
+        self, query_ids: Sequence[DHTID], ask: AskFn, beam_size: int,
+        on_finished: Callable[[list[tuple[DHTID, LookupResult]]], None] | None, alpha: int | None = None,
         hedge_after: float | None = None,
     ) -> Traversal:
         # §2.3: a node that fails to answer quickly frees its place among the alpha requests in

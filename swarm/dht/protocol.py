@@ -18,7 +18,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeVar
 
 from google.protobuf.message import Message
 
@@ -54,6 +54,7 @@ from swarm.proto import dht_pb2
 __all__ = ["DHTProtocol"]
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)  # the response type of a request
 
 
 class DHTProtocol:
@@ -125,9 +126,9 @@ class DHTProtocol:
         return self.pool.get(addr)
 
     async def _call(
-        self, node: NodeInfo, method: str, request: Message, response_type: type[Message], reraise: bool = False,
+        self, node: NodeInfo, method: str, request: Message, response_type: type[M], reraise: bool = False,
         *, resend_lost: bool = False,
-    ) -> Any:
+    ) -> M | None:
         """One request to `node`; its answer, or None (or the error, with `reraise`) if it failed.
 
         With `resend_lost` (for requests that are safe to repeat), see `_send_or_resend`.
@@ -174,8 +175,8 @@ class DHTProtocol:
         measured = max(floor, cfg.request_timeout_multiple * rto) * link.backoff_factor()
         return min(cfg.request_timeout, measured)
 
-    async def _send(self, node: NodeInfo, method: str, request: Message, response_type: type[Message],
-                    timeout: float) -> Any:
+    async def _send(self, node: NodeInfo, method: str, request: Message, response_type: type[M],
+                    timeout: float) -> M:
         loop = asyncio.get_running_loop()
         channel = self._channel(node)
         await channel.verify()  # a first call's handshake is no round trip of the link
@@ -199,8 +200,8 @@ class DHTProtocol:
         logger.debug("DHT %s to %s timed out after %.3f s: its timeout is now %.3f s (backoff x%d)",
                      method.rsplit("/", 1)[-1], node.peer_id, timeout, self.request_timeout_for(node), 1 << backoff)
 
-    async def _send_or_resend(self, node: NodeInfo, method: str, request: Message, response_type: type[Message],
-                              timeout: float, *, early_resend: bool = True) -> Any:
+    async def _send_or_resend(self, node: NodeInfo, method: str, request: Message, response_type: type[M],
+                              timeout: float, *, early_resend: bool = True) -> M:
         """Sends a request (every DHT request is safe to repeat) to a node that has been answering,
         and sends it again, racing the first, when it looks lost.
 
@@ -321,7 +322,7 @@ class DHTProtocol:
                 nearest.append(peer)
         return nearest
 
-    def _answer_peers(self, node: NodeInfo, peers: Sequence[Any], most: int) -> _Peers | None:
+    def _answer_peers(self, node: NodeInfo, peers: Sequence[dht_pb2.DHTPeer], most: int) -> _Peers | None:
         """The peers an answer names, parsed as they are used; None (and `node` distrusted) if it
         names more than the `most` an honest node would (the count asked for, per key)."""
         if len(peers) > most:
@@ -411,7 +412,7 @@ class _Peers:
 
     __slots__ = ("_parsed", "_protocol", "_raw")
 
-    def __init__(self, protocol: DHTProtocol, raw: Sequence[Any]) -> None:
+    def __init__(self, protocol: DHTProtocol, raw: Sequence[dht_pb2.DHTPeer]) -> None:
         self._protocol = protocol
         self._raw = raw
         self._parsed: dict[int, NodeInfo | None] = {}

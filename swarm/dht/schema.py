@@ -124,7 +124,7 @@ class SchemaValidator(RecordValidator):
             raise ValidationError(f"key {field.key!r} violates the schema: {e}") from e
 
 
-def _make_field(key: str, annotation: Any) -> _Field:
+def _make_field(key: str, annotation: Any) -> _Field:  # Any: a type form, as pydantic takes it
     origin = typing.get_origin(annotation)
     if origin in _MAPPING_ORIGINS or annotation in _MAPPING_ORIGINS:
         args = typing.get_args(annotation) or (Any, Any)

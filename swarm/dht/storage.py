@@ -47,7 +47,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from swarm.dht.dictionary_value import DictionaryValue
 from swarm.dht.expiring import ExpiringMap, ValueWithExpiration, check_bytes, check_expiration
@@ -445,7 +445,7 @@ class DHTLocalStorage(ExpiringMap):
             self._reconcile(key, record.value)
         return record
 
-    def _put(self, key: bytes, value: Any, expiration_time: float, is_new: bool, now: float) -> bool:
+    def _put(self, key: bytes, value: object, expiration_time: float, is_new: bool, now: float) -> bool:
         if is_new and self.max_size is not None and len(self._data) >= self.max_size:
             self._remove_outdated(now)
             if len(self._data) >= self.max_size:

@@ -52,7 +52,6 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from swarm.dht.buckets import NodeInfo
 from swarm.dht.ids import DHTID
@@ -152,7 +151,7 @@ class Traversal:
         exclude: Collection[DHTID] = (),
         is_banned: Callable[[str], bool] | None = None,
         is_suspect: Callable[[str], bool] | None = None,
-        adopt: Callable[[asyncio.Task[Any]], None] | None = None,
+        adopt: Callable[[asyncio.Task[object]], None] | None = None,
         on_finished: Callable[[list[tuple[DHTID, LookupResult]]], None] | None = None,
         hedge_after: float | None = None,
         slow_after: float | None = None,

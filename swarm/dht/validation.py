@@ -22,7 +22,6 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 
@@ -58,7 +57,7 @@ class DHTRecord:
     raw_key: bytes | None = None
 
     @classmethod
-    def create(cls, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None) -> DHTRecord:
+    def create(cls, key: Key, value: object, expiration_time: float, subkey: Subkey | None = None) -> DHTRecord:
         """The record a client builds from user data (value serialized with msgpack)."""
         raw_key = serialize_key(key)
         return cls(
@@ -173,7 +172,7 @@ def owner_marker(peer_id: str) -> str:
 _WHOLE_MARKER = re.compile(r"\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]")
 
 
-def marker_owner(subkey: Any) -> str | None:
+def marker_owner(subkey: object) -> str | None:
     """The PeerID of a subkey that is exactly one `owner_marker`, else None.
 
     Records a peer makes about itself (progress reports, averaging sign-ups) use its marker as the

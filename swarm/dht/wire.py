@@ -7,13 +7,16 @@ Both sides of the protocol share these: the callee's handlers (`handlers.py`) an
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from swarm.dht.buckets import NodeInfo
 from swarm.dht.expiring import ValueWithExpiration
 from swarm.dht.ids import DHTID
 from swarm.dht.validation import DHTRecord
 from swarm.proto import dht_pb2
+
+if TYPE_CHECKING:
+    import grpc
 
 PING = "/swarm.DHT/Ping"
 STORE = "/swarm.DHT/Store"
@@ -90,8 +93,10 @@ def bare(addr: str) -> str:
     return addr if cut < 0 else addr[:cut]
 
 
-def observed_host(grpc_context: Any) -> str | None:
+def observed_host(grpc_context: grpc.aio.ServicerContext | None) -> str | None:
     """The caller's IP as the transport saw it ("ipv4:1.2.3.4:5", "ipv6:[::1]:5")."""
+    if grpc_context is None:  # a call over the bulk side channel
+        return None
     try:
         peer = grpc_context.peer()
     except Exception:  # noqa: BLE001 - only a hint

@@ -57,10 +57,13 @@ numbers are updated and read on the peer's event loop only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.metrics.registry import DEFAULT_BUCKETS, Registry
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
 
 __all__ = [
     "AVERAGING_ROUNDS", "BULK_CONNECTIONS", "DEFAULT_BUCKETS", "EXPERT_BATCHES", "EXPERT_CLIPPED_GRAD_ROWS",
@@ -82,7 +85,7 @@ REGISTRY = Registry(_declare)
 """Process-wide metrics, rendered in the scrape of every peer of the process."""
 
 
-def _averaging_rounds() -> Any:
+def _averaging_rounds() -> Counter:
     family = REGISTRY.counter(
         "swarm_averaging_rounds_total", "Averaging rounds this process took part in, by outcome", ("outcome",))
     for outcome in ("succeeded", "failed"):
@@ -90,7 +93,7 @@ def _averaging_rounds() -> Any:
     return family
 
 
-def _bulk_connections() -> Any:
+def _bulk_connections() -> Counter:
     family = REGISTRY.counter(
         "swarm_bulk_connections_total", "Bulk streams this peer started, by how: on a connection it kept from an "
         "earlier stream to the same peer (reused), or on one it dialed (dialed)", ("how",))

@@ -35,9 +35,9 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Generic, TypeVar, cast
 
 import grpc
 
@@ -50,10 +50,10 @@ from swarm.core.errors import (
     RPCError,
 )
 from swarm.net.errors import from_status, to_status
-from swarm.net.frames import DATA, END, ERROR, BulkProtocolError, FrameConnection, Sink, Sunk
+from swarm.net.frames import DATA, END, ERROR, BulkProtocolError, FrameConnection, Frames, Sink, Sunk
 from swarm.net.sealed import SealedProtocol
 from swarm.net.sockets import connected_socket, listening_socket
-from swarm.net.tls import SERVER_NAME_BYTES, client_context
+from swarm.net.tls import SERVER_NAME_BYTES, ServerContext, client_context
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,12 @@ def decode_error(payload: bytes | memoryview, peer_id: str, method: str) -> RPCE
     return from_status(code, message, peer_id, method)
 
 
-class BulkListener:
+C = TypeVar("C")  # the context a handler is given (the server's `CallContext`)
+BulkHandler = Callable[[AsyncIterator[bytes], C], AsyncGenerator[object, None]]
+"""`handler(requests, ctx)`: a bulk-enabled stream's handler; it yields the response messages."""
+
+
+class BulkListener(Generic[C]):
     """The callee's side: issues tokens, accepts connections, runs the registered stream handlers.
 
     Args:
@@ -110,7 +115,7 @@ class BulkListener:
     """
 
     def __init__(
-        self, handlers: dict[str, Any], make_context: Callable[[str, float, FrameConnection], Any],
+        self, handlers: dict[str, BulkHandler[C]], make_context: Callable[[str, float, FrameConnection], C],
         max_frame_bytes: int,
         token_ttl: float = 10.0, max_tickets: int = 4096, idle_timeout: float = 60.0,
     ) -> None:
@@ -128,10 +133,10 @@ class BulkListener:
         self._tickets: dict[bytes, _Ticket] = {}
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
-        self._ssl: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None
+        self._ssl: ServerContext | Callable[[], ServerContext] | None = None
 
     async def start(self, host: str, port: int = 0,
-                    ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None) -> int:
+                    ssl_context: ServerContext | Callable[[], ServerContext] | None = None) -> int:
         """Listens on `host:port`; with `ssl_context` (`swarm.net.tls.server_context`), every
         connection is a TLS handshake first, then sealed records (`swarm.net.sealed`).
 
@@ -148,13 +153,12 @@ class BulkListener:
 
     def _protocol(self) -> asyncio.BufferedProtocol:
         conn = FrameConnection(self.max_frame_bytes, first_frame_limit=TOKEN_BYTES)
-        protocol: asyncio.BufferedProtocol = conn
+        protocol: FrameConnection | SealedProtocol = conn
         ready = conn.connected
         if self._ssl is not None:
-            if not isinstance(self._ssl, ssl.SSLContext):
+            if not isinstance(self._ssl, ServerContext):
                 self._ssl = self._ssl()
-            protocol = SealedProtocol(conn, self._ssl, server_side=True,
-                                      certificate=getattr(self._ssl, "certificate_der", b""))
+            protocol = SealedProtocol(conn, self._ssl, server_side=True, certificate=self._ssl.certificate_der)
             ready = protocol.ready
         task = asyncio.ensure_future(self._accept(conn, ready, protocol))
         self._connections.add(task)
@@ -192,7 +196,7 @@ class BulkListener:
 
     # -- connections -------------------------------------------------------------------------
 
-    async def _accept(self, conn: FrameConnection, ready: asyncio.Future[None], protocol: Any) -> None:
+    async def _accept(self, conn: FrameConnection, ready: asyncio.Future[None], protocol: FrameConnection | SealedProtocol) -> None:
         try:
             # over TLS the frames start only once the handshake and the key agreement succeeded
             # (never, for a plaintext or unverifiable caller): wait a bounded time
@@ -239,7 +243,8 @@ class BulkListener:
         assert me is not None
         expire = loop.call_at(deadline, me.cancel)
         requests = _Requests(conn)
-        responses = self.handlers[ticket.method](requests, ctx)
+        # large messages arrive as memoryviews (or `Sunk`): handlers read them as they read bytes
+        responses = self.handlers[ticket.method](cast("AsyncIterator[bytes]", requests), ctx)
         clean = False
         try:
             async for response in responses:
@@ -357,7 +362,7 @@ async def connect(host: str, port: int, token: bytes, timeout: float, max_frame_
     return conn
 
 
-def limit_unsent(sock: Any) -> None:
+def limit_unsent(sock: socket.socket | None) -> None:
     """Sets `NOTSENT_LOWAT` on a bulk connection's TCP socket (not on other kinds: a relay's circuit
     may be a Unix socket; nor where the platform lacks the option)."""
     option = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # 25: Linux's value (Python names it from 3.12 on)
@@ -378,7 +383,7 @@ async def _dial(host: str, port: int, timeout: float, peer_id: str) -> socket.so
 
 
 async def exchange(
-    conn: FrameConnection, requests: AsyncIterator[bytes] | Iterable[bytes], deadline: float, peer_id: str,
+    conn: FrameConnection, requests: AsyncIterator[Frames] | Iterable[Frames], deadline: float, peer_id: str,
     method: str, on_sent: Callable[[int], None] | None = None, on_received: Callable[[int], None] | None = None,
     release: Callable[[FrameConnection], None] | None = None,
 ) -> AsyncIterator[bytes | memoryview]:
@@ -474,21 +479,21 @@ def _socket_open(conn: FrameConnection) -> bool:
         probe.close()
 
 
-def _length(message: Any) -> int:
+def _length(message: Frames) -> int:
     return sum(len(part) for part in message) if isinstance(message, tuple | list) else len(message)
 
 
-async def _send(conn: FrameConnection, requests: AsyncIterator[bytes] | Iterable[bytes],
+async def _send(conn: FrameConnection, requests: AsyncIterator[Frames] | Iterable[Frames],
                 on_sent: Callable[[int], None] | None) -> None:
     try:
-        if hasattr(requests, "__aiter__"):
-            async for message in requests:  # type: ignore[union-attr]
+        if isinstance(requests, AsyncIterable):
+            async for message in requests:
                 conn.write_frame(DATA, message)
                 if on_sent is not None:
                     on_sent(_length(message))
                 await conn.drain()
         else:
-            for message in requests:  # type: ignore[union-attr]
+            for message in requests:
                 conn.write_frame(DATA, message)
                 if on_sent is not None:
                     on_sent(_length(message))

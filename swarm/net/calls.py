@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from swarm.core.errors import ResourceExhausted, SwarmError
 from swarm.core.loop import spawn
@@ -74,20 +74,20 @@ class _Outbox:
     write ends the outbox (`on_error` learns why); items put after that are dropped.
     """
 
-    def __init__(self, write: Callable[[bytes], Awaitable[Any]], batch: type, on_error: Callable[[BaseException], None],
-                 name: str, ready: Callable[[], Awaitable[Any]] | None = None) -> None:
+    def __init__(self, write: Callable[[bytes], Awaitable[object]], batch: type, on_error: Callable[[BaseException], None],
+                 name: str, ready: Callable[[], Awaitable[object]] | None = None) -> None:
         self._write = write
         self._ready = ready
         self._batch = batch
         self._on_error = on_error
-        self._queue: list[Any] = []
+        self._queue: list[Message] = []
         self._size = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # nothing queued and no write in progress
         self._idle.set()
         self._task = spawn(self._run(), name=name)
 
-    def put(self, item: Any, size: int) -> None:
+    def put(self, item: Message, size: int) -> None:
         self._queue.append(item)
         self._size += size
         self._idle.clear()
@@ -111,7 +111,7 @@ class _Outbox:
         finally:
             self._idle.set()
 
-    def _take(self) -> tuple[list[Any], list[Any], int]:
+    def _take(self) -> tuple[list[Message], list[Message], int]:
         """The items for the next message: all, or as many as fit in `_MAX_BATCH_BYTES` (one at
         least), so that a message is never much larger than the largest single item."""
         if self._size <= _MAX_BATCH_BYTES:
@@ -150,7 +150,8 @@ class CallStream:
         idle_timeout: Seconds without calls after which the stream ends.
     """
 
-    def __init__(self, channel: grpc.aio.Channel, metadata: Any, peer_id: str, idle_timeout: float = 60.0) -> None:
+    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, bytes], ...], peer_id: str,
+                 idle_timeout: float = 60.0) -> None:
         self.peer_id = peer_id
         self._loop = asyncio.get_running_loop()
         self._idle_timeout = idle_timeout
@@ -300,7 +301,7 @@ class CallStream:
 # -- callee side --------------------------------------------------------------------------------
 
 
-Invoke = Callable[[str, bytes, Any, float | None], Awaitable[bytes]]
+Invoke = Callable[[str, bytes, grpc.aio.ServicerContext, float | None], Awaitable[bytes]]
 """`invoke(method, payload, context, deadline) -> response bytes`: runs a registered unary handler
 for the caller of `context` (raising what the handler raised)."""
 

@@ -17,9 +17,9 @@ import math
 import os
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar, overload
 
 import grpc
 from google.protobuf.message import Message
@@ -43,6 +43,7 @@ from swarm.net.auth import TicketSigner, check_handshake
 from swarm.net.calls import MAX_MULTIPLEXED_REQUEST, CallStream, StreamRefused
 from swarm.net.errors import from_grpc_error
 from swarm.net.estimates import LinkEstimates
+from swarm.net.frames import Frames
 from swarm.net.membership import MEMBERSHIP, MembershipGate
 from swarm.net.membership import METADATA_KEY as MEMBERSHIP_KEY
 from swarm.net.tls import SERVER_NAME, trust_anchor
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from swarm.net.holepunch import DirectPaths
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)  # a response message type
 
 def _count_bulk_connection(how: str) -> None:
     # the family is made on the first bulk stream: a DHT-only daemon loads no prometheus_client
@@ -260,6 +262,7 @@ class PeerChannel:
             response = await self._raw_unary(
                 HANDSHAKE, request, peer_pb2.HandshakeResponse, self.pool.config.handshake_timeout, metadata=()
             )
+            assert isinstance(response, peer_pb2.HandshakeResponse)  # decoded as that type (or raised)
         except PeerUnreachable:
             found = await tls_probe(self.addr.host, self.addr.port or 0, self.pool.config.handshake_timeout)
             if found.speaks_tls:
@@ -333,10 +336,18 @@ class PeerChannel:
             return
         sock.close()
 
+    @overload
+    async def unary(self, method: str, request: Message | bytes, response_type: type[M],
+                    timeout: float | None = None) -> M: ...
+
+    @overload
+    async def unary(self, method: str, request: Message | bytes, response_type: None = None,
+                    timeout: float | None = None) -> bytes: ...
+
     async def unary(
-        self, method: str, request: Message | bytes, response_type: type[Message] | None = None,
+        self, method: str, request: Message | bytes, response_type: type[M] | None = None,
         timeout: float | None = None,
-    ) -> Any:
+    ) -> M | bytes:
         """One request, one response; raises swarm's `RPCError` subclasses on failure.
 
         Small requests travel on the channel's Calls stream (`swarm.net.calls`), others as gRPC
@@ -360,8 +371,8 @@ class PeerChannel:
         return await self._raw_unary(method, payload, response_type, timeout, self._metadata())
 
     async def _multiplexed(
-        self, method: str, payload: bytes, response_type: type[Message] | None, timeout: float | None,
-    ) -> Any:
+        self, method: str, payload: bytes, response_type: type[M] | None, timeout: float | None,
+    ) -> M | bytes:
         calls = self._calls_stream()
         stats = self.pool.metrics.method(method)  # metrics
         started, ok = stats.start(), False  # metrics
@@ -384,9 +395,9 @@ class PeerChannel:
         return calls
 
     async def _raw_unary(
-        self, method: str, request: Message | bytes, response_type: type[Message] | None,
-        timeout: float | None, metadata: Any,
-    ) -> Any:
+        self, method: str, request: Message | bytes, response_type: type[M] | None,
+        timeout: float | None, metadata: tuple[tuple[str, bytes], ...],
+    ) -> M | bytes:
         callable_ = self._unary.get(method)
         if callable_ is None:
             callable_ = self._unary[method] = self.channel.unary_unary(method)
@@ -413,7 +424,7 @@ class PeerChannel:
             stats.finish(started, ok)  # metrics
         return self._decode(data, response_type)
 
-    def _decode(self, data: bytes, response_type: type[Message] | None) -> Any:
+    def _decode(self, data: bytes, response_type: type[M] | None) -> M | bytes:
         if response_type is None:
             return data
         try:
@@ -423,7 +434,7 @@ class PeerChannel:
                                  peer_id=self.peer_id) from None
 
     async def stream(
-        self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None,
+        self, method: str, requests: AsyncIterator[Frames] | Iterable[Frames], timeout: float | None = None,
         *, bulk: bool = False, sink: bulk_channel.Sink | None = None,
     ) -> AsyncGenerator[bytes | memoryview, None]:
         """Bidirectional stream of raw-bytes messages; yields responses; errors become `RPCError`.
@@ -553,7 +564,7 @@ class PeerChannel:
         return lambda timeout: relay.open_circuit(addr, port, timeout, member=member)
 
     async def stream_unary(
-        self, method: str, requests: AsyncIterator[bytes] | Iterable[bytes], timeout: float | None = None
+        self, method: str, requests: AsyncIterator[Frames] | Iterable[Frames], timeout: float | None = None
     ) -> bytes:
         """Client-streaming call: many requests, one raw-bytes response."""
         await self.verify()
@@ -675,14 +686,14 @@ class ChannelPool:
 
 
 def _counted(
-    requests: AsyncIterator[bytes] | Iterable[bytes], stats: MethodMetrics
+    requests: AsyncIterator[Frames] | Iterable[Frames], stats: MethodMetrics
 ) -> AsyncIterator[bytes] | Iterable[bytes]:
     """Counts sent bytes of a request stream (metrics): one addition per message."""
     sent = stats.sent
     # gRPC sends bytes: a message given as a tuple of buffers (`Codec.encode_views`) is joined here
-    if hasattr(requests, "__aiter__"):
+    if isinstance(requests, AsyncIterable):
         async def count_async() -> AsyncIterator[bytes]:
-            async for request in requests:  # type: ignore[union-attr]
+            async for request in requests:
                 if not isinstance(request, bytes):
                     request = b"".join(request) if isinstance(request, tuple | list) else bytes(request)
                 sent.value += len(request)
@@ -691,7 +702,7 @@ def _counted(
         return count_async()
 
     def count_sync() -> Iterable[bytes]:
-        for request in requests:  # type: ignore[union-attr]
+        for request in requests:
             if not isinstance(request, bytes):
                 request = b"".join(request) if isinstance(request, tuple | list) else bytes(request)
             sent.value += len(request)

@@ -17,9 +17,45 @@ import collections
 import logging
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
+
+Frame = bytes | bytearray | memoryview
+Frames = Frame | tuple[Frame, ...] | list[Frame]
+"""One message as a writer hands it in: a buffer, or buffers sent back to back (not copied)."""
+
+
+class FrameTransport(Protocol):
+    """What a `FrameConnection` writes through and pauses: the socket's asyncio (or uvloop)
+    transport, or a `RecordLayer`."""
+
+    def write(self, data: Any) -> None: ...  # a buffer: bytes, memoryview, a numpy array
+    def is_closing(self) -> bool: ...
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+    def close(self) -> None: ...
+    def abort(self) -> None: ...
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None: ...
+    def get_extra_info(self, name: str, default: Any = None) -> Any: ...  # asyncio's signature
+
+
+class RecordLayer(FrameTransport, Protocol):
+    """A transport that seals what it carries (`swarm.net.sealed.SealedProtocol`): received records
+    are opened on a worker, into the connection's buffers."""
+
+    def trim(self) -> None:
+        """Frees the spare record buffers (between streams)."""
+        ...
+
+    def settle(self) -> None:
+        """Returns once no record is being opened into the connection's buffers."""
+        ...
+
+    @property
+    def pending(self) -> bool:
+        """Whether bytes were received that the connection has not been handed yet."""
+        ...
 
 DATA, END, ERROR = 0, 1, 2
 _HEADER = struct.Struct("<BI")
@@ -91,7 +127,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._after_end = False  # the next frame follows a received END
         """With `first_frame_limit`: how large the frame right after a received END may be (the
         listener raises it for a reopen frame once the connection carried its caller's stream)."""
-        self.transport: Any = None
+        self.transport: FrameTransport | None = None
+        self.records: RecordLayer | None = None  # the sealed record layer this connection runs over, if any
         self._header = bytearray(_HEADER.size)
         self._header_view = memoryview(self._header)
         self._got = 0
@@ -117,6 +154,15 @@ class FrameConnection(asyncio.BufferedProtocol):
     # -- asyncio callbacks -------------------------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:  # uvloop's transports are not asyncio.Transport
+        self._attach(transport)
+
+    def sealed_by(self, records: RecordLayer) -> None:
+        """In place of `connection_made` on a sealed connection: `records` is the transport, ready
+        once its keys are agreed."""
+        self.records = records
+        self._attach(records)
+
+    def _attach(self, transport: FrameTransport) -> None:
         self.transport = transport
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         if not self.connected.done():
@@ -210,24 +256,22 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def trim(self) -> None:
         """Between streams: lets the transport (sealed records) free its spare buffers."""
-        trim = getattr(self.transport, "trim", None)
-        if trim is not None:
-            trim()
+        if self.records is not None:
+            self.records.trim()
 
     @property
     def idle(self) -> bool:
         """Open, with nothing received and not yet read: where the next stream may start."""
         return (self._closed is None and not self._frames and self._targets is None and self._got == 0
                 and self.transport is not None and not self.transport.is_closing()
-                and not getattr(self.transport, "pending", False))  # sealed records not yet handed on
+                and not (self.records is not None and self.records.pending))  # sealed records not yet handed on
 
     def detach_sink(self) -> None:
         """No frame is received into the sink's buffers from now on (the rest of a frame it was
         receiving is discarded, and that frame's `Sunk` says `dropped`)."""
         self.sink = None
-        settle = getattr(self.transport, "settle", None)
-        if settle is not None:
-            settle()  # a sealed record being opened into the sink's buffers on a worker lands first
+        if self.records is not None:
+            self.records.settle()  # a sealed record being opened into the sink's buffers on a worker lands first
         if self._sunk is not None and self._targets is not None:
             rest = len(self._targets[self._target]) - self._got + sum(
                 len(v) for v in self._targets[self._target + 1:])

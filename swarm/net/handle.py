@@ -10,7 +10,7 @@ See docs/architecture.md, "Threads and loops".
 from __future__ import annotations
 
 from collections.abc import Coroutine, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from swarm.core.identity import Identity
 from swarm.core.loop import LoopThread
@@ -50,7 +50,7 @@ class NetworkHandle(Protocol):
     @property
     def services(self) -> Services: ...
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[object, None, T], timeout: float | None = None) -> T:
         """Runs `coro` on the peer's loop and waits for it (from any other thread)."""
         ...
 

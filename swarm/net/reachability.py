@@ -15,7 +15,7 @@ import logging
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from swarm.core.errors import MultiaddrError, RPCError
 from swarm.core.multiaddr import Multiaddr
@@ -25,6 +25,9 @@ from swarm.net.tls import probe as tls_probe
 from swarm.net.tls import prove as tls_prove
 from swarm.proto import relay_pb2
 
+if TYPE_CHECKING:
+    import grpc
+
 logger = logging.getLogger(__name__)
 
 DIAL_BACK = "/swarm.Relay/DialBack"
@@ -32,8 +35,10 @@ MAX_DIALED = 4
 PUBLIC, PRIVATE, UNKNOWN = "public", "private", "unknown"
 
 
-def observed_ip(grpc_context: Any) -> str | None:
+def observed_ip(grpc_context: grpc.aio.ServicerContext | None) -> str | None:
     """The caller's IP as the transport saw it ("ipv4:1.2.3.4:5", "ipv6:[::1]:5")."""
+    if grpc_context is None:  # a call over the bulk side channel
+        return None
     try:
         peer = grpc_context.peer()
     except Exception:  # noqa: BLE001 - no transport to ask (a bulk call)

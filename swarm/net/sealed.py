@@ -42,12 +42,15 @@ import os
 import ssl
 import struct
 import threading
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from swarm.net.frames import FrameConnection
 
 RECORD_BYTES = 1 << 20      # most plaintext bytes in one record
 RANDOM_BYTES = 32           # each side's key material, sent inside TLS
@@ -56,6 +59,7 @@ _LENGTH = struct.Struct("<I")
 _HANDSHAKE_READ = 1 << 14
 _HANDSHAKE_LIMIT = 1 << 16  # bytes a peer may send before the keys are agreed
 _KDF_INFO = b"swarm bulk sealed records v1"
+T = TypeVar("T")
 _MAX_RECORDS = 1 << 64      # nonces of one direction (never reached: 2^64 MiB)
 _POOL = 8                   # record buffers kept for reuse per connection
 
@@ -82,7 +86,7 @@ _FREE_BUFFERS = 16          # record buffers the process keeps for its connectio
 _BUFFER_BYTES = RECORD_BYTES + 4 + _TAG
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
-_free: list[Any] = []
+_free: list[memoryview] = []
 _free_lock = threading.Lock()
 
 
@@ -124,12 +128,12 @@ def stop_workers() -> None:
         executor.shutdown(wait=True)  # jobs are pure cipher work: they end without the loop
 
 
-def _submit(fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+def _submit(fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
     """`fn(*args)` on a worker; right here once the workers are gone (the interpreter is exiting)."""
     try:
         return _workers().submit(fn, *args)
     except RuntimeError:
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
         try:
             done.set_result(fn(*args))
         except Exception as e:  # noqa: BLE001 - to whoever waits on it, as from a worker
@@ -137,7 +141,7 @@ def _submit(fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
         return done
 
 
-def _record_buffer() -> Any:
+def _record_buffer() -> memoryview:
     """A buffer for one record, sent or received: a free one, or a new one that is not zero-filled
     first (every byte of a record is written before it is read)."""
     with _free_lock:
@@ -146,11 +150,11 @@ def _record_buffer() -> Any:
     try:
         import numpy  # imported on the first record buffer: a peer that never needs one does not pay it
     except ImportError:  # an infrastructure install (numpy comes with the torch extra): zero-filled
-        return bytearray(_BUFFER_BYTES)
-    return numpy.empty(_BUFFER_BYTES, dtype=numpy.uint8)
+        return memoryview(bytearray(_BUFFER_BYTES))
+    return numpy.empty(_BUFFER_BYTES, dtype=numpy.uint8).data
 
 
-def _recycle(buffers: list[Any]) -> None:
+def _recycle(buffers: list[memoryview]) -> None:
     """Keeps buffers that nothing refers to any more for later records (up to `_FREE_BUFFERS`)."""
     with _free_lock:
         _free.extend(buffers[:max(0, _FREE_BUFFERS - len(_free))])
@@ -171,14 +175,15 @@ class Sealer:
         n, self._next = self._next, self._next + 1
         return n
 
-    def seal(self, plaintext: Any, out: memoryview | bytearray | None = None) -> Any:
+    def seal(self, plaintext: bytes | memoryview, out: memoryview | bytearray | None = None) -> bytes | memoryview:
         """The record (length prefix, ciphertext, tag) of `plaintext`, written into `out` when it is
         given (at least `len(plaintext) + 20` bytes; the record is its prefix) or returned as bytes."""
         if len(plaintext) > RECORD_BYTES:
             raise ValueError("record too large")
         return self.seal_at(self.take(), plaintext, out)
 
-    def seal_at(self, n: int, plaintext: Any, out: memoryview | bytearray | None = None) -> Any:
+    def seal_at(self, n: int, plaintext: bytes | memoryview, out: memoryview | bytearray | None = None,
+                ) -> bytes | memoryview:
         """`seal` with the nonce `n` from `take` (runs on any thread: the cipher releases the GIL)."""
         size = len(plaintext)
         if size > RECORD_BYTES:
@@ -205,12 +210,12 @@ class Opener:
         n, self._next = self._next, self._next + 1
         return n
 
-    def open_into(self, header: bytes, record: memoryview, out: memoryview) -> None:
+    def open_into(self, header: bytes, record: bytes | memoryview, out: memoryview) -> None:
         """Authenticates the ciphertext+tag `record` received after `header` and writes its
         plaintext into `out` (`len(record) - 16` bytes); raises `SealedError` on a bad tag."""
         self.open_at(self.take(), header, record, out)
 
-    def open_at(self, n: int, header: bytes, record: Any, out: memoryview) -> None:
+    def open_at(self, n: int, header: bytes, record: bytes | memoryview, out: memoryview) -> None:
         """`open_into` with the nonce `n` from `take` (runs on any thread)."""
         try:
             self._aead.decrypt_into(_nonce(n), record, header, out)
@@ -243,9 +248,9 @@ class SealedProtocol(asyncio.BufferedProtocol):
     protocol after the records received before it.
     """
 
-    def __init__(self, inner: asyncio.BufferedProtocol, context: ssl.SSLContext, server_side: bool,
+    def __init__(self, inner: FrameConnection, context: ssl.SSLContext, server_side: bool,
                  server_hostname: str | bytes | None = None, certificate: bytes = b"", off_loop: bool | None = None) -> None:
-        self.inner: Any = inner  # a FrameConnection; this object is its (duck-typed) transport
+        self.inner = inner  # this object is its transport (a `swarm.net.frames.RecordLayer`)
         self._certificate = certificate
         self.server_side = server_side
         self.off_loop = OFF_LOOP if off_loop is None else off_loop
@@ -259,7 +264,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._handshake_bytes = 0
         self._handshaken = False
         self._key_material = b"" if server_side else os.urandom(RANDOM_BYTES)
-        self._transport: Any = None
+        self._transport: Any = None  # the TCP transport: asyncio's or uvloop's (no asyncio.Transport subclass)
         self._sealer: Sealer | None = None
         self._opener: Opener | None = None
         self._closing = False   # no more writes (the inner protocol closed or aborted, or a record failed)
@@ -271,36 +276,37 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._close_sealed = False  # close the TCP connection once the records being sealed are sent
         # receiving: the length prefix, then the record
         self._header = bytearray(4)
-        self._record: Any = bytearray()  # allocated once the keys are agreed (a stranger costs no MiB)
+        self._record: memoryview | None = memoryview(bytearray())  # allocated once the keys are agreed (a stranger costs no MiB)
         self._record_view = memoryview(self._record)
         self._plain_buffer: memoryview | None = None  # for records bound for a consumer's buffer
         self._want = 0  # the record's length once its prefix is in; 0 while reading the prefix
         self._got = 0
         # off the loop: records received and waiting (prefix, ciphertext, the buffer to reuse)
-        self._opening: collections.deque[tuple[bytes, Any, Any]] = collections.deque()
+        self._opening: collections.deque[tuple[bytes, bytes | memoryview, memoryview | None]] = collections.deque()
         self._open_job: concurrent.futures.Future[None] | None = None
         self._open_target: tuple[bool, memoryview, int] = (True, memoryview(b""), 0)
-        self._spare: list[Any] = []
+        self._spare: list[memoryview] = []
         self._record_buffers = 0
         self._reading_full = False    # every record buffer waits to be opened
         self._inner_read_paused = False
         self._read_paused = False
         # sending: record buffers, reused once the socket took every byte of theirs
-        self._pool: list[tuple[Any, int]] = []
+        self._pool: list[tuple[memoryview, int]] = []
         self._written = 0
         # off the loop: records in nonce order (the sealing job or the record, its buffer)
-        self._sealing: collections.deque[tuple[concurrent.futures.Future[Any] | None, Any, Any]] = (
+        self._sealing: collections.deque[
+            tuple[concurrent.futures.Future[bytes | memoryview] | None, bytes | memoryview | None, memoryview | None]] = (
             collections.deque())
         self._unsealed = 0
         self._transport_write_paused = False
         self._inner_write_paused = False
         self._sealing_full = False  # more than _SEAL_AHEAD bytes unsealed, until half of them are sent
         self._woken = False  # a call of `_finished` is on its way to the loop
-        self._extra: dict[str, Any] = {}
+        self._extra: dict[str, object] = {}
 
     # -- the TCP side ------------------------------------------------------------------------
 
-    def connection_made(self, transport: Any) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
         self._extra = {"peername": transport.get_extra_info("peername"),
                        "sockname": transport.get_extra_info("sockname"),
@@ -383,7 +389,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
             self._plain_buffer = memoryview(bytearray(RECORD_BYTES))
         return False, self._plain_buffer[:size]
 
-    def _deliver(self, header: bytes, record: Any) -> None:
+    def _deliver(self, header: bytes, record: bytes | memoryview) -> None:
         assert self._opener is not None
         size = len(record) - _TAG
         direct, out = self._target(size)
@@ -428,7 +434,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
         if not self._opening and self._open_job is None:
             self._drained()
 
-    def _wake(self, _: concurrent.futures.Future[Any]) -> None:  # on a worker's thread
+    def _wake(self, _: object) -> None:  # on a worker's thread, given the finished job's future
         """Has the loop take the finished records (once for the records that finish meanwhile: a
         job's future is done before this runs, so the loop sees it even when it skips the call)."""
         if self._woken:
@@ -590,7 +596,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._handshake_buffer = bytearray()
         self._new_record_buffer()
         self.ready.set_result(None)
-        self.inner.connection_made(self)
+        self.inner.sealed_by(self)
         view = memoryview(leftover)
         while view and not self.is_closing():
             target = self.get_buffer(len(view))
@@ -631,7 +637,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
             job.add_done_callback(self._wake)
         self._update_writing()
 
-    def _send(self, record: Any, buffer: Any) -> None:
+    def _send(self, record: bytes | memoryview, buffer: memoryview | None) -> None:
         self._transport.write(record)
         self._written += len(record)
         if buffer is not None:
@@ -653,13 +659,14 @@ class SealedProtocol(asyncio.BufferedProtocol):
                 record = job.result()
                 self._unsealed -= len(record) - 4 - _TAG
             self._sealing.popleft()
+            assert record is not None  # queued with its record, or its job (done) gave one
             self._send(record, buffer)
         if self._close_sealed and not self._sealing:
             self._close_sealed = False
             self._transport.close()
         self._update_writing()
 
-    def _buffer(self) -> Any:
+    def _buffer(self) -> memoryview:
         """A record buffer none of whose bytes are still waiting to be sent."""
         sent = self._written - self._transport.get_write_buffer_size()
         if self._pool and self._pool[0][1] <= sent:
@@ -679,7 +686,7 @@ class SealedProtocol(asyncio.BufferedProtocol):
         self._record_buffers -= len(self._spare)
         self._spare.clear()
 
-    def writelines(self, parts: Any) -> None:
+    def writelines(self, parts: Iterable[Any]) -> None:
         for part in parts:
             self.write(part)
 

@@ -29,9 +29,9 @@ import functools
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -41,9 +41,10 @@ from swarm.core.identity import Identity
 from swarm.core.multiaddr import Multiaddr
 from swarm.metrics.rpc import MethodMetrics, RPCMetrics  # metrics
 from swarm.net.auth import TicketVerifier
-from swarm.net.bulk import OPEN_BULK, BulkListener
+from swarm.net.bulk import OPEN_BULK, BulkListener, Sink
 from swarm.net.calls import ACCEPTED, CALLS, Admission, serve_calls
 from swarm.net.errors import to_status
+from swarm.net.frames import FrameConnection, Frames
 from swarm.net.limits import CallLimit, CallLimiter
 from swarm.net.membership import MEMBERSHIP, MembershipGate, address_of
 from swarm.net.membership import METADATA_KEY as MEMBERSHIP_KEY
@@ -165,10 +166,10 @@ class CallContext:
     peer_id: str
     grpc_context: grpc.aio.ServicerContext | None
     deadline: float | None = None
-    connection: Any = None  # the bulk side channel's connection, if the call came over it
+    connection: FrameConnection | None = None  # the bulk side channel's connection, if the call came over it
     source: str = ""  # the network the call came from (`source_of`); "" when exempt or unknown
 
-    def receive_into(self, sink: Any) -> bool:
+    def receive_into(self, sink: Sink) -> bool:
         """Lets a `swarm.net.bulk.Sink` place the payloads of the later request messages (the first
         message after this call is index 0 only if none arrived yet: the sink sees each message's
         index in the stream). False, changing nothing, for a call over gRPC."""
@@ -185,11 +186,13 @@ class CallContext:
         return None
 
 
-UnaryHandler = Callable[[Any, CallContext], Awaitable[Any]]
-StreamHandler = Callable[[AsyncIterator[bytes], CallContext], AsyncIterator[Any]]
+Response: TypeAlias = Message | Frames
+"""What a handler may answer with: a message, its encoding, or buffers sent back to back."""
+UnaryHandler = Callable[[Any, CallContext], Awaitable[object]]  # Any: each handler takes its own request type
+StreamHandler = Callable[[AsyncIterator[bytes], CallContext], AsyncIterator[Response]]
 
 
-def _serialize(response: Any) -> bytes:
+def _serialize(response: Response) -> bytes:
     """The bytes gRPC sends for a response: itself, a message's encoding, or joined buffers."""
     if isinstance(response, bytes):
         return response
@@ -200,14 +203,14 @@ def _serialize(response: Any) -> bytes:
     return response.SerializeToString()
 
 
-def as_frame(response: Any) -> Any:
+def as_frame(response: Response) -> Frames:
     """What the bulk side channel sends for a response: buffers as they are, a message's encoding."""
     if isinstance(response, bytes | bytearray | memoryview | tuple | list):
         return response
     return response.SerializeToString()
 
 
-def frame_length(message: Any) -> int:
+def frame_length(message: Frames) -> int:
     """Bytes in a message that may be a tuple of buffers."""
     return sum(len(part) for part in message) if isinstance(message, tuple | list) else len(message)
 
@@ -257,7 +260,7 @@ class RPCServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics = RPCMetrics("server")  # metrics
-        self.bulk = BulkListener({}, self._bulk_context, self.config.max_message_bytes)
+        self.bulk: BulkListener[CallContext] = BulkListener({}, self._bulk_context, self.config.max_message_bytes)
         self.limiter = CallLimiter(self.config.max_inflight_per_source, self.config.max_inflight_per_caller)
         """Admits every call (`swarm.net.limits`): what one source network or caller runs at once."""
         self._unary: dict[str, tuple[UnaryHandler, type[Message] | None, bool, MethodMetrics, CallLimit | None]] = {}
@@ -271,9 +274,9 @@ class RPCServer:
 
     # -- registration -------------------------------------------------------------------------
 
-    def _bulk_context(self, caller: str, deadline: float, conn: Any) -> CallContext:
+    def _bulk_context(self, caller: str, deadline: float, conn: FrameConnection) -> CallContext:
         """The context of a stream over the bulk side channel, its source read from the socket."""
-        transport = getattr(conn, "transport", None)
+        transport = conn.transport
         peername = transport.get_extra_info("peername") if transport is not None else None
         source = source_of_host(str(peername[0]), self.config) if isinstance(peername, tuple) and peername else ""
         return CallContext(caller, None, deadline, conn, source=source)
@@ -291,8 +294,8 @@ class RPCServer:
         return caller
 
     async def _respond(
-        self, path: str, stats: Any, context: grpc.aio.ServicerContext, authenticated: bool,
-        invoke: Callable[[CallContext], Awaitable[Any]], limit: CallLimit | None,
+        self, path: str, stats: MethodMetrics, context: grpc.aio.ServicerContext, authenticated: bool,
+        invoke: Callable[[CallContext], Awaitable[object]], limit: CallLimit | None,
     ) -> bytes:
         """One response for one call: authenticate, admit, run the handler, map failures to statuses."""
         try:
@@ -323,7 +326,7 @@ class RPCServer:
         self._dispatcher.handlers[path] = grpc.unary_unary_rpc_method_handler(behavior)
         self._unary[path] = (handler, request_type, authenticated, stats, limit)
 
-    async def _serve_calls(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
+    async def _serve_calls(self, _requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """One caller's Calls stream (`swarm.net.calls`): its small unary calls, multiplexed."""
         try:
             caller = self._caller(context, True)
@@ -348,12 +351,13 @@ class RPCServer:
             unary, limiter, gate = self._unary, self.limiter, self.gate
             metadata, address = context.invocation_metadata(), address_of(context.peer() or "")
 
-            def context_for(path: str, stream: Any, deadline: float | None, authenticated: bool) -> CallContext:
+            def context_for(path: str, stream: grpc.aio.ServicerContext, deadline: float | None,
+                            authenticated: bool) -> CallContext:
                 if gate is not None:  # each call: a member may have expired or been revoked since the stream opened
                     gate.admit(caller, metadata, address, path)
                 return CallContext(caller if authenticated else "", stream, deadline, source=origin)
 
-            async def invoke(path: str, payload: bytes, stream: Any, deadline: float | None) -> bytes:
+            async def invoke(path: str, payload: bytes, stream: grpc.aio.ServicerContext, deadline: float | None) -> bytes:
                 handler, request_type, authenticated, stats, method_limit = unary[path]
                 stats.received.value += len(payload)  # metrics
                 return await _handle(stats, lambda: context_for(path, stream, deadline, authenticated),
@@ -382,7 +386,7 @@ class RPCServer:
         stats = self.metrics.method(path)  # metrics
         limiter = self.limiter
         if bulk:
-            async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncIterator[bytes]:
+            async def bulk_behavior(requests: AsyncIterator[bytes], ctx: CallContext) -> AsyncGenerator[Frames, None]:
                 if self.gate is not None:  # its token came from a checked OpenBulk; a kept connection's
                     self.gate.still_member(ctx.peer_id, path)  # reopen frame did not: it may be revoked since
                 limiter.admit(limit, ctx.peer_id, ctx.source)
@@ -424,7 +428,7 @@ class RPCServer:
         factory = grpc.stream_stream_rpc_method_handler if request_streaming else grpc.unary_stream_rpc_method_handler
         self._dispatcher.handlers[path] = factory(behavior)
 
-    def add_stream_unary(self, path: str, handler: Callable[[AsyncIterator[bytes], CallContext], Awaitable[Any]], *,
+    def add_stream_unary(self, path: str, handler: Callable[[AsyncIterator[bytes], CallContext], Awaitable[object]], *,
                          limit: CallLimit | None = None) -> None:
         """Registers `handler(request_iterator, ctx) -> response` for client-streaming calls."""
 
@@ -505,7 +509,7 @@ class RPCServer:
 
 
 async def _handle(
-    stats: MethodMetrics, make_context: Callable[[], CallContext], run: Callable[[CallContext], Awaitable[Any]],
+    stats: MethodMetrics, make_context: Callable[[], CallContext], run: Callable[[CallContext], Awaitable[object]],
     limiter: CallLimiter, limit: CallLimit | None,
 ) -> bytes:
     """What every call answered with one response shares, over gRPC or a Calls stream: its
@@ -525,7 +529,7 @@ async def _handle(
         stats.finish(started, ok)  # metrics
 
 
-async def _single(request: Any, stats: MethodMetrics) -> AsyncIterator[Any]:
+async def _single(request: bytes, stats: MethodMetrics) -> AsyncIterator[bytes]:
     stats.received.value += len(request)  # metrics
     yield request
 

@@ -45,7 +45,7 @@ def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
 
 
 def tensors_to_messages(
-    tensors: Sequence[torch.Tensor], metadata: Any = None, chunk_bytes: int = CHUNK_BYTES
+    tensors: Sequence[torch.Tensor], metadata: object = None, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[bytes]:
     """Yields the header, then the tensors' bytes back to back in chunks of `chunk_bytes`."""
     tune_malloc()

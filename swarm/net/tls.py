@@ -345,7 +345,7 @@ async def _handshake(host: str, port: int, context: ssl.SSLContext) -> ssl.SSLSo
         raise
 
 
-async def _ready(add: Callable[..., Any], remove: Callable[[int], Any], fd: int) -> None:
+async def _ready(add: Callable[..., object], remove: Callable[[int], object], fd: int) -> None:
     """Waits until `fd` is readable (`loop.add_reader`) or writable (`loop.add_writer`)."""
     ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from swarm.compression import CompressionType, get_codec
 from swarm.dht.handle import PeerHandle
 from swarm.optim.config import CollaborationConfig
+
+if TYPE_CHECKING:
+    from swarm.averaging import Averager
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class AveragerLike(Protocol):
         seconds, so a leader waits for it; False when the strategy has no such notion."""
         ...
 
+    def round_trip(self) -> float | None:
+        """The smoothed round-trip time this peer measured to the others (None: nothing measured,
+        or the strategy measures none)."""
+        ...
+
 
 class SwarmAverager:
     """`AveragerLike` over `swarm.Averager`.
@@ -74,7 +82,7 @@ class SwarmAverager:
         wire_bytes_per_element: bytes one element takes on the wire with the chosen compression.
     """
 
-    def __init__(self, averager: Any, wire_bytes_per_element: float) -> None:
+    def __init__(self, averager: Averager, wire_bytes_per_element: float) -> None:
         self.averager = averager
         self.numel = sum(t.numel() for t in averager.tensors)
         self.wire_bytes_per_element = wire_bytes_per_element

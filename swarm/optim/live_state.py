@@ -9,6 +9,7 @@ refused and the next provider asked.
 
 from __future__ import annotations
 
+from swarm.dht.expiring import subkey_entries
 from swarm.dht.handle import PeerHandle
 from swarm.dht.validation import marker_owner
 from swarm.optim.progress import PeerProgress, majority_digest
@@ -22,14 +23,12 @@ async def aread_progress(peer: PeerHandle, run_id: str) -> list[PeerProgress]:
     if peer.dht is None:
         raise StateTransferError("this peer has no DHT to find the run in")
     found = await peer.dht.aget(progress_key(run_id), latest=True)
-    value = found.value if found is not None else None
     reports = []
-    if isinstance(value, dict):
-        for subkey, item in value.items():
-            owner = marker_owner(subkey)
-            report = PeerProgress.from_record(owner, getattr(item, "value", None)) if owner is not None else None
-            if report is not None:
-                reports.append(report)
+    for subkey, item in subkey_entries(found).items():
+        owner = marker_owner(subkey)
+        report = PeerProgress.from_record(owner, item.value) if owner is not None else None
+        if report is not None:
+            reports.append(report)
     return reports
 
 

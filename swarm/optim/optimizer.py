@@ -613,12 +613,10 @@ class Optimizer:
         """
         epoch = self.epoch + (1 if self._in_flight is not None else 0)  # the next round this peer starts
         averager = self.averagers[self.mode.fragment_of(epoch)]
-        aannounce = getattr(averager, "aannounce", None)
         eta = self.mode.eta(progress, self._meter.rate)
-        if aannounce is None or self._announced_epoch == epoch or not math.isfinite(eta):
+        if self._announced_epoch == epoch or not math.isfinite(eta):
             return
-        rtt_of = getattr(averager, "round_trip", None)
-        rtt = rtt_of() if rtt_of is not None else None
+        rtt = averager.round_trip()
         horizon = self.config.averaging_timeout / 2
         if not self.mode.paced_alone:
             horizon = min(horizon, max(2 * self.config.report_period, 50 * (rtt or 0.0)))
@@ -629,7 +627,7 @@ class Optimizer:
         self._announced_epoch = epoch
         logger.debug("[%s] epoch %d: announcing this peer for the round in %.2f s (horizon %.2f s, rtt %s)",
                      self.run_id, epoch, eta, horizon, f"{rtt:.4f}" if rtt is not None else "unknown")
-        future = self.peer.loop.submit(aannounce(eta, str(epoch)))
+        future = self.peer.loop.submit(averager.aannounce(eta, str(epoch)))
         future.add_done_callback(_log_announce_failure)
 
     def _finish_round(self, outcome: RoundOutcome, summary: str) -> RoundOutcome:
@@ -821,6 +819,6 @@ class Optimizer:
 __all__ = ["Optimizer"]
 
 
-def _log_announce_failure(future: Any) -> None:
+def _log_announce_failure(future: concurrent.futures.Future[bool]) -> None:
     if not future.cancelled() and future.exception() is not None:
         logger.debug("announcing the next round failed: %s", future.exception())

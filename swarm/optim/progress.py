@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from swarm.optim.outcome import RoundOutcome
 
@@ -48,11 +47,11 @@ class RoundSummary:
     def of(cls, outcome: RoundOutcome) -> RoundSummary:
         return cls(outcome.epoch, outcome.ok, outcome.group_size, outcome.contributors, float(outcome.seconds))
 
-    def to_record(self) -> list[Any]:
+    def to_record(self) -> list[int | bool | float]:
         return [self.epoch, self.ok, self.group_size, self.contributors, self.seconds]
 
     @classmethod
-    def from_record(cls, record: Any) -> RoundSummary | None:
+    def from_record(cls, record: object) -> RoundSummary | None:
         """None for anything but ``[epoch, ok, group_size, contributors, seconds]`` with sane values."""
         if not isinstance(record, (list, tuple)) or len(record) != 5:
             return None
@@ -99,9 +98,9 @@ class PeerProgress:
     target_batch_size: int | None = None
     last_round: RoundSummary | None = None
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> dict[str, object]:
         """The msgpack-able value stored in the DHT (the subkey names the PeerID)."""
-        record: dict[str, Any] = {
+        record: dict[str, object] = {
             "epoch": self.epoch, "samples": self.samples, "sps": float(self.samples_per_second),
             "time": float(self.time), "client": self.client_mode, "addr": self.addr, "digest": self.digest,
         }
@@ -114,7 +113,7 @@ class PeerProgress:
         return record
 
     @classmethod
-    def from_record(cls, peer_id: str, record: Any) -> PeerProgress | None:
+    def from_record(cls, peer_id: str, record: object) -> PeerProgress | None:
         """Parses a stored record; returns None for anything malformed (a foreign or hostile value)."""
         if not isinstance(peer_id, str) or not isinstance(record, Mapping):
             return None

@@ -30,6 +30,7 @@ from swarm.core.errors import DHTError, SwarmError
 from swarm.core.loop import spawn
 from swarm.core.status import PeerStatus
 from swarm.core.timeutil import get_dht_time
+from swarm.dht.expiring import ValueWithExpiration, subkey_entries
 from swarm.dht.handle import PeerHandle
 from swarm.dht.validation import marker_owner, owner_marker
 from swarm.optim.config import CollaborationConfig
@@ -288,25 +289,23 @@ class ProgressTracker:
         self._next_network_fetch = self.clock() + cfg.max_refresh_period
         self._absorb(found)
 
-    def _absorb(self, found: object) -> None:
+    def _absorb(self, found: ValueWithExpiration | None) -> None:
         """Takes in a read of the progress key (`aget`'s or `local_copy`'s value) and schedules the
         next read."""
         cfg = self.config
         reports: dict[str, PeerProgress] = {}
         left: set[str] = set()
-        value = getattr(found, "value", None)
-        if isinstance(value, dict):
-            for subkey, item in value.items():
-                peer_id = marker_owner(subkey)  # signed by that peer; other subkeys anyone may write
-                record = getattr(item, "value", None)
-                if peer_id is None:
-                    continue
-                if isinstance(record, dict) and record.get("left"):
-                    left.add(peer_id)
-                    continue
-                report = PeerProgress.from_record(peer_id, record)
-                if report is not None:
-                    reports[report.peer_id] = report
+        for subkey, item in subkey_entries(found).items():
+            peer_id = marker_owner(subkey)  # signed by that peer; other subkeys anyone may write
+            if peer_id is None:
+                continue
+            record = item.value
+            if isinstance(record, dict) and record.get("left"):
+                left.add(peer_id)
+                continue
+            report = PeerProgress.from_record(peer_id, record)
+            if report is not None:
+                reports[report.peer_id] = report
         now = self.clock()
         with self._lock:
             # a lookup that missed a record (a replica slow to answer) does not make its peer leave:

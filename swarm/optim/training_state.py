@@ -15,11 +15,14 @@ from typing import Any
 
 import torch
 
+# what a state dict becomes once its tensors are taken out: plain msgpack-able values
+Skeleton = dict[str, "Skeleton"] | list["Skeleton"] | bool | int | float | str | bytes | None
+
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
 
 
-def split_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def split_tensors(obj: object, tensors: list[torch.Tensor]) -> Skeleton:
     """Returns `obj` with every tensor replaced by `{"__tensor__": index}` (appended to `tensors`)."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
@@ -35,7 +38,7 @@ def split_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
     raise TypeError(f"cannot transfer a {type(obj).__name__} in a state dict")
 
 
-def join_tensors(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
+def join_tensors(skeleton: object, tensors: Sequence[torch.Tensor]) -> object:
     """Inverse of `split_tensors`."""
     if isinstance(skeleton, dict):
         if set(skeleton) == {_TENSOR}:
@@ -83,14 +86,14 @@ class TrainingState:
     optimizer: dict[str, Any]
     scheduler: dict[str, Any] | None
 
-    def to_wire(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    def to_wire(self) -> tuple[list[torch.Tensor], dict[str, Skeleton]]:
         """Flattens into (tensors, metadata); parameters come first."""
         tensors = list(self.params)
         skeleton = split_tensors({"optimizer": self.optimizer, "scheduler": self.scheduler}, tensors)
         return tensors, {"epoch": self.epoch, "num_params": len(self.params), "skeleton": skeleton}
 
     @classmethod
-    def from_wire(cls, tensors: Sequence[torch.Tensor], metadata: Any) -> TrainingState:
+    def from_wire(cls, tensors: Sequence[torch.Tensor], metadata: object) -> TrainingState:
         """Rebuilds a snapshot; raises ValueError or TypeError on a malformed description."""
         metadata = metadata if isinstance(metadata, dict) else {}
         epoch, num_params, skeleton = metadata.get("epoch"), metadata.get("num_params"), metadata.get("skeleton")
@@ -98,7 +101,7 @@ class TrainingState:
             raise ValueError("state metadata lacks a valid epoch or parameter count")
         joined = join_tensors(skeleton, tensors)
         optimizer = joined.get("optimizer") if isinstance(joined, dict) else None
-        if not isinstance(optimizer, dict):
+        if not isinstance(joined, dict) or not isinstance(optimizer, dict):
             raise TypeError("state metadata lacks the optimizer state")
         return cls(epoch, list(tensors[:num_params]), optimizer, joined.get("scheduler"))
 
