@@ -36,12 +36,18 @@ import torch
 import swarm.moe.rows as row_ops
 from swarm.core.errors import ConfigError, MoEError, RPCError
 from swarm.dht.handle import PeerHandle
-from swarm.moe.client.answer_checks import AnswerChecks, AnswerGuard, MisbehavingExpert
+from swarm.moe.client.answer_checks import (
+    AnswerChecks,
+    AnswerGuard,
+    MisbehavingExpert,
+    count_event,
+    input_scale,
+)
 from swarm.moe.client.beam_search import ExpertChoice
 from swarm.moe.client.expert import as_payload
 from swarm.moe.client.jobs import ExpertJob, ServerShare, plan_jobs, plan_shares
 from swarm.moe.group_calls import GroupMember, call_backward_group, call_forward_group
-from swarm.moe.magnitudes import row_norms, typical_norm
+from swarm.moe.magnitudes import row_norms
 
 __all__ = ["DispatchPolicy", "MixtureCall"]
 
@@ -224,7 +230,7 @@ class MixtureCaller:
         self.on_failure(job, error)
 
     def _rejected(self, direction: str, reason: str, job: ExpertJob, what: str) -> MisbehavingExpert:
-        _count("rejected", direction, reason)
+        count_event("rejected", direction, reason)
         self.misbehaviours += 1
         return MisbehavingExpert(f"expert {job.uid} at {job.addr}: {what}", reason)
 
@@ -265,7 +271,7 @@ class MixtureCaller:
                 results[i] = None
         reference = None
         if self.checks.enabled:
-            x_scale = _input_scale(payload)
+            x_scale = input_scale(payload)
             formed = [i for i, r in enumerate(results) if r is not None]
             verdict = self.guard.judge([results[i][0] for i in formed],  # type: ignore[index]
                                        [x_scale[jobs[i].rows] for i in formed], self.guard.outputs)
@@ -291,7 +297,7 @@ class MixtureCaller:
         if self.checks.enabled:
             scales = self.guard.clip_scales(slot_norms, x_scale.unsqueeze(1).expand(batch, k), reference)
             if scales is not None:
-                _count("clipped", "forward", rows=int((scales < 1).sum()))
+                count_event("clipped", "forward", rows=int((scales < 1).sum()))
                 outputs.mul_(scales.view(batch, k, *([1] * (outputs.dim() - 2))).to(outputs.dtype))
         counts = answered.sum(dim=1)
         short = counts < policy.k_min
@@ -406,7 +412,7 @@ class MixtureCaller:
                 continue
             scales = self.guard.clip_scales(norms, sent_norms, verdict.reference)
             if scales is not None:
-                _count("clipped", "backward", rows=int((scales < 1).sum()))
+                count_event("clipped", "backward", rows=int((scales < 1).sum()))
                 sums[s] = summed * scales.view(-1, *([1] * (summed.dim() - 1))).to(summed.dtype)
 
 
@@ -422,19 +428,3 @@ def _sent_norms(job_grads: Sequence[torch.Tensor], share: ServerShare, taken: Se
             sums.index_add_(0, index, norms)
     return sums
 
-
-def _input_scale(x: torch.Tensor) -> torch.Tensor:
-    """Per sample, what its expert outputs are measured against: its input row's norm, floored at the
-    batch's median (so that a zero row cannot make a gain infinite)."""
-    norms = row_norms(x)
-    return norms.clamp_min(max(typical_norm(norms), 1e-12))
-
-
-def _count(what: str, direction: str, reason: str = "", rows: int = 1) -> None:
-    """Updates the mixture metrics (prometheus_client is loaded at the first event, not at import)."""
-    from swarm.metrics import MOE_CLIPPED_ROWS, MOE_REJECTED_ANSWERS
-
-    if what == "rejected":
-        MOE_REJECTED_ANSWERS.labels(direction=direction, reason=reason).inc()
-    else:
-        MOE_CLIPPED_ROWS.labels(direction=direction).inc(rows)
