@@ -35,7 +35,8 @@ from swarm.dht.expiring import ValueWithExpiration, subkey_entries
 from swarm.dht.handle import KeyValueStore
 from swarm.moe.uids import Successors, is_valid_prefix, is_valid_uid, parse_uid, successor_coord, uid_prefixes
 
-__all__ = ["DHTExpertSource", "ExpertDeclarer", "declarations", "declare_experts", "get_experts", "get_successors"]
+__all__ = ["DHTExpertSource", "ExpertDeclarer", "declarations", "declare_experts", "get_experts", "get_replicas",
+           "get_successors"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,24 +133,31 @@ async def get_successors(dht: KeyValueStore, prefixes: Sequence[str]) -> dict[st
 
 
 async def get_experts(dht: KeyValueStore, uids: Sequence[str]) -> dict[str, str]:
-    """Reads the address of each live expert among `uids` (unknown, dead or malformed ones left out)."""
+    """Reads the address of each live expert among `uids` (unknown, dead or malformed ones left out);
+    where several servers declare one, the most recently renewed declaration wins."""
+    return {uid: addrs[0] for uid, addrs in (await get_replicas(dht, uids)).items()}
+
+
+async def get_replicas(dht: KeyValueStore, uids: Sequence[str]) -> dict[str, list[str]]:
+    """Reads every live server of each expert among `uids`, the most recently renewed first
+    (unknown, dead or malformed ones left out)."""
     uids = [u for u in dict.fromkeys(uids) if is_valid_uid(u)]
     results = await _get_all(dht, uids)
     now = get_dht_time()
-    found: dict[str, str] = {}
+    found: dict[str, list[str]] = {}
     for uid, record in zip(uids, results):
         if isinstance(record, BaseException):
             logger.debug("reading %s from the DHT failed: %s", uid, record)
-        else:
-            newest = -1.0
-            for subkey, entry in subkey_entries(record).items():
-                addr = entry.value
-                owned = _owned_entry(subkey, addr)
-                if owned is None or owned[0] is not None or not isinstance(addr, str) or not _alive(entry, now):
-                    continue
-                expiration = entry.expiration_time
-                if expiration > newest:
-                    newest, found[uid] = expiration, addr
+            continue
+        servers: dict[str, float] = {}
+        for subkey, entry in subkey_entries(record).items():
+            addr = entry.value
+            owned = _owned_entry(subkey, addr)
+            if owned is None or owned[0] is not None or not isinstance(addr, str) or not _alive(entry, now):
+                continue
+            servers[addr] = max(servers.get(addr, -1.0), entry.expiration_time)
+        if servers:
+            found[uid] = sorted(servers, key=lambda a: -servers[a])
     return found
 
 
@@ -169,6 +177,9 @@ class DHTExpertSource:
 
     async def get_experts(self, uids: Sequence[str]) -> dict[str, str]:
         return await get_experts(self.dht, uids)
+
+    async def get_replicas(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        return await get_replicas(self.dht, uids)
 
 
 class ExpertDeclarer:

@@ -46,6 +46,7 @@ from swarm.moe.client.answer_checks import (
 from swarm.moe.client.beam_search import ExpertChoice
 from swarm.moe.client.expert import as_payload
 from swarm.moe.client.jobs import ExpertJob, ServerShare, plan_jobs, plan_shares
+from swarm.moe.client.spot_checks import ReplicaMismatch, SecondOpinion, SpotChecker
 from swarm.moe.group_calls import GroupMember, call_backward_group, call_forward_group
 from swarm.moe.magnitudes import row_norms
 
@@ -203,15 +204,20 @@ class MixtureCaller:
         policy: k_min and timeouts.
         on_failure: told about each expert that failed (the mixture excludes it for a while).
         checks: how answers are checked and clipped (default: `AnswerChecks()`).
+        spot: compares a sampled fraction of the answers with other servers' (None: never). A
+            mismatch that blames the other server is told to `on_failure` with the job it checked,
+            whose answer stands (`ReplicaMismatch.blamed` names the server).
     """
 
     def __init__(
-        self, peer: PeerHandle, policy: DispatchPolicy, on_failure: OnFailure, checks: AnswerChecks | None = None
+        self, peer: PeerHandle, policy: DispatchPolicy, on_failure: OnFailure, checks: AnswerChecks | None = None,
+        spot: SpotChecker | None = None,
     ) -> None:
         self.peer = peer
         self.policy = policy
         self.on_failure = on_failure
         self.checks = checks or AnswerChecks()
+        self.spot = spot
         self.guard = AnswerGuard(self.checks)
         self.output_shape: tuple[int, ...] | None = None
         """Shape of one sample's expert output, learned from the first answer."""
@@ -222,7 +228,9 @@ class MixtureCaller:
         """Answers rejected by the checks so far, forward and backward (each also counts in `failures`)."""
 
     def _failed(self, job: ExpertJob, error: BaseException) -> None:
-        if isinstance(error, MisbehavingExpert):
+        if isinstance(error, ReplicaMismatch):
+            pass  # logged by the spot checker, which knows what was done
+        elif isinstance(error, MisbehavingExpert):
             logger.warning("%s: skipped for this batch, its server avoided for %.0f s", error, self.checks.avoid_for)
         else:
             logger.debug("expert %s at %s failed for this batch: %s", job.uid, job.addr, error)
@@ -247,6 +255,9 @@ class MixtureCaller:
         shares = plan_shares(jobs, batch)
         inputs = [payload if s.rows is None else row_ops.take_rows(payload, s.rows) for s in shares]
         answers = _Answers(jobs, batch, torch.full((batch,), policy.k_min, dtype=torch.long), self._failed)
+        spot = self.spot if self.spot is not None and self.spot.sample() else None
+        job_rows = [row_ops.take_rows(payload, job.rows) for job in jobs] if spot is not None else []
+        opinions: list[SecondOpinion] = []
 
         async def call(share: ServerShare, x_share: torch.Tensor) -> None:
             def on_answer(i: int, outcome: list[torch.Tensor] | RPCError) -> None:
@@ -258,9 +269,20 @@ class MixtureCaller:
             await call_forward_group(self.peer.pool.get(share.addr), self._members(jobs, share), [x_share], on_answer,
                                      timeout=policy.forward_timeout)
 
+        async def second_opinions(checker: SpotChecker) -> None:
+            try:
+                opinions.extend(await asyncio.wait_for(
+                    checker.second_opinions([(job.uid, job.addr) for job in jobs], job_rows), policy.forward_timeout))
+            except Exception as e:  # noqa: BLE001 - a spot check that cannot be made gives no evidence
+                logger.debug("no spot check for this batch: %s", e)
+
         async def run() -> None:
-            await answers.gather([call(s, xs) for s, xs in zip(shares, inputs)], shares, policy.forward_timeout,
-                                 policy.timeout_after_k_min)
+            calls = answers.gather([call(s, xs) for s, xs in zip(shares, inputs)], shares, policy.forward_timeout,
+                                   policy.timeout_after_k_min)
+            if spot is None:
+                await calls
+            else:  # the second opinions travel beside the batch's own calls
+                await asyncio.gather(calls, second_opinions(spot))
 
         self.peer.run(run(), policy.forward_timeout + 5.0)
         results = answers.results
@@ -285,6 +307,8 @@ class MixtureCaller:
                         f"answered outputs over {self.checks.reject_ratio:g}x the layer's reference {verdict.reference:.3g}")
                     self._failed(jobs[i], self._rejected("forward", reason, jobs[i], what))
                     results[i] = None
+        if spot is not None:
+            self._spot_check(spot, jobs, results, opinions, job_rows)
         if self.output_shape is None:
             raise MoEError(f"none of the {len(jobs)} chosen experts answered, and none ever has")
         answered = torch.zeros(batch, k, dtype=torch.bool)
@@ -309,6 +333,32 @@ class MixtureCaller:
                 f"{int(choice.valid.sum(dim=1).min())} live experts found for the worst sample)"
             )
         return outputs.to(x.device), answered.to(x.device), results, scales
+
+    def _spot_check(
+        self, spot: SpotChecker, jobs: Sequence[ExpertJob], results: list[list[torch.Tensor] | None],
+        opinions: Sequence[SecondOpinion], job_rows: Sequence[torch.Tensor],
+    ) -> None:
+        """Compares the accepted answers with their second opinions; drops those shown or suspected wrong."""
+        for opinion in opinions:
+            job, result = jobs[opinion.job], results[opinion.job]
+            if result is None:
+                continue
+            rows = job_rows[opinion.job]
+
+            def third(job: ExpertJob = job, opinion: SecondOpinion = opinion, rows: torch.Tensor = rows
+                      ) -> list[torch.Tensor] | None:
+                return self.peer.run(spot.third_opinion(job.uid, (job.addr, opinion.addr), rows),
+                                     self.policy.forward_timeout + 5.0)
+
+            error = spot.judge(job.uid, job.addr, result[0], opinion, third)
+            if error is None:
+                continue
+            self.misbehaviours += 1
+            if error.blamed == opinion.addr:
+                self.on_failure(job, error)  # the other server lied: it is avoided, this answer stands
+            else:
+                self._failed(job, error)
+                results[opinion.job] = None
 
     def _learn_output_shape(self, results: Sequence[list[torch.Tensor] | None], input_shape: tuple[int, ...]) -> None:
         """Takes the layer's output shape from its first answers: the most common one (a tie goes to

@@ -24,6 +24,7 @@ from swarm.moe.client.answer_checks import AnswerChecks, MisbehavingExpert
 from swarm.moe.client.beam_search import ExpertChoice, MoEBeamSearcher
 from swarm.moe.client.dispatch import DispatchPolicy, MixtureCall, MixtureCaller
 from swarm.moe.client.jobs import ExpertJob
+from swarm.moe.client.spot_checks import ReplicaMismatch, SpotCheckConfig, SpotChecker
 from swarm.moe.sources import ExpertSource
 
 __all__ = ["MixtureConfig", "RemoteMixtureOfExperts"]
@@ -45,6 +46,8 @@ class MixtureConfig:
         cache_ttl: seconds the search reuses what the DHT said about a prefix.
         policy: k_min, timeouts and what to do with failed experts.
         checks: how the experts' answers are checked and clipped (`swarm.moe.client.answer_checks`).
+        spot_checks: how often an answer is compared with another server's of the same expert
+            (`swarm.moe.client.spot_checks`; off by default).
     """
 
     in_features: int
@@ -55,6 +58,7 @@ class MixtureConfig:
     cache_ttl: float = 2.0
     policy: DispatchPolicy = field(default_factory=DispatchPolicy)
     checks: AnswerChecks = field(default_factory=AnswerChecks)
+    spot_checks: SpotCheckConfig = field(default_factory=SpotCheckConfig)
 
     def __post_init__(self) -> None:
         if self.in_features < 1:
@@ -150,12 +154,22 @@ class RemoteMixtureOfExperts(nn.Module):
             source = DHTExpertSource(peer.dht)
         self.peer = peer
         self.searcher = MoEBeamSearcher(source, config.uid_prefix, config.grid_size, config.cache_ttl)
-        self.caller = MixtureCaller(peer, config.policy, self._on_failure, config.checks)
+        spot = None
+        if config.spot_checks.fraction > 0:
+            spot = SpotChecker(config.spot_checks, source, peer, self.searcher.avoided_servers,
+                               config.policy.forward_timeout)
+        self.caller = MixtureCaller(peer, config.policy, self._on_failure, config.checks, spot)
         self.gate = nn.Linear(config.in_features, sum(config.grid_size))
 
     def _on_failure(self, job: ExpertJob, error: BaseException) -> None:
-        # runs on the peer's loop, like every use of the searcher's state
-        if isinstance(error, MisbehavingExpert):
+        # runs on the peer's loop, like every use of the searcher's state (or, for a spot check's
+        # verdict, on the calling thread between two searches)
+        if isinstance(error, ReplicaMismatch):
+            if error.blamed is not None:
+                self.searcher.avoid_server(error.blamed, self.config.checks.avoid_for)
+            if error.blamed != job.addr:
+                return  # this expert's own server was not shown wrong: it stays in the search
+        elif isinstance(error, MisbehavingExpert):
             self.searcher.avoid_server(job.addr, self.config.checks.avoid_for)
         self.searcher.exclude(job.uid, self.config.policy.exclude_failed_for)
 
