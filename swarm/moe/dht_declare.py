@@ -27,7 +27,6 @@ import asyncio
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
@@ -40,14 +39,17 @@ __all__ = ["DHTExpertSource", "ExpertDeclarer", "declarations", "declare_experts
 
 logger = logging.getLogger(__name__)
 
+Declaration = str | list[str]
+"""A declaration's value: an expert's address, or ``[uid, address]`` under a prefix."""
+
 _OWNED_SUBKEY = re.compile(r"(0|[1-9][0-9]*)?\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]")
 
 
-def declarations(uids: Iterable[str], addr: str, owner: str) -> list[tuple[str, str, Any]]:
+def declarations(uids: Iterable[str], addr: str, owner: str) -> list[tuple[str, str, Declaration]]:
     """The (key, subkey, value) records that declare `uids` served at `addr` by the peer `owner`,
     deduplicated; each subkey names `owner` (`swarm.dht.owner_marker`), so only it can write them."""
     marker = f"[owner:{owner}]"
-    records: dict[tuple[str, str], Any] = {}
+    records: dict[tuple[str, str], Declaration] = {}
     for uid in uids:
         _, coords = parse_uid(uid)
         for prefix, coord in zip(uid_prefixes(uid), coords):
@@ -56,7 +58,7 @@ def declarations(uids: Iterable[str], addr: str, owner: str) -> list[tuple[str, 
     return [(key, subkey, value) for (key, subkey), value in records.items()]
 
 
-def _owned_entry(subkey: Any, addr: Any) -> tuple[int | None, str] | None:
+def _owned_entry(subkey: object, addr: object) -> tuple[int | None, str] | None:
     """(coordinate or None, owner) of a declaration's subkey, if it names an owner and `addr` is
     that owner's; else None."""
     if not isinstance(subkey, str) or not isinstance(addr, str):
@@ -76,9 +78,9 @@ async def declare_experts(dht: KeyValueStore, uids: Sequence[str], addr: str, ex
     """
     records = declarations(uids, addr, dht.peer_id)
     try:
-        results: list[Any] = await dht.astore_many(
+        results: list[object] = list(await dht.astore_many(
             [k for k, _, _ in records], [v for _, _, v in records], expiration_time, [s for _, s, _ in records]
-        )
+        ))
     except Exception as e:  # noqa: BLE001 - a refused or failed round is retried by the caller
         logger.debug("declaring %d records failed: %s", len(records), e)
         results = list(getattr(e, "results", []))  # a ValidationError carries the per-record results
