@@ -17,7 +17,8 @@ Every answer is checked before it is used, forward and backward (`swarm.moe.clie
 an answer of another shape, with NaN/Inf, or far larger than the layer's other answers fails its
 expert for the batch like a timeout, and its server is avoided for a while; what is accepted is
 clipped row by row to a bound learned from the answers, so that no expert weighs more than that in
-the combination.
+the combination. With spot checks on, a sampled batch also asks a second server of each expert that
+has one, beside its own calls, and compares (`swarm.moe.client.spot_checks`).
 
 `MixtureCall` ties this to autograd: its forward returns the experts' outputs per (sample, slot)
 and which slots answered; its backward returns the gradient w.r.t. the mixture's input.
