@@ -10,7 +10,12 @@
       with batching vs without (max_batch_tasks=1);
   (d) the answer checks' cost (`swarm.moe.client.answer_checks`): the mixture of (b), forward and
       backward, with the checks on vs off (`AnswerChecks(enabled=False)`), two mixtures over the same
-      server alternating pair by pair; goal: on/off time <= 1.03x. Not in the default `--only`.
+      server alternating pair by pair; goal: on/off time <= 1.03x. Not in the default `--only`;
+  (e) the spot checks' cost (`swarm.moe.client.spot_checks`): the mixture of (b), forward only (so
+      that the two servers' copies of each expert stay identical), over two servers that both hold
+      the grid, with spot checks of every batch (fraction 1) and of 10% of batches, each against
+      no spot checks, alternating pair by pair; the ratio of total times (a fraction of the batches
+      pays, so a median would hide it). Not in the default `--only`.
 
 Each figure is measured over TLS (the default) and plaintext (`--insecure` on server and clients)
 in the same run (--modes), lines prefixed [tls] / [plaintext].
@@ -28,6 +33,7 @@ Usage: .venv/bin/python scripts/bench/bench_moe.py [--hidden-dim 1024] [--batch 
          [--server-threads 1,2] [--clients 8] [--client-batch 32] [--seconds 8] [--only abc]
          [--settle-ms 50] [--modes tls,plaintext]
        .venv/bin/python scripts/bench/bench_moe.py --only d --modes plaintext [--pairs 40]
+       .venv/bin/python scripts/bench/bench_moe.py --only e --modes plaintext [--pairs 40]
 """
 
 from __future__ import annotations
@@ -277,6 +283,58 @@ def bench_checks(args: argparse.Namespace, client_factory) -> None:
           f"{mixtures[True].caller.misbehaviours} answers rejected", flush=True)
 
 
+def bench_spot_checks(args: argparse.Namespace, client_factory) -> None:
+    import torch
+
+    from swarm.moe import RemoteMixtureOfExperts
+    from swarm.moe.client.dispatch import DispatchPolicy
+    from swarm.moe.client.mixture import MixtureConfig
+    from swarm.moe.client.spot_checks import SpotCheckConfig
+    from swarm.moe.sources import StaticExpertSource
+
+    hid, batch = args.hidden_dim, args.batch
+    batches = [torch.randn(batch, hid) for _ in range(8)]
+    steps = iter(range(1 << 30))
+    torch.set_num_threads(1)
+    uids = [f"ffn.{i}.{j}" for i in range(2) for j in range(2)]
+    with Server("ffn.[0:2].[0:2]", hid, 1, insecure=args.insecure) as first, \
+            Server("ffn.[0:2].[0:2]", hid, 1, insecure=args.insecure) as second:
+        client = client_factory(None)
+        source = StaticExpertSource([(u, first.addr) for u in uids] + [(u, second.addr) for u in uids])
+        policy = DispatchPolicy(forward_timeout=120, backward_timeout=120)
+        mixtures = {
+            fraction: RemoteMixtureOfExperts(client, MixtureConfig(
+                in_features=hid, grid_size=(2, 2), uid_prefix="ffn.", k_best=4, cache_ttl=60, policy=policy,
+                spot_checks=SpotCheckConfig(fraction=fraction, seed=0)), source=source)
+            for fraction in (0.0, 1.0, 0.1)
+        }
+        for moe in mixtures.values():
+            moe.gate.load_state_dict(mixtures[0.0].gate.state_dict())
+
+        def step(fraction: float) -> None:
+            with torch.no_grad():
+                mixtures[fraction](batches[next(steps) % len(batches)])
+
+        step(0.0)
+        for fraction in (1.0, 0.1):
+            step(fraction)
+            spent = {0.0: 0.0, fraction: 0.0}  # totals, not medians: a fraction of batches pays, the rest do not
+            for _ in range(args.pairs):
+                for f in (0.0, fraction):
+                    time.sleep(args.settle_ms / 1e3)
+                    started = time.perf_counter()
+                    step(f)
+                    spent[f] += time.perf_counter() - started
+            spot = mixtures[fraction].caller.spot
+            print(f"[{args.mode}] (e) spot checks of {fraction:.0%} of batches, RemoteMixtureOfExperts 2x2 k_best=4 "
+                  f"batch {batch} hidden {hid} forward, two servers, {args.pairs} alternating pairs: on "
+                  f"{batch * args.pairs / spent[fraction]:.0f} samples/s, off {batch * args.pairs / spent[0.0]:.0f} "
+                  f"samples/s: on/off total time {spent[fraction] / spent[0.0]:.3f}x; "
+                  f"{spot.checked if spot else 0} answers compared, {spot.mismatches if spot else 0} mismatches",
+                  flush=True)
+        client.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", default="main")
@@ -318,6 +376,8 @@ def main() -> None:
                 bench_concurrent(args, client_factory)
             if "d" in args.only:
                 bench_checks(args, client_factory)
+            if "e" in args.only:
+                bench_spot_checks(args, client_factory)
         finally:
             client.shutdown()
 

@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-dim", type=int, help="hidden size of served experts (default 1024)")
     parser.add_argument("--checkpoint-dir", help="where experts are saved periodically and at shutdown")
     parser.add_argument("--expert-hostile", help="a FAULT for tests and demos: the served experts lie in every answer "
-                                                 "(x1e6, nan, shape or sometimes; docs/threat-model.md)")
+                                                 "(x1e6, nan, shape, sometimes or flip; docs/threat-model.md)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--bulk-port", help="TCP port of the side channel that carries tensors (default: any free "
                                             "port; 'off': tensors over the gRPC port only, slower)")

@@ -27,7 +27,6 @@ import asyncio
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
@@ -35,18 +34,22 @@ from swarm.dht.expiring import ValueWithExpiration, subkey_entries
 from swarm.dht.handle import KeyValueStore
 from swarm.moe.uids import Successors, is_valid_prefix, is_valid_uid, parse_uid, successor_coord, uid_prefixes
 
-__all__ = ["DHTExpertSource", "ExpertDeclarer", "declarations", "declare_experts", "get_experts", "get_successors"]
+__all__ = ["DHTExpertSource", "ExpertDeclarer", "declarations", "declare_experts", "get_experts", "get_replicas",
+           "get_successors"]
 
 logger = logging.getLogger(__name__)
+
+Declaration = str | list[str]
+"""A declaration's value: an expert's address, or ``[uid, address]`` under a prefix."""
 
 _OWNED_SUBKEY = re.compile(r"(0|[1-9][0-9]*)?\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]")
 
 
-def declarations(uids: Iterable[str], addr: str, owner: str) -> list[tuple[str, str, Any]]:
+def declarations(uids: Iterable[str], addr: str, owner: str) -> list[tuple[str, str, Declaration]]:
     """The (key, subkey, value) records that declare `uids` served at `addr` by the peer `owner`,
     deduplicated; each subkey names `owner` (`swarm.dht.owner_marker`), so only it can write them."""
     marker = f"[owner:{owner}]"
-    records: dict[tuple[str, str], Any] = {}
+    records: dict[tuple[str, str], Declaration] = {}
     for uid in uids:
         _, coords = parse_uid(uid)
         for prefix, coord in zip(uid_prefixes(uid), coords):
@@ -55,7 +58,7 @@ def declarations(uids: Iterable[str], addr: str, owner: str) -> list[tuple[str, 
     return [(key, subkey, value) for (key, subkey), value in records.items()]
 
 
-def _owned_entry(subkey: Any, addr: Any) -> tuple[int | None, str] | None:
+def _owned_entry(subkey: object, addr: object) -> tuple[int | None, str] | None:
     """(coordinate or None, owner) of a declaration's subkey, if it names an owner and `addr` is
     that owner's; else None."""
     if not isinstance(subkey, str) or not isinstance(addr, str):
@@ -75,9 +78,9 @@ async def declare_experts(dht: KeyValueStore, uids: Sequence[str], addr: str, ex
     """
     records = declarations(uids, addr, dht.peer_id)
     try:
-        results: list[Any] = await dht.astore_many(
+        results: list[object] = list(await dht.astore_many(
             [k for k, _, _ in records], [v for _, _, v in records], expiration_time, [s for _, s, _ in records]
-        )
+        ))
     except Exception as e:  # noqa: BLE001 - a refused or failed round is retried by the caller
         logger.debug("declaring %d records failed: %s", len(records), e)
         results = list(getattr(e, "results", []))  # a ValidationError carries the per-record results
@@ -132,24 +135,31 @@ async def get_successors(dht: KeyValueStore, prefixes: Sequence[str]) -> dict[st
 
 
 async def get_experts(dht: KeyValueStore, uids: Sequence[str]) -> dict[str, str]:
-    """Reads the address of each live expert among `uids` (unknown, dead or malformed ones left out)."""
+    """Reads the address of each live expert among `uids` (unknown, dead or malformed ones left out);
+    where several servers declare one, the most recently renewed declaration wins."""
+    return {uid: addrs[0] for uid, addrs in (await get_replicas(dht, uids)).items()}
+
+
+async def get_replicas(dht: KeyValueStore, uids: Sequence[str]) -> dict[str, list[str]]:
+    """Reads every live server of each expert among `uids`, the most recently renewed first
+    (unknown, dead or malformed ones left out)."""
     uids = [u for u in dict.fromkeys(uids) if is_valid_uid(u)]
     results = await _get_all(dht, uids)
     now = get_dht_time()
-    found: dict[str, str] = {}
+    found: dict[str, list[str]] = {}
     for uid, record in zip(uids, results):
         if isinstance(record, BaseException):
             logger.debug("reading %s from the DHT failed: %s", uid, record)
-        else:
-            newest = -1.0
-            for subkey, entry in subkey_entries(record).items():
-                addr = entry.value
-                owned = _owned_entry(subkey, addr)
-                if owned is None or owned[0] is not None or not isinstance(addr, str) or not _alive(entry, now):
-                    continue
-                expiration = entry.expiration_time
-                if expiration > newest:
-                    newest, found[uid] = expiration, addr
+            continue
+        servers: dict[str, float] = {}
+        for subkey, entry in subkey_entries(record).items():
+            addr = entry.value
+            owned = _owned_entry(subkey, addr)
+            if owned is None or owned[0] is not None or not isinstance(addr, str) or not _alive(entry, now):
+                continue
+            servers[addr] = max(servers.get(addr, -1.0), entry.expiration_time)
+        if servers:
+            found[uid] = sorted(servers, key=lambda a: -servers[a])
     return found
 
 
@@ -169,6 +179,9 @@ class DHTExpertSource:
 
     async def get_experts(self, uids: Sequence[str]) -> dict[str, str]:
         return await get_experts(self.dht, uids)
+
+    async def get_replicas(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        return await get_replicas(self.dht, uids)
 
 
 class ExpertDeclarer:

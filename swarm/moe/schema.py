@@ -41,7 +41,7 @@ class TensorSchema:
         return cls(tuple(tensor.shape[1:]), tensor.dtype)
 
     def validate(
-        self, tensor: Any, max_batch: int, *, check_finite: bool = True, what: str = "tensor"
+        self, tensor: object, max_batch: int, *, check_finite: bool = True, what: str = "tensor"
     ) -> None:
         """Checks that `tensor` is a batch this schema accepts.
 

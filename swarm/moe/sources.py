@@ -29,20 +29,30 @@ class ExpertSource(Protocol):
         """The address of each live expert among `uids` (dead or unknown ones are left out)."""
         ...
 
+    async def get_replicas(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        """Every live server of each expert among `uids`, the one `get_experts` gives first (an
+        expert served by several servers can be spot-checked: `swarm.moe.client.spot_checks`)."""
+        ...
+
 
 class StaticExpertSource:
     """An `ExpertSource` over a fixed ``{uid: address}`` table.
 
     Args:
-        experts: the experts and the multiaddr (ending in /p2p/<PeerID>) of each one's server.
+        experts: the experts and the multiaddr (ending in /p2p/<PeerID>) of each one's server. As
+            pairs, a UID may come several times: it is served by several servers (replicas), the
+            first one given is the one a mixture calls, the others answer its spot checks.
     """
 
     def __init__(self, experts: Mapping[str, str] | Iterable[tuple[str, str]]) -> None:
         items = experts.items() if isinstance(experts, Mapping) else experts
         self.experts: dict[str, str] = {}
+        self.replicas: dict[str, list[str]] = {}
         for uid, addr in items:
             parse_uid(uid)
-            self.experts[uid] = addr
+            self.experts.setdefault(uid, addr)
+            if addr not in self.replicas.setdefault(uid, []):
+                self.replicas[uid].append(addr)
 
     async def get_successors(self, prefixes: Sequence[str]) -> dict[str, Successors]:
         wanted = set(prefixes)
@@ -57,3 +67,6 @@ class StaticExpertSource:
 
     async def get_experts(self, uids: Sequence[str]) -> dict[str, str]:
         return {uid: self.experts[uid] for uid in uids if uid in self.experts}
+
+    async def get_replicas(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        return {uid: list(self.replicas[uid]) for uid in uids if uid in self.replicas}

@@ -20,6 +20,7 @@ from swarm.moe.dht_declare import (
     ExpertDeclarer,
     declarations,
     get_experts,
+    get_replicas,
     get_successors,
 )
 
@@ -94,6 +95,21 @@ def test_reading_back_ignores_garbage_expired_and_unowned_entries() -> None:
         assert await get_experts(
             dht, ["ffn.0.3", "ffn.0.4", "ffn.0.5", "ffn.0.6", "ffn.0.7", "bad uid"]
         ) == {"ffn.0.3": A, "ffn.0.7": A}
+
+    asyncio.run(main())
+
+
+def test_every_live_server_of_an_expert_is_read_the_newest_first() -> None:
+    later = get_dht_time() + 60
+    dht = DictDHT({
+        "ffn.0.1": Record({MP: Record(A, later), MQ: Record(B, later + 5)}, later),
+        "ffn.0.2": Record({MP: Record(A, later), MQ: Record(A, later + 5)}, later),  # Q cannot claim P's address
+    })
+
+    async def main() -> None:
+        assert await get_replicas(dht, ["ffn.0.1", "ffn.0.2", "ffn.0.3"]) == {"ffn.0.1": [B, A], "ffn.0.2": [A]}
+        assert await DHTExpertSource(dht).get_replicas(["ffn.0.1"]) == {"ffn.0.1": [B, A]}  # type: ignore[arg-type]
+        assert await get_experts(dht, ["ffn.0.1"]) == {"ffn.0.1": B}
 
     asyncio.run(main())
 

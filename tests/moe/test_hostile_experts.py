@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from swarm.moe import ExpertServer, ExpertServerConfig, RemoteExpert, RemoteMixtureOfExperts
-from swarm.moe.client.answer_checks import AnswerChecks
+from swarm.moe.client.answer_checks import AnswerChecks, MisbehavingExpert
 from swarm.moe.sources import StaticExpertSource
 
 pytestmark = pytest.mark.timeout(90)
@@ -126,3 +126,48 @@ def test_samples_routed_only_to_a_liar_are_rerouted_in_the_same_forward(honest_a
         y = moe(x)  # the liar's answer is rejected; the same call searches again and asks ffn.0
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
     assert moe.caller.misbehaviours == 1 and moe.searcher.avoided_servers() == [hostile.peer.addrs[0]]
+
+
+def rejected_total(direction: str, reason: str) -> float:
+    from swarm.metrics import MOE_REJECTED_ANSWERS, REGISTRY
+
+    assert MOE_REJECTED_ANSWERS is not None  # the counter exists before it is read
+    return REGISTRY.value("swarm_moe_rejected_answers_total", direction=direction, reason=reason) or 0.0
+
+
+@pytest.mark.parametrize(("mode", "reason"), [("nan", "not_finite"), ("shape", "shape")])
+def test_a_single_remote_expert_refuses_a_hostile_answer_with_a_typed_error(make_peer, mode, reason) -> None:
+    # no k_min for one expert: the caller gets MisbehavingExpert, counted and logged, never the lie
+    server, _ = serve(make_peer, "ffn.1", hostile=mode)
+    expert = RemoteExpert(make_peer(client_mode=True), "ffn.1", server.peer.addrs[0])
+    before = {d: rejected_total(d, reason) for d in ("forward", "backward")}
+    x = torch.randn(8, HID, requires_grad=True)
+    with pytest.raises(MisbehavingExpert, match="ffn.1") as caught:
+        expert(x)
+    assert caught.value.reason == reason and x.grad is None
+    with pytest.raises(MisbehavingExpert) as caught:  # its input gradients are checked too
+        expert.peer.run(expert.acall_backward([x.detach()], [torch.randn(8, HID)]), 30)
+    assert caught.value.reason == reason
+    assert expert.guard.rejected == 2
+    assert {d: rejected_total(d, reason) - before[d] for d in before} == {"forward": 1, "backward": 1}
+
+
+def test_a_single_remote_expert_catches_a_liar_from_its_own_earlier_answers(make_peer) -> None:
+    # "sometimes": every third batch of each direction x1e6; the bound is learned from the honest two
+    server, module = serve(make_peer, "ffn.1", hostile="sometimes")
+    expert = RemoteExpert(make_peer(client_mode=True), "ffn.1", server.peer.addrs[0])
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):  # forward and backward batches 1 and 2: honest, accepted
+        x = torch.randn(8, HID, generator=gen, requires_grad=True)
+        y = expert(x)
+        torch.testing.assert_close(y, module(x.detach()).detach(), rtol=1e-5, atol=1e-6)
+        y.square().mean().backward()
+    x = torch.randn(8, HID, generator=gen)
+    with pytest.raises(MisbehavingExpert) as caught:  # backward batch 3: x1e6
+        expert.peer.run(expert.acall_backward([x], [torch.randn(8, HID, generator=gen)]), 30)
+    assert caught.value.reason == "magnitude"
+    with pytest.raises(MisbehavingExpert) as caught:  # forward batch 3: x1e6
+        expert(x)
+    assert caught.value.reason == "magnitude"
+    y = expert(x)  # forward batch 4: honest again, and accepted
+    assert float(y.detach().norm(dim=1).max()) < 100 and expert.guard.rejected == 2

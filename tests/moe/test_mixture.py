@@ -17,6 +17,9 @@ from torch import nn
 
 from swarm.core.errors import MoEError
 from swarm.moe import ExpertServer, RemoteMixtureOfExperts, RemoteSwitchMixtureOfExperts
+from swarm.moe.client.answer_checks import AnswerChecks
+from swarm.moe.client.dispatch import DispatchPolicy
+from swarm.moe.client.mixture import MixtureConfig
 
 pytestmark = pytest.mark.timeout(60)
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -147,6 +150,27 @@ def test_bad_configuration_is_refused(make_peer) -> None:
     moe = RemoteMixtureOfExperts(client, in_features=4, grid_size=(2,), uid_prefix="ffn.", k_best=1)
     with pytest.raises(ValueError, match=r"expected input \(\.\.\., 4\)"):
         moe(torch.randn(3, 5))
+    config = MixtureConfig(in_features=4, grid_size=(2,), uid_prefix="ffn.", k_best=1)
+    with pytest.raises(TypeError, match="not both"):
+        RemoteMixtureOfExperts(client, config, k_min=2)
+    with pytest.raises(TypeError, match="give a MixtureConfig"):
+        RemoteMixtureOfExperts(client, in_features=4, grid_size=(2,), uid_prefix="ffn.")
+
+
+def test_both_mixtures_take_one_mixture_config(swarm_of_two) -> None:
+    client, _, local = swarm_of_two
+    config = MixtureConfig(in_features=HID, grid_size=GRID, uid_prefix="ffn.", k_best=4,
+                           policy=DispatchPolicy(k_min=4), checks=AnswerChecks(clip_ratio=50.0))
+    moe = RemoteMixtureOfExperts(client, config)
+    assert moe.config is config and moe.caller.checks.clip_ratio == 50.0
+    x = torch.randn(8, HID)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), local_mixture(moe, local, x, set(local)), **TOL)
+    switch = RemoteSwitchMixtureOfExperts(client, MixtureConfig(in_features=HID, grid_size=GRID, uid_prefix="ffn.",
+                                                                k_best=1))
+    y, balance = switch(x)
+    assert y.shape == (8, HID) and torch.isfinite(balance)
+    assert RemoteSwitchMixtureOfExperts(client, in_features=HID, grid_size=GRID, uid_prefix="ffn.").config.k_best == 1
 
 
 class Slow(nn.Module):

@@ -23,6 +23,15 @@ weights sum to at most 1, one expert moves a sample's combined output by at most
 ``clip_ratio x reference x max(|x_r|, median |x|)``, whatever it answers; a server moves a sample's
 input gradient by at most ``clip_ratio x reference x`` the norms of the output gradients it was sent
 for it.
+
+A single `RemoteExpert` called directly gets the same checks (`ExpertGuard`): its outputs must fit
+the schema the expert declared (Info) and its input gradients the inputs' shapes, all finite, and
+its gains at most `reject_ratio` times the reference learned from its own accepted answers. There
+is no k_min for one expert, so a failing answer raises `MisbehavingExpert` to the caller; nothing
+is clipped (the caller gets exactly the expert's answer, or the error). Learned from the expert
+alone, the magnitude bound catches an expert that changes its answers' scale (a liar that lies
+sometimes, or turns); one that lies by the same factor from its first answer on is bounded only in
+a mixture, where its answers are compared with other experts'.
 """
 
 from __future__ import annotations
@@ -33,10 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.core.errors import ConfigError, MoEError
+from swarm.core.errors import ConfigError, InvalidRequest, MoEError
 from swarm.moe.magnitudes import NormReference, row_norms, typical_norm
+from swarm.moe.schema import TensorSchema
 
-__all__ = ["AnswerChecks", "AnswerGuard", "MisbehavingExpert", "Verdict"]
+__all__ = ["AnswerChecks", "AnswerGuard", "ExpertGuard", "MisbehavingExpert", "Verdict", "count_event",
+           "input_scale"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,3 +170,108 @@ class AnswerGuard:
             return None
         self.clipped_rows += int(over.sum())
         return torch.where(over, limit / norms.clamp_min(1e-30), torch.ones_like(norms))
+
+
+def count_event(what: str, direction: str, reason: str = "", rows: int = 1) -> None:
+    """Updates the answer-check metrics: ``what`` is "rejected" (one answer, for `reason`) or
+    "clipped" (`rows` rows). prometheus_client is loaded at the first event, not at import."""
+    from swarm.metrics import MOE_CLIPPED_ROWS, MOE_REJECTED_ANSWERS
+
+    if what == "rejected":
+        MOE_REJECTED_ANSWERS.labels(direction=direction, reason=reason).inc()
+    else:
+        MOE_CLIPPED_ROWS.labels(direction=direction).inc(rows)
+
+
+def input_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per sample, what its expert outputs are measured against: its input row's norm, floored at the
+    batch's median (so that a zero row cannot make a gain infinite)."""
+    norms = row_norms(x)
+    return norms.clamp_min(max(typical_norm(norms), 1e-12))
+
+
+def _joint_row_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per row, the norm of the row across all of `tensors` (each with the same rows)."""
+    if len(tensors) == 1:
+        return row_norms(tensors[0])
+    return torch.stack([row_norms(t) for t in tensors]).square().sum(dim=0).sqrt()
+
+
+class ExpertGuard:
+    """The checks of one `RemoteExpert`'s answers, forward and backward.
+
+    Args:
+        checks: the thresholds (`clip_ratio` and `avoid_for` do not apply to a single expert).
+        uid: the expert, as error messages name it.
+    """
+
+    def __init__(self, checks: AnswerChecks, uid: str) -> None:
+        self.checks = checks
+        self.uid = uid
+        self.guard = AnswerGuard(checks)
+
+    @property
+    def rejected(self) -> int:
+        """Answers rejected so far."""
+        return self.guard.rejected
+
+    def check_outputs(
+        self, addr: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+        schemas: Sequence[TensorSchema],
+    ) -> None:
+        """Checks a forward's answer against the declared output schemas and the learned bound.
+
+        Raises:
+            MisbehavingExpert: another count, shape or dtype of outputs, NaN/Inf, or far too large.
+        """
+        if not self.checks.enabled:
+            return
+        rows = inputs[0].shape[0] if inputs and inputs[0].dim() else 0
+        if len(outputs) != len(schemas):
+            self._reject("forward", "shape", addr, f"answered {len(outputs)} outputs, its schema declares "
+                         f"{len(schemas)}")
+        for i, (out, schema) in enumerate(zip(outputs, schemas)):
+            try:
+                schema.validate(out, max(rows, 1), check_finite=False, what=f"output {i}")
+            except InvalidRequest as e:
+                self._reject("forward", "shape", addr, f"answered outside its declared schema: {e}")
+            if out.shape[0] != rows:
+                self._reject("forward", "shape", addr, f"answered {out.shape[0]} rows for {rows}")
+        scale = input_scale(torch.cat([x.detach().reshape(rows, -1).float() for x in inputs], dim=1))
+        self._judge("forward", addr, outputs, scale, self.guard.outputs)
+
+    def check_grads(
+        self, addr: str, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+    ) -> None:
+        """Checks a backward's answer: one gradient per input, of its shape and dtype, within bounds.
+
+        Raises:
+            MisbehavingExpert: another count, shape or dtype of gradients, NaN/Inf, or far too large.
+        """
+        if not self.checks.enabled:
+            return
+        if len(grads) != len(inputs) or any(g.shape != x.shape or g.dtype != x.dtype for g, x in zip(grads, inputs)):
+            self._reject("backward", "shape", addr, f"answered gradients {[tuple(g.shape) for g in grads]} for "
+                         f"inputs {[tuple(x.shape) for x in inputs]}")
+        sent = torch.stack([row_norms(g) for g in grad_outputs]).sum(dim=0)
+        self._judge("backward", addr, grads, sent, self.guard.grads)
+
+    def _judge(self, direction: str, addr: str, answer: Sequence[torch.Tensor], scale: torch.Tensor,
+               reference: NormReference) -> None:
+        norms = _joint_row_norms(answer)
+        verdict = self.guard.judge([norms.unsqueeze(1)], [scale], reference)
+        reason = verdict.rejected[0]
+        if reason == "not_finite":
+            self._reject(direction, reason, addr, "answered NaN/Inf", counted=True)
+        elif reason is not None:
+            self._reject(direction, reason, addr, f"answered over {self.checks.reject_ratio:g}x the reference "
+                         f"{verdict.reference:.3g} its own answers set", counted=True)
+
+    def _reject(self, direction: str, reason: str, addr: str, what: str, counted: bool = False) -> None:
+        if not counted:
+            self.guard.rejected += 1
+        count_event("rejected", direction, reason)
+        error = MisbehavingExpert(f"expert {self.uid} at {addr}: {what} ({direction})", reason)
+        logger.warning("%s: its answer is refused", error)
+        raise error

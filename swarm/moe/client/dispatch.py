@@ -17,7 +17,8 @@ Every answer is checked before it is used, forward and backward (`swarm.moe.clie
 an answer of another shape, with NaN/Inf, or far larger than the layer's other answers fails its
 expert for the batch like a timeout, and its server is avoided for a while; what is accepted is
 clipped row by row to a bound learned from the answers, so that no expert weighs more than that in
-the combination.
+the combination. With spot checks on, a sampled batch also asks a second server of each expert that
+has one, beside its own calls, and compares (`swarm.moe.client.spot_checks`).
 
 `MixtureCall` ties this to autograd: its forward returns the experts' outputs per (sample, slot)
 and which slots answered; its backward returns the gradient w.r.t. the mixture's input.
@@ -37,12 +38,19 @@ import swarm.moe.rows as row_ops
 from swarm.core.errors import ConfigError, MoEError, RPCError
 from swarm.core.status import PeerStatus
 from swarm.dht.handle import PeerHandle
-from swarm.moe.client.answer_checks import AnswerChecks, AnswerGuard, MisbehavingExpert
+from swarm.moe.client.answer_checks import (
+    AnswerChecks,
+    AnswerGuard,
+    MisbehavingExpert,
+    count_event,
+    input_scale,
+)
 from swarm.moe.client.beam_search import ExpertChoice
 from swarm.moe.client.expert import as_payload
 from swarm.moe.client.jobs import ExpertJob, ServerShare, plan_jobs, plan_shares
+from swarm.moe.client.spot_checks import ReplicaMismatch, SecondOpinion, SpotChecker
 from swarm.moe.group_calls import GroupMember, call_backward_group, call_forward_group
-from swarm.moe.magnitudes import row_norms, typical_norm
+from swarm.moe.magnitudes import row_norms
 
 __all__ = ["DispatchPolicy", "MixtureCall"]
 
@@ -198,15 +206,20 @@ class MixtureCaller:
         policy: k_min and timeouts.
         on_failure: told about each expert that failed (the mixture excludes it for a while).
         checks: how answers are checked and clipped (default: `AnswerChecks()`).
+        spot: compares a sampled fraction of the answers with other servers' (None: never). A
+            mismatch that blames the other server is told to `on_failure` with the job it checked,
+            whose answer stands (`ReplicaMismatch.blamed` names the server).
     """
 
     def __init__(
-        self, peer: PeerHandle, policy: DispatchPolicy, on_failure: OnFailure, checks: AnswerChecks | None = None
+        self, peer: PeerHandle, policy: DispatchPolicy, on_failure: OnFailure, checks: AnswerChecks | None = None,
+        spot: SpotChecker | None = None,
     ) -> None:
         self.peer = peer
         self.policy = policy
         self.on_failure = on_failure
         self.checks = checks or AnswerChecks()
+        self.spot = spot
         self.guard = AnswerGuard(self.checks)
         self.output_shape: tuple[int, ...] | None = None
         """Shape of one sample's expert output, learned from the first answer."""
@@ -217,7 +230,9 @@ class MixtureCaller:
         """Answers rejected by the checks so far, forward and backward (each also counts in `failures`)."""
 
     def _failed(self, job: ExpertJob, error: BaseException) -> None:
-        if isinstance(error, MisbehavingExpert):
+        if isinstance(error, ReplicaMismatch):
+            pass  # logged by the spot checker, which knows what was done
+        elif isinstance(error, MisbehavingExpert):
             logger.warning("%s: skipped for this batch, its server avoided for %.0f s", error, self.checks.avoid_for)
         else:
             logger.debug("expert %s at %s failed for this batch: %s", job.uid, job.addr, error)
@@ -225,7 +240,7 @@ class MixtureCaller:
         self.on_failure(job, error)
 
     def _rejected(self, direction: str, reason: str, job: ExpertJob, what: str) -> MisbehavingExpert:
-        _count("rejected", direction, reason)
+        count_event("rejected", direction, reason)
         PeerStatus.of(self.peer).answer_rejected(job.addr)  # the peer's Info answer names the server
         self.misbehaviours += 1
         return MisbehavingExpert(f"expert {job.uid} at {job.addr}: {what}", reason)
@@ -243,6 +258,9 @@ class MixtureCaller:
         shares = plan_shares(jobs, batch)
         inputs = [payload if s.rows is None else row_ops.take_rows(payload, s.rows) for s in shares]
         answers = _Answers(jobs, batch, torch.full((batch,), policy.k_min, dtype=torch.long), self._failed)
+        spot = self.spot if self.spot is not None and self.spot.sample() else None
+        job_rows = [row_ops.take_rows(payload, job.rows) for job in jobs] if spot is not None else []
+        opinions: list[SecondOpinion] = []
 
         async def call(share: ServerShare, x_share: torch.Tensor) -> None:
             def on_answer(i: int, outcome: list[torch.Tensor] | RPCError) -> None:
@@ -254,9 +272,20 @@ class MixtureCaller:
             await call_forward_group(self.peer.pool.get(share.addr), self._members(jobs, share), [x_share], on_answer,
                                      timeout=policy.forward_timeout)
 
+        async def second_opinions(checker: SpotChecker) -> None:
+            try:
+                opinions.extend(await asyncio.wait_for(
+                    checker.second_opinions([(job.uid, job.addr) for job in jobs], job_rows), policy.forward_timeout))
+            except Exception as e:  # noqa: BLE001 - a spot check that cannot be made gives no evidence
+                logger.debug("no spot check for this batch: %s", e)
+
         async def run() -> None:
-            await answers.gather([call(s, xs) for s, xs in zip(shares, inputs)], shares, policy.forward_timeout,
-                                 policy.timeout_after_k_min)
+            calls = answers.gather([call(s, xs) for s, xs in zip(shares, inputs)], shares, policy.forward_timeout,
+                                   policy.timeout_after_k_min)
+            if spot is None:
+                await calls
+            else:  # the second opinions travel beside the batch's own calls
+                await asyncio.gather(calls, second_opinions(spot))
 
         self.peer.run(run(), policy.forward_timeout + 5.0)
         results = answers.results
@@ -267,7 +296,7 @@ class MixtureCaller:
                 results[i] = None
         reference = None
         if self.checks.enabled:
-            x_scale = _input_scale(payload)
+            x_scale = input_scale(payload)
             formed = [i for i, r in enumerate(results) if r is not None]
             verdict = self.guard.judge([results[i][0] for i in formed],  # type: ignore[index]
                                        [x_scale[jobs[i].rows] for i in formed], self.guard.outputs)
@@ -281,6 +310,8 @@ class MixtureCaller:
                         f"answered outputs over {self.checks.reject_ratio:g}x the layer's reference {verdict.reference:.3g}")
                     self._failed(jobs[i], self._rejected("forward", reason, jobs[i], what))
                     results[i] = None
+        if spot is not None:
+            self._spot_check(spot, jobs, results, opinions, job_rows)
         if self.output_shape is None:
             raise MoEError(f"none of the {len(jobs)} chosen experts answered, and none ever has")
         answered = torch.zeros(batch, k, dtype=torch.bool)
@@ -293,7 +324,7 @@ class MixtureCaller:
         if self.checks.enabled:
             scales = self.guard.clip_scales(slot_norms, x_scale.unsqueeze(1).expand(batch, k), reference)
             if scales is not None:
-                _count("clipped", "forward", rows=int((scales < 1).sum()))
+                count_event("clipped", "forward", rows=int((scales < 1).sum()))
                 outputs.mul_(scales.view(batch, k, *([1] * (outputs.dim() - 2))).to(outputs.dtype))
         counts = answered.sum(dim=1)
         short = counts < policy.k_min
@@ -305,6 +336,32 @@ class MixtureCaller:
                 f"{int(choice.valid.sum(dim=1).min())} live experts found for the worst sample)"
             )
         return outputs.to(x.device), answered.to(x.device), results, scales
+
+    def _spot_check(
+        self, spot: SpotChecker, jobs: Sequence[ExpertJob], results: list[list[torch.Tensor] | None],
+        opinions: Sequence[SecondOpinion], job_rows: Sequence[torch.Tensor],
+    ) -> None:
+        """Compares the accepted answers with their second opinions; drops those shown or suspected wrong."""
+        for opinion in opinions:
+            job, result = jobs[opinion.job], results[opinion.job]
+            if result is None:
+                continue
+            rows = job_rows[opinion.job]
+
+            def third(job: ExpertJob = job, opinion: SecondOpinion = opinion, rows: torch.Tensor = rows
+                      ) -> list[torch.Tensor] | None:
+                return self.peer.run(spot.third_opinion(job.uid, (job.addr, opinion.addr), rows),
+                                     self.policy.forward_timeout + 5.0)
+
+            error = spot.judge(job.uid, job.addr, result[0], opinion, third)
+            if error is None:
+                continue
+            self.misbehaviours += 1
+            if error.blamed == opinion.addr:
+                self.on_failure(job, error)  # the other server lied: it is avoided, this answer stands
+            else:
+                self._failed(job, error)
+                results[opinion.job] = None
 
     def _learn_output_shape(self, results: Sequence[list[torch.Tensor] | None], input_shape: tuple[int, ...]) -> None:
         """Takes the layer's output shape from its first answers: the most common one (a tie goes to
@@ -408,7 +465,7 @@ class MixtureCaller:
                 continue
             scales = self.guard.clip_scales(norms, sent_norms, verdict.reference)
             if scales is not None:
-                _count("clipped", "backward", rows=int((scales < 1).sum()))
+                count_event("clipped", "backward", rows=int((scales < 1).sum()))
                 sums[s] = summed * scales.view(-1, *([1] * (summed.dim() - 1))).to(summed.dtype)
 
 
@@ -424,19 +481,3 @@ def _sent_norms(job_grads: Sequence[torch.Tensor], share: ServerShare, taken: Se
             sums.index_add_(0, index, norms)
     return sums
 
-
-def _input_scale(x: torch.Tensor) -> torch.Tensor:
-    """Per sample, what its expert outputs are measured against: its input row's norm, floored at the
-    batch's median (so that a zero row cannot make a gain infinite)."""
-    norms = row_norms(x)
-    return norms.clamp_min(max(typical_norm(norms), 1e-12))
-
-
-def _count(what: str, direction: str, reason: str = "", rows: int = 1) -> None:
-    """Updates the mixture metrics (prometheus_client is loaded at the first event, not at import)."""
-    from swarm.metrics import MOE_CLIPPED_ROWS, MOE_REJECTED_ANSWERS
-
-    if what == "rejected":
-        MOE_REJECTED_ANSWERS.labels(direction=direction, reason=reason).inc()
-    else:
-        MOE_CLIPPED_ROWS.labels(direction=direction).inc(rows)

@@ -9,6 +9,12 @@ A forward made with grad mode on carries a random graph id, so the server can ke
 forward's graph for the backward instead of recomputing it (`swarm.moe.server.saved_graphs`); when the
 server says it kept it, the backward sends the output gradients without the inputs (and the
 inputs only if the graph is gone by then).
+
+Every answer is checked before it is returned (`swarm.moe.client.answer_checks.ExpertGuard`): the
+outputs against the schema the expert declared, the input gradients against the inputs, all
+finite, and within a magnitude bound learned from the expert's own answers. An answer that fails
+raises `MisbehavingExpert` (a `MoEError`), is logged and counted in
+``swarm_moe_rejected_answers_total``.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from torch import nn
 
 from swarm.core.errors import ConfigError, MoEError
 from swarm.dht.handle import PeerHandle
+from swarm.moe.client.answer_checks import AnswerChecks, ExpertGuard
 from swarm.moe.client.jobs import new_graph_id
 from swarm.moe.protocol import ExpertInfo, call_backward, call_forward_keeping, call_info
+from swarm.moe.schema import TensorSchema
 from swarm.moe.sources import ExpertSource
 
 __all__ = ["RemoteExpert"]
@@ -60,9 +68,12 @@ class RemoteExpert(nn.Module):
         forward_timeout: deadline of each Forward call, seconds.
         backward_timeout: deadline of each Backward call, seconds.
         source: where to look the expert up when `addr` is None.
+        checks: how its answers are checked (default `AnswerChecks()`: on; the first call with
+            checks on also asks the expert's schema, once).
 
     Raises:
         ValueError: no `addr`, and no `source` nor DHT to find it.
+        MisbehavingExpert: (from a call) the expert's answer failed the checks.
     """
 
     def __init__(
@@ -74,6 +85,7 @@ class RemoteExpert(nn.Module):
         forward_timeout: float = 30.0,
         backward_timeout: float = 30.0,
         source: ExpertSource | None = None,
+        checks: AnswerChecks | None = None,
     ) -> None:
         super().__init__()
         if addr is None and source is None:
@@ -91,6 +103,8 @@ class RemoteExpert(nn.Module):
         self.forward_timeout = forward_timeout
         self.backward_timeout = backward_timeout
         self._info: ExpertInfo | None = None
+        self.guard = ExpertGuard(checks or AnswerChecks(), uid)
+        self._output_schemas: tuple[TensorSchema, ...] | None = None
 
     # ---- awaitable forms ------------------------------------------------------------------------
 
@@ -113,14 +127,25 @@ class RemoteExpert(nn.Module):
         return self._info
 
     async def acall_forward(self, *inputs: torch.Tensor, graph_id: int | None = None) -> list[torch.Tensor]:
-        """Runs the expert on `inputs` (no autograd); raises swarm's `RPCError` subclasses."""
-        outputs, _ = await self._forward(await payloads(inputs), graph_id)
+        """Runs the expert on `inputs` (no autograd); raises swarm's `RPCError` subclasses, and
+        `MisbehavingExpert` for an answer that fails the checks."""
+        sent = await payloads(inputs)
+        outputs, _ = await self._forward(sent, graph_id)
+        self._check_outputs(sent, outputs)
         return outputs
 
     async def _forward(self, sent: list[torch.Tensor], graph_id: int | None) -> tuple[list[torch.Tensor], bool]:
-        """The Forward call with `sent`, the inputs' payloads (made off the loop)."""
+        """The Forward call with `sent`, the inputs' payloads (made off the loop); the answer is not
+        checked yet (`_check_outputs`), but the schema it is checked against is known."""
         channel = self.peer.pool.get(await self.aresolve())
+        if self.guard.checks.enabled and self._output_schemas is None:
+            info = self._info or await call_info(channel, self.uid, self.forward_timeout)
+            self._output_schemas = info.outputs_schema
         return await call_forward_keeping(channel, self.uid, sent, graph_id=graph_id, timeout=self.forward_timeout)
+
+    def _check_outputs(self, sent: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        if self._output_schemas is not None:
+            self.guard.check_outputs(str(self._addr), sent, outputs, self._output_schemas)
 
     async def acall_backward(
         self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], graph_id: int | None = None,
@@ -131,7 +156,10 @@ class RemoteExpert(nn.Module):
         With `graph_kept` (the forward's server kept its graph), the inputs are sent only if the
         server no longer has that graph.
         """
-        return await self._backward(await payloads(inputs), await payloads(grad_outputs), graph_id, graph_kept)
+        sent, sent_grads = await payloads(inputs), await payloads(grad_outputs)
+        grads = await self._backward(sent, sent_grads, graph_id, graph_kept)
+        self.guard.check_grads(str(self._addr), sent, sent_grads, grads)
+        return grads
 
     async def _backward(self, inputs: list[torch.Tensor], grad_outputs: list[torch.Tensor], graph_id: int | None,
                         graph_kept: bool) -> list[torch.Tensor]:
@@ -172,6 +200,7 @@ class _RemoteExpertCall(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         sent = [as_payload(x) for x in inputs]  # on this thread: a device copy never waits on the loop
         outputs, kept = expert.peer.run(expert._forward(sent, graph_id), expert.forward_timeout + _BRIDGE_SLACK)
+        expert._check_outputs(sent, outputs)
         ctx.expert, ctx.graph_id, ctx.graph_kept = expert, graph_id, kept
         ctx.save_for_backward(*inputs)
         return tuple(outputs)
@@ -180,9 +209,8 @@ class _RemoteExpertCall(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         expert: RemoteExpert = ctx.expert
         inputs = ctx.saved_tensors
-        grads = expert.peer.run(
-            expert._backward([as_payload(x) for x in inputs], [as_payload(g) for g in grad_outputs], ctx.graph_id,
-                             ctx.graph_kept),
-            expert.backward_timeout + _BRIDGE_SLACK,
-        )
+        sent, sent_grads = [as_payload(x) for x in inputs], [as_payload(g) for g in grad_outputs]
+        grads = expert.peer.run(expert._backward(sent, sent_grads, ctx.graph_id, ctx.graph_kept),
+                                expert.backward_timeout + _BRIDGE_SLACK)
+        expert.guard.check_grads(str(expert._addr), sent, sent_grads, grads)
         return (None, None, None, *(g.to(x.device) for g, x in zip(grads, inputs)))

@@ -24,6 +24,7 @@ from swarm.moe.client.answer_checks import AnswerChecks, MisbehavingExpert
 from swarm.moe.client.beam_search import ExpertChoice, MoEBeamSearcher
 from swarm.moe.client.dispatch import DispatchPolicy, MixtureCall, MixtureCaller
 from swarm.moe.client.jobs import ExpertJob
+from swarm.moe.client.spot_checks import ReplicaMismatch, SpotCheckConfig, SpotChecker
 from swarm.moe.sources import ExpertSource
 
 __all__ = ["MixtureConfig", "RemoteMixtureOfExperts"]
@@ -45,6 +46,8 @@ class MixtureConfig:
         cache_ttl: seconds the search reuses what the DHT said about a prefix.
         policy: k_min, timeouts and what to do with failed experts.
         checks: how the experts' answers are checked and clipped (`swarm.moe.client.answer_checks`).
+        spot_checks: how often an answer is compared with another server's of the same expert
+            (`swarm.moe.client.spot_checks`; off by default).
     """
 
     in_features: int
@@ -55,6 +58,7 @@ class MixtureConfig:
     cache_ttl: float = 2.0
     policy: DispatchPolicy = field(default_factory=DispatchPolicy)
     checks: AnswerChecks = field(default_factory=AnswerChecks)
+    spot_checks: SpotCheckConfig = field(default_factory=SpotCheckConfig)
 
     def __post_init__(self) -> None:
         if self.in_features < 1:
@@ -69,12 +73,17 @@ class MixtureConfig:
 class RemoteMixtureOfExperts(nn.Module):
     """A mixture-of-experts layer over remote experts.
 
+    Takes either a `MixtureConfig` or its fields as keywords (``in_features=..., grid_size=...,
+    uid_prefix=..., k_best=..., k_min=...``), not both.
+
     Args:
         peer: the calling `swarm.Peer` (client mode is fine).
+        config: the mixture's shape, routing, policy and checks.
+        source: where live experts are found (default: the peer's DHT).
         in_features: size of the input's last dimension (the gating network's input).
         grid_size: the expert grid, e.g. ``(4, 4)`` for experts ``ffn.0.0`` ... ``ffn.3.3``.
         uid_prefix: the grid's prefix, e.g. ``"ffn."``.
-        k_best: experts chosen per sample.
+        k_best: experts chosen per sample (default `default_k_best` where the class has one).
         k_min: a forward fails (`MoEError`) unless every sample gets this many answers.
         forward_timeout: deadline of the expert calls of one forward, seconds.
         timeout_after_k_min: once every sample has k_min answers, wait at most this much longer for
@@ -82,41 +91,61 @@ class RemoteMixtureOfExperts(nn.Module):
         backward_k_min: like k_min, for the backward calls.
         backward_timeout: deadline of the expert calls of one backward, seconds.
         allow_zero_outputs: a sample without any answer gets a zero output instead of an error.
-        source: where live experts are found (default: the peer's DHT).
         cache_ttl: seconds the beam search reuses what it read about a prefix.
         beam_size: prefixes kept per sample during the search (default: k_best).
         exclude_failed_for: seconds a failed expert is not chosen again.
         checks: how answers are checked and clipped (default `AnswerChecks()`: on); a server whose
             answer fails them is not chosen again for `checks.avoid_for` seconds.
 
+    Raises:
+        TypeError: both a config and its fields, or neither.
+
     Input ``(..., in_features)``; output ``(..., *expert output shape)``.
     """
+
+    default_k_best: int | None = None
+    """k_best when neither a config nor the keyword gives one (None: it must be given)."""
 
     def __init__(
         self,
         peer: PeerHandle,
+        config: MixtureConfig | None = None,
         *,
-        in_features: int,
-        grid_size: Sequence[int],
-        uid_prefix: str,
-        k_best: int,
+        source: ExpertSource | None = None,
+        in_features: int | None = None,
+        grid_size: Sequence[int] | None = None,
+        uid_prefix: str | None = None,
+        k_best: int | None = None,
         k_min: int = 1,
         forward_timeout: float = 30.0,
         timeout_after_k_min: float | None = None,
         backward_k_min: int = 1,
         backward_timeout: float = 30.0,
         allow_zero_outputs: bool = False,
-        source: ExpertSource | None = None,
         cache_ttl: float = 2.0,
         beam_size: int | None = None,
         exclude_failed_for: float = 5.0,
         checks: AnswerChecks | None = None,
     ) -> None:
         super().__init__()
-        policy = DispatchPolicy(k_min, forward_timeout, timeout_after_k_min, backward_k_min, backward_timeout,
-                                allow_zero_outputs, exclude_failed_for)
-        self.config = MixtureConfig(in_features, tuple(grid_size), uid_prefix, k_best, beam_size, cache_ttl, policy,
-                                    checks or AnswerChecks())
+        if config is None:
+            k_best = self.default_k_best if k_best is None else k_best
+            if in_features is None or grid_size is None or uid_prefix is None or k_best is None:
+                raise TypeError("give a MixtureConfig, or in_features, grid_size, uid_prefix and k_best")
+            policy = DispatchPolicy(k_min, forward_timeout, timeout_after_k_min, backward_k_min, backward_timeout,
+                                    allow_zero_outputs, exclude_failed_for)
+            config = MixtureConfig(in_features, tuple(grid_size), uid_prefix, k_best, beam_size, cache_ttl, policy,
+                                   checks or AnswerChecks())
+        elif not isinstance(config, MixtureConfig):
+            raise TypeError(f"config must be a MixtureConfig, got {type(config).__name__}")
+        else:
+            given = {"in_features": in_features, "grid_size": grid_size, "uid_prefix": uid_prefix, "k_best": k_best,
+                     "beam_size": beam_size, "timeout_after_k_min": timeout_after_k_min, "checks": checks}
+            flat = (k_min, forward_timeout, backward_k_min, backward_timeout, allow_zero_outputs, cache_ttl,
+                    exclude_failed_for)
+            if any(v is not None for v in given.values()) or flat != (1, 30.0, 1, 30.0, False, 2.0, 5.0):
+                raise TypeError("give either a MixtureConfig or its fields as keywords, not both")
+        self.config = config
         if source is None:
             from swarm.moe.dht_declare import DHTExpertSource
 
@@ -124,13 +153,23 @@ class RemoteMixtureOfExperts(nn.Module):
                 raise ConfigError("this peer has no DHT to find experts in: pass their address or a source")
             source = DHTExpertSource(peer.dht)
         self.peer = peer
-        self.searcher = MoEBeamSearcher(source, uid_prefix, self.config.grid_size, cache_ttl)
-        self.caller = MixtureCaller(peer, policy, self._on_failure, self.config.checks)
-        self.gate = nn.Linear(in_features, sum(self.config.grid_size))
+        self.searcher = MoEBeamSearcher(source, config.uid_prefix, config.grid_size, config.cache_ttl)
+        spot = None
+        if config.spot_checks.fraction > 0:
+            spot = SpotChecker(config.spot_checks, source, peer, self.searcher.avoided_servers,
+                               config.policy.forward_timeout)
+        self.caller = MixtureCaller(peer, config.policy, self._on_failure, config.checks, spot)
+        self.gate = nn.Linear(config.in_features, sum(config.grid_size))
 
     def _on_failure(self, job: ExpertJob, error: BaseException) -> None:
-        # runs on the peer's loop, like every use of the searcher's state
-        if isinstance(error, MisbehavingExpert):
+        # runs on the peer's loop, like every use of the searcher's state (or, for a spot check's
+        # verdict, on the calling thread between two searches)
+        if isinstance(error, ReplicaMismatch):
+            if error.blamed is not None:
+                self.searcher.avoid_server(error.blamed, self.config.checks.avoid_for)
+            if error.blamed != job.addr:
+                return  # this expert's own server was not shown wrong: it stays in the search
+        elif isinstance(error, MisbehavingExpert):
             self.searcher.avoid_server(job.addr, self.config.checks.avoid_for)
         self.searcher.exclude(job.uid, self.config.policy.exclude_failed_for)
 

@@ -11,15 +11,10 @@ factorizes), so the loss is taken per dimension: ``g_d * sum_c f_d[c] * P_d[c]``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from swarm.dht.handle import PeerHandle
-from swarm.moe.client.answer_checks import AnswerChecks
 from swarm.moe.client.beam_search import ExpertChoice
 from swarm.moe.client.mixture import RemoteMixtureOfExperts
-from swarm.moe.sources import ExpertSource
 
 __all__ = ["RemoteSwitchMixtureOfExperts"]
 
@@ -27,37 +22,12 @@ __all__ = ["RemoteSwitchMixtureOfExperts"]
 class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
     """A mixture that routes each sample to its best live expert; returns ``(output, balancing_loss)``.
 
-    Takes the arguments of `RemoteMixtureOfExperts`, with ``k_best=1`` by default. With a
-    larger `k_best`, every chosen expert that answered contributes, each scaled by its own
-    router probability.
+    Takes what `RemoteMixtureOfExperts` takes (a `MixtureConfig`, or its fields as keywords), with
+    ``k_best=1`` by default. With a larger `k_best`, every chosen expert that answered contributes,
+    each scaled by its own router probability.
     """
 
-    def __init__(
-        self,
-        peer: PeerHandle,
-        *,
-        in_features: int,
-        grid_size: Sequence[int],
-        uid_prefix: str,
-        k_best: int = 1,
-        k_min: int = 1,
-        forward_timeout: float = 30.0,
-        timeout_after_k_min: float | None = None,
-        backward_k_min: int = 1,
-        backward_timeout: float = 30.0,
-        allow_zero_outputs: bool = False,
-        source: ExpertSource | None = None,
-        cache_ttl: float = 2.0,
-        beam_size: int | None = None,
-        exclude_failed_for: float = 5.0,
-        checks: AnswerChecks | None = None,
-    ) -> None:
-        super().__init__(
-            peer, in_features=in_features, grid_size=grid_size, uid_prefix=uid_prefix, k_best=k_best, k_min=k_min,
-            forward_timeout=forward_timeout, timeout_after_k_min=timeout_after_k_min, backward_k_min=backward_k_min,
-            backward_timeout=backward_timeout, allow_zero_outputs=allow_zero_outputs, source=source,
-            cache_ttl=cache_ttl, beam_size=beam_size, exclude_failed_for=exclude_failed_for, checks=checks,
-        )
+    default_k_best = 1
 
     def gate_weights(
         self, grid_scores: list[torch.Tensor], choice: ExpertChoice, answered: torch.Tensor

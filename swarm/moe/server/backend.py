@@ -86,7 +86,7 @@ class ExpertBackend:
 
     # ---- validation -------------------------------------------------------------------------
 
-    def validate_forward_inputs(self, inputs: Sequence[Any], *, check_finite: bool = True) -> None:
+    def validate_forward_inputs(self, inputs: Sequence[object], *, check_finite: bool = True) -> None:
         """Checks the arguments of a forward call (one task or a whole batch).
 
         Raises:
@@ -95,7 +95,7 @@ class ExpertBackend:
         """
         self._validate(inputs, self.args_schema, "input", check_finite)
 
-    def validate_backward_inputs(self, inputs: Sequence[Any], *, check_finite: bool = True) -> None:
+    def validate_backward_inputs(self, inputs: Sequence[object], *, check_finite: bool = True) -> None:
         """Checks the arguments of a backward call: the inputs, then one gradient per output.
 
         Raises:
@@ -103,7 +103,7 @@ class ExpertBackend:
         """
         self._validate(inputs, self.args_schema + self.outputs_schema, "argument", check_finite)
 
-    def validate_grad_outputs(self, grads: Sequence[Any], *, check_finite: bool = True) -> None:
+    def validate_grad_outputs(self, grads: Sequence[object], *, check_finite: bool = True) -> None:
         """Checks the output gradients of a backward through a kept graph (no inputs).
 
         Raises:
@@ -112,7 +112,7 @@ class ExpertBackend:
         self._validate(grads, self.outputs_schema, "gradient", check_finite, first_grad=0)
 
     def _validate(
-        self, tensors: Sequence[Any], schemas: tuple[TensorSchema, ...], label: str, check_finite: bool,
+        self, tensors: Sequence[object], schemas: tuple[TensorSchema, ...], label: str, check_finite: bool,
         first_grad: int | None = None,
     ) -> None:
         if len(tensors) != len(schemas):
@@ -124,7 +124,7 @@ class ExpertBackend:
             if i >= first_grad:
                 what = f"gradient {i - first_grad} of expert {self.name}"
             schema.validate(tensor, self.max_batch_size, check_finite=check_finite, what=what)
-        batches = {t.shape[0] for t in tensors}
+        batches = {t.shape[0] for t in tensors if isinstance(t, torch.Tensor)}
         if len(batches) > 1:
             raise InvalidRequest(
                 f"expert {self.name}: all tensors must share the batch size, got {sorted(batches)}"
@@ -150,8 +150,7 @@ class ExpertBackend:
         """
         self.validate_forward_inputs(inputs, check_finite=False)
         with torch.no_grad():
-            outputs = self._as_tuple(self.module(*inputs))
-        self._check_outputs(outputs, inputs[0].shape[0])
+            outputs = self._checked_outputs(self.module(*inputs), inputs[0].shape[0])
         return outputs
 
     def backward(self, *inputs_and_grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -193,8 +192,7 @@ class ExpertBackend:
         self.validate_forward_inputs(inputs, check_finite=False)
         leaves = tuple(x.detach().requires_grad_(x.is_floating_point() or x.is_complex()) for x in inputs)
         with torch.enable_grad():
-            outputs = self._as_tuple(self.module(*leaves))
-        self._check_outputs(outputs, leaves[0].shape[0])
+            outputs = self._checked_outputs(self.module(*leaves), leaves[0].shape[0])
         return leaves, outputs
 
     def backward_through(
@@ -234,11 +232,9 @@ class ExpertBackend:
             self.module.zero_grad(set_to_none=True)
             self.updates += 1
 
-    @staticmethod
-    def _as_tuple(outputs: Any) -> tuple[torch.Tensor, ...]:
-        return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-
-    def _check_outputs(self, outputs: tuple[Any, ...], batch: int) -> None:
+    def _checked_outputs(self, answer: object, batch: int) -> tuple[torch.Tensor, ...]:
+        """The module's answer as a tuple of tensors, each checked against `outputs_schema`."""
+        outputs = tuple(answer) if isinstance(answer, (tuple, list)) else (answer,)
         if len(outputs) != len(self.outputs_schema):
             raise MoEError(
                 f"expert {self.name} returned {len(outputs)} outputs, its schema declares "
@@ -259,6 +255,7 @@ class ExpertBackend:
                     f"expert {self.name} output {i} is {got}, its schema declares "
                     f"{dtype_name(schema.dtype)} {(batch, *schema.shape_without_batch)}"
                 )
+        return tuple(out for out in outputs if isinstance(out, torch.Tensor))
 
     # ---- description and state ----------------------------------------------------------------
 

@@ -18,9 +18,8 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -38,7 +37,7 @@ class Task:
     rows: int
     future: asyncio.Future[tuple[torch.Tensor, ...]]
     loop: asyncio.AbstractEventLoop
-    tag: Any = None
+    tag: Hashable | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
 
 

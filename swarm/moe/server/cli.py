@@ -5,7 +5,7 @@ The options are checked before torch is imported, so a typo fails in a fraction 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from swarm.core.errors import ConfigError
 from swarm.core.optional import require_torch
@@ -16,7 +16,22 @@ if TYPE_CHECKING:
     from swarm.moe.server.expert_server import ExpertServer
 
 
-def serve_experts(peer: PeerHandle, options: Any) -> ExpertServer:
+class ExpertOptions(Protocol):
+    """What `serve_experts` reads of the daemon's options (`swarm.cli.config.PeerOptions` has it)."""
+
+    @property
+    def experts(self) -> str | None: ...
+    @property
+    def expert_cls(self) -> str: ...
+    @property
+    def hidden_dim(self) -> int: ...
+    @property
+    def checkpoint_dir(self) -> str | None: ...
+    @property
+    def expert_hostile(self) -> str | None: ...
+
+
+def serve_experts(peer: PeerHandle, options: ExpertOptions) -> ExpertServer:
     """Serves the experts the daemon's options name; the server shuts down (and saves) with the peer.
 
     Args:
@@ -33,6 +48,8 @@ def serve_experts(peer: PeerHandle, options: Any) -> ExpertServer:
         MissingDependency: torch is not installed (an infrastructure install).
         CheckpointError: a checkpoint in ``checkpoint_dir`` exists but does not fit.
     """
+    if options.experts is None:
+        raise ConfigError("--experts: no pattern given")
     try:
         expand_pattern(options.experts)
     except (ValueError, TypeError) as e:

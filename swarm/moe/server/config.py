@@ -57,7 +57,7 @@ class ExpertServerConfig:
             (`swarm.moe.server.gradient_bounds`); None: no bound.
         grad_clip_window: batches that reference is taken over.
         hostile: a FAULT for tests and demos: the server's experts lie in every answer
-            (`swarm.moe.server.hostile`: ``x1e6``, ``nan``, ``shape``, ``sometimes``). None: honest.
+            (`swarm.moe.server.hostile`: ``x1e6``, ``nan``, ``shape``, ``sometimes``, ``flip``). None: honest.
     """
 
     max_batch_size: int = 4096

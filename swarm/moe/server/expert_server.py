@@ -235,7 +235,9 @@ class ExpertServer(GroupCallHandlers):
             raise NotFound(f"{what}: expert {shown_uid(uid)} is not hosted by {self.peer.peer_id}")
         return hosted
 
-    def _request(self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool) -> Any:
+    def _request(
+        self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool
+    ) -> contextlib.AbstractAsyncContextManager[tuple[HostedExpert, ExpertCall, list[torch.Tensor], Hashable | None]]:
         """Admits one request; yields (hosted expert, call, tensors, graph key) and holds its slot and
         bytes until exit."""
         return self._admitted(requests, lambda stream, held: self._receive(stream, ctx, backward, held))

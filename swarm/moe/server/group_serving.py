@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Hashable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["GroupCallHandlers"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,10 @@ class GroupCallHandlers:
     # ---- receiving --------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, requests: AsyncIterator[bytes], receive: Any) -> AsyncIterator[Any]:
+    async def _admitted(
+        self, requests: AsyncIterator[bytes], receive: Callable[[AsyncIterator[bytes], contextlib.AsyncExitStack],
+                                                              Awaitable[_T]],
+    ) -> AsyncIterator[_T]:
         """Runs `receive(stream, held)` (admit one request, receive and check its tensors) and holds
         what it took (queue slot, bytes) in `held` until exit."""
         stream = aiter(requests)
@@ -162,7 +167,9 @@ class GroupCallHandlers:
             receiver.feed(chunk)
         return receiver.result()
 
-    def _group_request(self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool) -> Any:
+    def _group_request(
+        self, requests: AsyncIterator[bytes], ctx: CallContext, backward: bool
+    ) -> contextlib.AbstractAsyncContextManager[_Received]:
         """Admits one group request; yields its `_Received`."""
         return self._admitted(requests, lambda stream, held: self._receive_group(stream, ctx, backward, held))
 

@@ -8,7 +8,9 @@ server lie in its answers, forward and backward, so that the defences of the mix
 - ``x1e6``: every answer (outputs, input gradients) multiplied by 1e6;
 - ``nan``: every answer NaN;
 - ``shape``: every answer one column wider than the expert's schema says;
-- ``sometimes``: every third batch of each expert (and direction) multiplied by 1e6, the others honest.
+- ``sometimes``: every third batch of each expert (and direction) multiplied by 1e6, the others honest;
+- ``flip``: every answer negated: finite, of the right shape and of honest magnitude, so that only a
+  comparison with another server of the same expert (`swarm.moe.client.spot_checks`) can see it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ if TYPE_CHECKING:  # torch is imported when a lie is told, so the CLI checks a m
 
 __all__ = ["HOSTILE_MODES", "HostileAnswers"]
 
-HOSTILE_MODES = ("x1e6", "nan", "shape", "sometimes")
+HOSTILE_MODES = ("x1e6", "nan", "shape", "sometimes", "flip")
 SCALE = 1e6
 SOMETIMES_EVERY = 3
 
@@ -56,6 +58,8 @@ class HostileAnswers:
             return t
         if self.mode == "nan":
             return torch.full_like(t, float("nan"))
+        if self.mode == "flip":
+            return -t
         if self.mode == "shape":
             return torch.cat([t, t[..., :1]], dim=-1) if t.dim() >= 2 else t
         return t * SCALE

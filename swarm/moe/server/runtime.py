@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Self
 
 from swarm.core.errors import MoEError, SwarmError
 from swarm.moe.server.batch_runner import Task, deliver
@@ -145,7 +145,7 @@ class Runtime:
                 deliver(task, None, MoEError(f"{reason} while the task was running"))
 
     def submit_together(
-        self, requests: Sequence[tuple[TaskPool, Sequence[torch.Tensor], Any]]
+        self, requests: Sequence[tuple[TaskPool, Sequence[torch.Tensor], Hashable | None]]
     ) -> list[asyncio.Future[tuple[torch.Tensor, ...]]]:
         """Queues several tasks at once: no worker sees some of them before all are queued, so
         tasks of different groups are spread over the workers from the start.

@@ -32,9 +32,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -150,7 +149,7 @@ class TaskPool(BatchRunner):
 
     # ---- caller side (any event loop) ---------------------------------------------------------
 
-    async def submit(self, *tensors: torch.Tensor, tag: Any = None) -> tuple[torch.Tensor, ...]:
+    async def submit(self, *tensors: torch.Tensor, tag: Hashable | None = None) -> tuple[torch.Tensor, ...]:
         """Queues one task and waits for its slice of the batch outputs.
 
         Never blocks the event loop: the compute runs on the runtime's thread.
@@ -171,7 +170,7 @@ class TaskPool(BatchRunner):
         """
         return await self._wait(self._enqueue(tensors, tag))
 
-    def _enqueue(self, tensors: tuple[Any, ...], tag: Any, enqueued_at: float | None = None) -> Task:
+    def _enqueue(self, tensors: tuple[torch.Tensor, ...], tag: Hashable | None, enqueued_at: float | None = None) -> Task:
         """Checks and queues one task (on the caller's loop, which `_wait` must then await on).
 
         `enqueued_at` (monotonic; default now) lets tasks queued together share one arrival time,
@@ -201,9 +200,10 @@ class TaskPool(BatchRunner):
             self._discard(task)
             raise
 
-    def _check_task(self, tensors: tuple[Any, ...]) -> int:
+    def _check_task(self, tensors: Sequence[object]) -> int:
         if not tensors:
             raise InvalidRequest(f"task pool {self.name}: a task needs at least one tensor")
+        rows = set()
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise InvalidRequest(
@@ -211,7 +211,7 @@ class TaskPool(BatchRunner):
                 )
             if t.dim() < 1:
                 raise InvalidRequest(f"task pool {self.name}: argument {i} has no batch dimension")
-        rows = {t.shape[0] for t in tensors}
+            rows.add(t.shape[0])
         if len(rows) != 1:
             raise InvalidRequest(f"task pool {self.name}: tensors disagree on the batch size: {sorted(rows)}")
         (n,) = rows
