@@ -245,7 +245,7 @@ class SwarmTorchOptimizer(torch.optim.Optimizer):
             raise ValueError("the session must wrap this optimizer")
         self.session = session
 
-    def join(self, swarm: SwarmArguments, model: torch.nn.Module, scheduler: SchedulerLike | None, *, peer: Peer,
+    def join(self, swarm: SwarmArguments, model: torch.nn.Module, scheduler: SchedulerLike | None, *, peer: Peer | None,
              resuming: bool, fingerprint: ModelFingerprint | None = None,
              sampler: PeerShardSampler | None = None) -> tuple[SwarmSession, ScheduleView]:
         """Starts the session around this optimizer and binds to it; returns it and what the framework sees
