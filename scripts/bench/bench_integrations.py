@@ -53,19 +53,23 @@ CONFIG = CollaborationConfig(load_state_on_start=False)
 Rate = tuple[float, float]  # (samples per wall second, samples per CPU second)
 
 
-def torch_loop(args, train) -> Rate:
-    model = tiny_gpt2(args.layers, args.width, context=args.context)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def loop(model, step, args, train) -> Rate:
+    """A hand-written training loop: `step()` after each batch's backward."""
     loader = iter(DataLoader(train, batch_size=BATCH, sampler=PeerShardSampler(len(train), 1)))
     for i in range(args.steps + args.warmup):
         if i == args.warmup:
             started, cpu = time.perf_counter(), time.process_time()
         batch = next(loader)
         model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        step()
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu
     return args.steps * BATCH / seconds, args.steps * BATCH / cpu_seconds
+
+
+def torch_loop(args, train) -> Rate:
+    model = tiny_gpt2(args.layers, args.width, context=args.context)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return loop(model, lambda: (opt.step(), opt.zero_grad()), args, train)
 
 
 def plain(args, train) -> Rate:
@@ -73,17 +77,9 @@ def plain(args, train) -> Rate:
     with Peer(listen="/ip4/127.0.0.1/tcp/0") as peer:
         opt = Optimizer(peer, "bench-plain", model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-3),
                         target_batch_size=BATCH, config=CONFIG)
-        loader = iter(DataLoader(train, batch_size=BATCH, sampler=PeerShardSampler(len(train), 1)))
-        for i in range(args.steps + args.warmup):
-            if i == args.warmup:
-                started, cpu = time.perf_counter(), time.process_time()
-            batch = next(loader)
-            model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
-            opt.step(BATCH)
-            opt.zero_grad()
-        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu
+        rate = loop(model, lambda: (opt.step(BATCH), opt.zero_grad()), args, train)
         opt.shutdown()
-    return args.steps * BATCH / seconds, args.steps * BATCH / cpu_seconds
+    return rate
 
 
 class Timer:

@@ -113,19 +113,21 @@ def run(spawn: Any, address: Any, args: argparse.Namespace, timeout: float) -> l
             raise RuntimeError(f"worker 0 did not start ({procs[0].wait()})")
         procs += [spawn(i, argv(i, "--initial-peers", first), env) for i in range(1, args.peers)]
         deadline = time.monotonic() + timeout
-        results = []
-        for proc in procs:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            lines = [line for line in out.decode().splitlines() if line.startswith("{")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"a worker failed ({proc.returncode})")
-            results.append(json.loads(lines[-1]))
-        return results
+        return [figures(proc, deadline) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def figures(proc: subprocess.Popen[bytes], deadline: float) -> dict[str, Any]:
+    """The JSON line a worker ends with (RuntimeError if it failed), waiting until `deadline` at most."""
+    out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    last = ([line for line in out.decode().splitlines() if line.startswith("{")] or [""])[-1]
+    if proc.returncode != 0 or not last:
+        raise RuntimeError(f"a worker failed ({proc.returncode})")
+    return json.loads(last)
 
 
 def summary(name: str, results: list[dict[str, Any]]) -> dict[str, float]:

@@ -68,23 +68,13 @@ def test_fp16_on_a_cpu_trains_in_float32_and_the_trainer_says_so(tmp_path, caplo
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_lightning_autocasts_to_bf16_on_a_cpu(precision):
     pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+    from gpt2_lightning import CausalLM
     from torch.utils.data import DataLoader
 
     from swarm.integrations.lightning import SwarmStrategy
 
-    class CausalLM(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = tiny_gpt2(context=32)
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
     train, _ = byte_corpus(32, limit=20_000)
-    module = CausalLM()
+    module = CausalLM(STEPS)  # the Lightning example's module
     seen = _logits_dtypes(module.model)
     before = [p.detach().clone() for p in module.parameters()]
     strategy = SwarmStrategy(_swarm(f"precision-{precision}"), device="cpu", max_collective_steps=STEPS)
