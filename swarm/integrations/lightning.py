@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from swarm.core.errors import ConfigError
 from swarm.integrations import session as swarm_session
 from swarm.integrations.data import PeerShardSampler, peer_seed
+from swarm.integrations.session import SwarmArguments
 from swarm.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,10 @@ class SwarmStrategy(SingleDeviceStrategy):
     lr_scheduler_configs: list[LRSchedulerConfig]
     lightning_module: LightningModule
 
-    def __init__(self, swarm: swarm_session.SwarmArguments, device: str | torch.device | None = None, *,
+    def __init__(self, swarm: SwarmArguments, device: str | torch.device | None = None, *,
                  max_collective_steps: int | None = None, max_grad_norm: float = 0.0,
                  peer: Peer | None = None, **kwargs: object) -> None:
-        if not isinstance(swarm, swarm_session.SwarmArguments):
+        if not isinstance(swarm, SwarmArguments):
             raise TypeError(f"swarm must be a SwarmArguments, got {type(swarm).__name__}")
         if max_collective_steps is not None and (not isinstance(max_collective_steps, int) or max_collective_steps < 1):
             raise ConfigError(f"max_collective_steps must be a positive int, got {max_collective_steps!r}")
@@ -154,4 +155,4 @@ class SwarmStrategy(SingleDeviceStrategy):
                 self.peer.shutdown()
 
 
-__all__ = ["SwarmStrategy"]
+__all__ = ["SwarmArguments", "SwarmStrategy"]
