@@ -8,9 +8,16 @@ weights (the model starts from a random initialization of a `GPT2Config`).
 
 from __future__ import annotations
 
+import argparse
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
 import datasets
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
+
+from swarm.peer import Peer
 
 
 def byte_corpus(context: int = 64, held_out: float = 0.05, limit: int | None = None) -> tuple[datasets.Dataset,
@@ -50,3 +57,80 @@ def held_out_loss(model: torch.nn.Module, data: datasets.Dataset, batches: int =
         losses.append(float(model(input_ids=rows["input_ids"], labels=rows["labels"]).loss))
     model.train()
     return sum(losses) / max(len(losses), 1)
+
+
+class HeldOutPrinter:
+    """Prints (and keeps) the held-out loss each `every` swarm steps; `losses[0]` is before training."""
+
+    def __init__(self, model: torch.nn.Module, held_out: datasets.Dataset, every: int) -> None:
+        self.model, self.held_out, self.every, self.last = model, held_out, max(1, every), 0
+        self.losses: list[float] = []
+        self.report(0)
+
+    def report(self, step: int) -> None:
+        loss = held_out_loss(self.model, self.held_out)
+        self.losses.append(loss)
+        print(f"swarm step {step:4d}  held-out loss {loss:.3f}", flush=True)
+
+    def at_step(self, step: int) -> None:
+        """Reports when `step` (the swarm's, which can move by more than one) passed the next multiple of `every`."""
+        if step >= self.last + self.every:
+            self.last = step
+            self.report(step)
+
+
+def example_arguments(description: str, argv: Sequence[str] | None,
+                      more: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The examples' command line: `--steps` (the swarm's), `--peers`, `--limit` (corpus bytes)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=60, help="the swarm's steps")
+    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--limit", type=int, default=None, help="use only the corpus's first LIMIT bytes")
+    if more is not None:
+        more(parser)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    return args
+
+
+def local_peers(count: int) -> list[Peer]:
+    """`count` peers of one swarm on loopback (each bootstraps from the first)."""
+    peers: list[Peer] = []
+    for _ in range(count):
+        peers.append(Peer(listen="/ip4/127.0.0.1/tcp/0", initial_peers=peers[0].addrs if peers else ()))
+    return peers
+
+
+class InThreads:
+    """Runs each callable in a thread of its own (the examples' peers share one process)."""
+
+    def __init__(self, targets: Sequence[Callable[[], object]]) -> None:
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._run, args=(t,)) for t in targets]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, target: Callable[[], object]) -> None:
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 -- raised again by join
+            self.errors.append(e)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits for every thread (each up to `timeout` s); raises the first error one of them met."""
+        for thread in self.threads:
+            thread.join(timeout)
+        if any(thread.is_alive() for thread in self.threads):
+            raise TimeoutError(f"a peer's training did not end within {timeout} s")
+        if self.errors:
+            raise self.errors[0]
+
+
+def train_together(peers: Sequence[Peer], targets: Sequence[Callable[[], object]]) -> None:
+    """Runs each peer's training in a thread of its own, then stops the peers."""
+    try:
+        InThreads(targets).join()
+    finally:
+        for peer in peers:
+            peer.shutdown()

@@ -10,10 +10,8 @@ as `gpt2_trainer.py`; it prints the held-out loss as the swarm's step count grow
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
-import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -22,11 +20,10 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpt2_common import byte_corpus, held_out_loss, tiny_gpt2
+from gpt2_common import HeldOutPrinter, byte_corpus, example_arguments, local_peers, tiny_gpt2, train_together
 
 from swarm.integrations.lightning import SwarmStrategy
 from swarm.integrations.session import SwarmArguments
-from swarm.peer import Peer
 
 
 class CausalLM(pl.LightningModule):
@@ -45,28 +42,19 @@ class CausalLM(pl.LightningModule):
 
 
 class PrintHeldOutLoss(pl.Callback):
-    def __init__(self, held_out, every: int) -> None:
-        self.held_out, self.every, self.last = held_out, every, 0
+    def __init__(self, printer: HeldOutPrinter) -> None:
+        self.printer = printer
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        step = trainer.strategy.global_step
-        if step % self.every == 0 and step != self.last:
-            self.last = step
-            print(f"swarm step {step:4d}  held-out loss {held_out_loss(module.model, self.held_out):.3f}", flush=True)
+        self.printer.at_step(trainer.strategy.global_step)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="the swarm's steps")
-    parser.add_argument("--peers", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING)
-    train, held_out = byte_corpus(64)
-    peers: list[Peer] = []
-    for _ in range(args.peers):
-        peers.append(Peer(listen="/ip4/127.0.0.1/tcp/0", initial_peers=peers[0].addrs if peers else ()))
-    runs = []
+def main(argv: Sequence[str] | None = None) -> list[float]:
+    """Runs the example; returns the held-out losses it printed."""
+    args = example_arguments(__doc__.splitlines()[0], argv)
+    train, held_out = byte_corpus(64, limit=args.limit)
+    peers = local_peers(args.peers)
+    fits = []
     for i, peer in enumerate(peers):
         module = CausalLM(args.steps)
         strategy = SwarmStrategy(SwarmArguments(run_id="gpt2-lightning", target_batch_size=32 * args.peers,
@@ -75,19 +63,14 @@ def main() -> None:
         loader = DataLoader(train, batch_size=16, sampler=strategy.sampler(len(train)))
         callbacks = []
         if i == 0:
-            print(f"swarm step    0  held-out loss {held_out_loss(module.model, held_out):.3f}", flush=True)
-            callbacks.append(PrintHeldOutLoss(held_out, max(1, args.steps // 6)))
+            printer = HeldOutPrinter(module.model, held_out, args.steps // 6)
+            callbacks.append(PrintHeldOutLoss(printer))
         trainer = pl.Trainer(strategy=strategy, max_steps=100 * args.steps, accumulate_grad_batches=2, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=callbacks)
-        runs.append((trainer, module, loader))
-    threads = [threading.Thread(target=lambda r=r: r[0].fit(r[1], r[2])) for r in runs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for peer in peers:
-        peer.shutdown()
+        fits.append(lambda t=trainer, m=module, d=loader: t.fit(m, d))
+    train_together(peers, fits)
+    return printer.losses
 
 
 if __name__ == "__main__":

@@ -12,49 +12,35 @@ swarm's step count grows.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 import tempfile
-import threading
+from collections.abc import Sequence
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpt2_common import byte_corpus, held_out_loss, tiny_gpt2
+from gpt2_common import HeldOutPrinter, byte_corpus, example_arguments, local_peers, tiny_gpt2, train_together
 from transformers import TrainerCallback, TrainingArguments
 
 from swarm.integrations.session import SwarmArguments
 from swarm.integrations.transformers import SwarmTrainer
 from swarm.optim import DiLoCoConfig
-from swarm.peer import Peer
 
 
 class PrintHeldOutLoss(TrainerCallback):
-    def __init__(self, model: torch.nn.Module, held_out, every: int) -> None:
-        self.model, self.held_out, self.every, self.last = model, held_out, every, 0
+    def __init__(self, printer: HeldOutPrinter) -> None:
+        self.printer = printer
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every == 0 and state.global_step != self.last:
-            self.last = state.global_step
-            print(f"swarm step {state.global_step:4d}  held-out loss {held_out_loss(self.model, self.held_out):.3f}",
-                  flush=True)
+        self.printer.at_step(state.global_step)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="the swarm's steps (max_steps)")
-    parser.add_argument("--peers", type=int, default=3)
-    parser.add_argument("--diloco", action="store_true", help="DiLoCo mode (8 local steps per round)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING)
-    train, held_out = byte_corpus(64)
-    peers: list[Peer] = []
-    for _ in range(args.peers):
-        peers.append(Peer(listen="/ip4/127.0.0.1/tcp/0", initial_peers=peers[0].addrs if peers else ()))
+def main(argv: Sequence[str] | None = None) -> list[float]:
+    """Runs the example; returns the held-out losses it printed."""
+    args = example_arguments(__doc__.splitlines()[0], argv, lambda parser: parser.add_argument(
+        "--diloco", action="store_true", help="DiLoCo mode (8 local steps per round)"))
+    train, held_out = byte_corpus(64, limit=args.limit)
+    peers = local_peers(args.peers)
     swarm = SwarmArguments(run_id="gpt2-trainer", target_batch_size=None if args.diloco else 32 * args.peers,
                            diloco=DiLoCoConfig(local_steps=8) if args.diloco else None, min_peers=args.peers)
     out = tempfile.mkdtemp(prefix="gpt2-trainer-")
@@ -68,16 +54,11 @@ def main() -> None:
                                      logging_steps=10_000)
         trainer = SwarmTrainer(model=model, args=training, train_dataset=train, swarm=swarm, peer=peer)
         if i == 0:
-            print(f"swarm step    0  held-out loss {held_out_loss(model, held_out):.3f}", flush=True)
-            trainer.add_callback(PrintHeldOutLoss(model, held_out, max(1, args.steps // 6)))
+            printer = HeldOutPrinter(model, held_out, args.steps // 6)
+            trainer.add_callback(PrintHeldOutLoss(printer))
         trainers.append(trainer)
-    threads = [threading.Thread(target=t.train) for t in trainers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for peer in peers:
-        peer.shutdown()
+    train_together(peers, [t.train for t in trainers])
+    return printer.losses
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ is N times larger.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -64,22 +63,27 @@ class PeerShardSampler(torch.utils.data.Sampler[int]):
         """Indices handed out so far, over all passes."""
         return self.passes * self.num_samples + self.offset
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int]:
         return {"num_samples": self.num_samples, "seed": self.seed, "passes": self.passes, "offset": self.offset}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Resumes where a saved sampler stopped (same dataset length; the seed comes with the state).
 
         Raises:
             ValueError: the state is malformed or belongs to a dataset of another length.
         """
-        try:
-            num_samples, seed, passes, offset = (int(state[k]) for k in ("num_samples", "seed", "passes", "offset"))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"not a sampler state: {e}") from e
+        num_samples, seed, passes, offset = (_saved_int(state, k) for k in ("num_samples", "seed", "passes", "offset"))
         if num_samples != self.num_samples:
             raise ValueError(f"the saved position is in a dataset of {num_samples} samples, this one has "
                              f"{self.num_samples}")
         if passes < 0 or not 0 <= offset <= num_samples:
             raise ValueError(f"bad sampler position: pass {passes}, offset {offset}")
         self.seed, self.passes, self.offset = seed, passes, offset
+
+
+def _saved_int(state: Mapping[str, object], key: str) -> int:
+    """`state[key]` if it is an int; ValueError (a malformed saved state, like the others) if not."""
+    value = state.get(key) if isinstance(state, Mapping) else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"not a sampler state: {key} is {value!r}")

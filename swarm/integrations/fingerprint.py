@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
@@ -50,11 +49,11 @@ class ModelFingerprint:
         text = repr(sorted(asdict(self).items()))
         return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> dict[str, object]:
         return asdict(self)
 
     @classmethod
-    def from_record(cls, record: Any) -> ModelFingerprint | None:
+    def from_record(cls, record: object) -> ModelFingerprint | None:
         """Decodes a DHT record; None when it is not a well-formed fingerprint."""
         if not isinstance(record, dict):
             return None

@@ -27,21 +27,17 @@ One process trains one device (as `HivemindStrategy`); several GPUs of one machi
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-from typing import Any
+from collections.abc import Callable
 
 import torch
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from swarm.core.errors import ConfigError
+from swarm.integrations import session as swarm_session
 from swarm.integrations.data import PeerShardSampler, peer_seed
-from swarm.integrations.session import (
-    ScheduleView,
-    SwarmArguments,
-    SwarmSession,
-    SwarmTorchOptimizer,
-    batch_size_of,
-)
+from swarm.integrations.session import SwarmArguments
 from swarm.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -62,13 +58,13 @@ class SwarmStrategy(SingleDeviceStrategy):
 
     strategy_name = "swarm"
     # what this class reads of Lightning's Strategy (typed here: mypy does not follow lightning)
-    optimizers: Any
-    lr_scheduler_configs: Any
-    lightning_module: Any
+    optimizers: list[torch.optim.Optimizer]
+    lr_scheduler_configs: list[LRSchedulerConfig]
+    lightning_module: LightningModule
 
     def __init__(self, swarm: SwarmArguments, device: str | torch.device | None = None, *,
                  max_collective_steps: int | None = None, max_grad_norm: float = 0.0,
-                 peer: Peer | None = None, **kwargs: Any) -> None:
+                 peer: Peer | None = None, **kwargs: object) -> None:
         if not isinstance(swarm, SwarmArguments):
             raise TypeError(f"swarm must be a SwarmArguments, got {type(swarm).__name__}")
         if max_collective_steps is not None and (not isinstance(max_collective_steps, int) or max_collective_steps < 1):
@@ -82,13 +78,11 @@ class SwarmStrategy(SingleDeviceStrategy):
         self.max_collective_steps = max_collective_steps
         self.max_grad_norm = max_grad_norm
         self._owns_peer = peer is None
-        self.peer = peer if peer is not None else Peer(
-            initial_peers=swarm.peers_to_join(), listen=swarm.listen, identity_path=swarm.identity_path,
-            client_mode=swarm.client_mode)
-        self.session: SwarmSession | None = None
+        self.peer = peer if peer is not None else swarm.start_peer()
+        self.session: swarm_session.SwarmSession | None = None
+        self._adapter: swarm_session.SwarmTorchOptimizer | None = None
         self._sampler: PeerShardSampler | None = None
-        self._samples = 0
-        self._trainer: Any = None
+        self._trainer: Trainer | None = None
         self._ended_at = 0
         logger.info("[%s] to train with this peer, run the same script elsewhere with %s=\"%s\"", swarm.run_id,
                     "SWARM_INITIAL_PEERS", " ".join(self.peer.addrs))
@@ -100,11 +94,11 @@ class SwarmStrategy(SingleDeviceStrategy):
             self.session.sampler = self._sampler
         return self._sampler
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: Trainer) -> None:
         self._trainer = trainer
         super().setup(trainer)
 
-    def setup_optimizers(self, trainer: Any) -> None:
+    def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         if len(self.optimizers) != 1:
             raise ConfigError(f"SwarmStrategy trains with one optimizer, configure_optimizers returned "
@@ -112,43 +106,31 @@ class SwarmStrategy(SingleDeviceStrategy):
         if len(self.lr_scheduler_configs) > 1:
             raise ConfigError("SwarmStrategy takes at most one learning-rate scheduler")
         inner = self.optimizers[0]
-        if isinstance(inner, SwarmTorchOptimizer):
+        if isinstance(inner, swarm_session.SwarmTorchOptimizer):
             return  # set up again (a second fit): the session is in place
         config = self.lr_scheduler_configs[0] if self.lr_scheduler_configs else None
         scheduler = config.scheduler if config is not None else None
         if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise ConfigError(f"SwarmStrategy steps LRScheduler schedules, got {type(scheduler).__name__}")
-        if self.max_grad_norm > 0:
-            params = [p for group in inner.param_groups for p in group["params"]]
-            norm = self.max_grad_norm
-
-            def clip_at_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-                torch.nn.utils.clip_grad_norm_(params, norm)
-
-            inner.register_step_pre_hook(clip_at_step)
-        swarm = self.swarm
-        if trainer.ckpt_path:  # the checkpoint's state loads first; the swarm's newer one at the first step
-            swarm = replace(swarm, collaboration=replace(swarm.collaboration, load_state_on_start=False))
-        self.session = SwarmSession(swarm, self.lightning_module, inner, scheduler, peer=self.peer,
-                                    sampler=self._sampler)
-        adapter = SwarmTorchOptimizer(inner, self._take_samples)
-        adapter.bind(self.session)
+        swarm_session.clip_before_step(inner, self.max_grad_norm)
+        adapter = swarm_session.SwarmTorchOptimizer(inner)
+        self.session, view = adapter.join(self.swarm, self.lightning_module, scheduler, peer=self.peer,
+                                          resuming=bool(trainer.ckpt_path), sampler=self._sampler)
+        self._adapter = adapter
         self.optimizers = [adapter]
         if config is not None:
-            config.scheduler = ScheduleView(scheduler, inner)
+            config.scheduler = view
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch = args[0] if args else kwargs.get("batch")
-        self._samples += batch_size_of(batch)
+    def training_step(self, *args: object, **kwargs: object) -> object:
+        if self._adapter is not None:
+            self._adapter.count(args[0] if args else kwargs.get("batch"))
         return super().training_step(*args, **kwargs)
 
-    def _take_samples(self) -> int:
-        samples, self._samples = self._samples, 0
-        return samples
-
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], object],
+                       model: torch.nn.Module | None = None, **kwargs: object) -> object:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._samples = 0  # a step the gradient scaler skipped leaves its count here
+        if self._adapter is not None:
+            self._adapter.discard_samples()  # a step the gradient scaler skipped leaves its count there
         session = self.session
         if session is not None and self.max_collective_steps is not None and self._trainer is not None and (
                 session.global_step >= self.max_collective_steps):
@@ -162,7 +144,7 @@ class SwarmStrategy(SingleDeviceStrategy):
         return self.session.global_step if self.session is not None else self._ended_at
 
     def teardown(self) -> None:
-        session, self.session = self.session, None
+        session, self.session, self._adapter = self.session, None, None
         try:
             if session is not None:
                 session.shutdown()

@@ -105,6 +105,11 @@ class SwarmArguments:
             return list(self.initial_peers)
         return os.environ.get(INITIAL_PEERS_ENV, "").replace(",", " ").split()
 
+    def start_peer(self) -> Peer:
+        """A new peer as these arguments say (initial peers, listen address, identity, client mode)."""
+        return Peer(initial_peers=self.peers_to_join(), listen=self.listen, identity_path=self.identity_path,
+                    client_mode=self.client_mode)
+
 
 SchedulerLike = torch.optim.lr_scheduler.LRScheduler
 
@@ -192,19 +197,22 @@ class SwarmSession:
                 self.inner_steps = self.optimizer.epoch * self.args.diloco.steps_per_round
         return outcome
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """What a checkpoint must hold to resume in the swarm (optimizer, step count, data position)."""
         return {"swarm_optimizer": self.optimizer.state_dict(), "inner_steps": self.inner_steps,
                 "sampler": self.sampler.state_dict() if self.sampler is not None else None}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Resumes from `state_dict()`'s output; the swarm's newer state follows at the next step."""
-        if not isinstance(state, dict) or "swarm_optimizer" not in state:
+        optimizer, inner_steps, sampler = (state.get(k) if isinstance(state, Mapping) else None
+                                           for k in ("swarm_optimizer", "inner_steps", "sampler"))
+        if not isinstance(optimizer, dict) or not isinstance(inner_steps, int) or not (
+                sampler is None or isinstance(sampler, Mapping)):
             raise ValueError("not a swarm session state (expected the keys swarm_optimizer, inner_steps, sampler)")
-        self.optimizer.load_state_dict(state["swarm_optimizer"])
-        self.inner_steps = int(state.get("inner_steps") or 0)
-        if state.get("sampler") is not None and self.sampler is not None:
-            self.sampler.load_state_dict(state["sampler"])
+        self.optimizer.load_state_dict(optimizer)
+        self.inner_steps = inner_steps
+        if sampler is not None and self.sampler is not None:
+            self.sampler.load_state_dict(sampler)
 
     def shutdown(self) -> None:
         """Lands the round in flight, leaves the run, and stops the peer if the session started it."""
@@ -227,22 +235,45 @@ class SwarmTorchOptimizer(torch.optim.Optimizer):
     that optimizer, unchanged (frameworks prepare the optimizer before the run's step count, which
     the scheduler needs, is known).
 
+    The framework's training step counts each batch's samples (`count`); `step()` hands their sum
+    to the swarm. A step the framework skips (fp16's gradient scaler found an inf) leaves its count
+    behind: `discard_samples` drops it.
+
     Args:
         optimizer: the loop's own torch optimizer.
-        samples: how many samples the batch being stepped held (read, then reset, at each step).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, samples: Callable[[], int]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         # like accelerate's AcceleratedOptimizer, it keeps no parameter groups of its own
         self.optimizer = optimizer
         self.session: SwarmSession | None = None
-        self._samples = samples
+        self.samples = 0  # samples of the local batch being accumulated
         self.last_outcome: StepOutcome | None = None
 
     def bind(self, session: SwarmSession) -> None:
         if session.optimizer.optimizer is not self.optimizer:
             raise ValueError("the session must wrap this optimizer")
         self.session = session
+
+    def join(self, swarm: SwarmArguments, model: torch.nn.Module, scheduler: SchedulerLike | None, *, peer: Peer | None,
+             resuming: bool, fingerprint: ModelFingerprint | None = None,
+             sampler: PeerShardSampler | None = None) -> tuple[SwarmSession, ScheduleView]:
+        """Starts the session around this optimizer and binds to it; returns it and what the framework sees
+        of the schedule. `resuming`: a checkpoint's state loads first, the swarm's newer one at the first step."""
+        if resuming:
+            swarm = replace(swarm, collaboration=replace(swarm.collaboration, load_state_on_start=False))
+        session = SwarmSession(swarm, model, self.optimizer, scheduler, peer=peer, fingerprint=fingerprint,
+                               sampler=sampler)
+        self.bind(session)
+        return session, ScheduleView(scheduler, self.optimizer)
+
+    def count(self, batch: object) -> None:
+        """Adds a batch's samples (`batch_size_of`) to the local batch the next `step()` hands over."""
+        self.samples += batch_size_of(batch)
+
+    def discard_samples(self) -> None:
+        """Forgets the samples counted since the last step (one the framework skipped)."""
+        self.samples = 0
 
     @property  # type: ignore[override]
     def state(self) -> Any:
@@ -279,7 +310,7 @@ class SwarmTorchOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.session is None:
             raise ConfigError("this optimizer is not bound to a swarm session yet")
-        batch = self._samples()
+        batch, self.samples = self.samples, 0
         if batch < 1:
             raise ValueError("the batch being stepped holds no samples (count them before step())")
         self.last_outcome = self.session.step(batch)
@@ -314,7 +345,7 @@ class ScheduleView:
         self.scheduler = scheduler
         self.optimizer = optimizer
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
+    def step(self, *args: object, **kwargs: object) -> None:
         """Does nothing: the swarm steps the schedule."""
 
     def get_last_lr(self) -> list[float]:
@@ -322,18 +353,18 @@ class ScheduleView:
             return [float(lr) for lr in self.scheduler.get_last_lr()]
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {}  # the schedule's state travels with the session's (`SwarmSession.state_dict`)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Nothing to load: the session's state holds the schedule's."""
 
 
-def batch_size_of(batch: Any) -> int:
+def batch_size_of(batch: object) -> int:
     """Samples in a batch: the leading dimension of its first tensor (a tensor, a mapping, a sequence)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() > 0 else 1
-    values: Sequence[Any] = list(batch.values()) if isinstance(batch, Mapping) else (
+    values: Sequence[object] = list(batch.values()) if isinstance(batch, Mapping) else (
         batch if isinstance(batch, (list, tuple)) else [])
     for value in values:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -343,3 +374,16 @@ def batch_size_of(batch: Any) -> int:
             if found:
                 return found
     return 0
+
+
+def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+    """Clips the gradient `optimizer` applies to `max_norm` just before each of its steps: in a swarm, the
+    swarm's mean (large-batch mode: every peer clips the same gradient) or the inner step's (DiLoCo)."""
+    if max_norm <= 0:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def clip(_optimizer: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    optimizer.register_step_pre_hook(clip)

@@ -38,11 +38,12 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import replace
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import transformers
+from torch.optim.lr_scheduler import LRScheduler
 
 from swarm.integrations.data import PeerShardSampler, peer_seed
 from swarm.integrations.fingerprint import ModelFingerprint, model_fingerprint
@@ -51,7 +52,7 @@ from swarm.integrations.session import (
     SwarmArguments,
     SwarmSession,
     SwarmTorchOptimizer,
-    batch_size_of,
+    clip_before_step,
 )
 from swarm.optim.distributed import is_following_rank, machine_peer_id
 from swarm.peer import Peer
@@ -72,7 +73,8 @@ class SwarmCallback(transformers.TrainerCallback):
         self.trainer = trainer
         self.first = first
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+    def on_step_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                    control: transformers.TrainerControl, **kwargs: object) -> transformers.TrainerControl:
         session = self.trainer.session
         if session is None:
             return control
@@ -84,10 +86,12 @@ class SwarmCallback(transformers.TrainerCallback):
         elif not self.trainer._advanced:
             control.should_save = False
             control.should_evaluate = False
-        self.trainer._samples = 0  # a step the gradient scaler skipped leaves its count here
+        if self.trainer._adapter is not None:
+            self.trainer._adapter.discard_samples()  # a step the gradient scaler skipped leaves its count there
         return control
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+    def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                     control: transformers.TrainerControl, **kwargs: object) -> transformers.TrainerControl:
         if self.first and self.trainer.session is not None:
             self.trainer.session.optimizer.flush()  # the last round in flight lands before the model is saved
         return control
@@ -106,15 +110,15 @@ class SwarmTrainer(transformers.Trainer):
     """
 
     # what this class reads of `transformers.Trainer` (typed here: mypy does not follow transformers)
-    args: Any
-    model: Any
-    state: Any
-    optimizer: Any
-    lr_scheduler: Any
-    train_dataset: Any
-    callback_handler: Any
+    args: transformers.TrainingArguments
+    model: torch.nn.Module
+    state: transformers.TrainerState
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: ScheduleView | LRScheduler | None
+    train_dataset: Any  # what Trainer takes: a torch or `datasets` dataset (sized here: the sampler needs it), or None
+    callback_handler: transformers.trainer_callback.CallbackHandler
 
-    def __init__(self, *args: Any, swarm: SwarmArguments, peer: Peer | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: object, swarm: SwarmArguments, peer: Peer | None = None, **kwargs: object) -> None:
         if not isinstance(swarm, SwarmArguments):
             raise TypeError(f"swarm must be a SwarmArguments, got {type(swarm).__name__}")
         super().__init__(*args, **kwargs)
@@ -129,7 +133,6 @@ class SwarmTrainer(transformers.Trainer):
         self._given_peer = peer
         self._peer: Peer | None = None
         self._sampler: PeerShardSampler | None = None
-        self._samples = 0  # samples of the batch being accumulated
         self._local_steps = 0  # this peer's optimizer steps in this train() (the loss log's divisor)
         self._logged_local = 0
         self._logged_global = 0
@@ -161,14 +164,17 @@ class SwarmTrainer(transformers.Trainer):
 
     # -- training ---------------------------------------------------------------------------------
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, *args: object, **kwargs: object) -> transformers.trainer_utils.TrainOutput:
         """`Trainer.train`, in the swarm; the peer (if the trainer started it) stops at the end."""
         original = self.args
         self.args = copy.copy(original)  # the swarm's reading of the user's arguments, for this run
         self.args.max_steps = self._collective_max_steps(original)
         self.args.ignore_data_skip = True  # the sampler resumes from the checkpoint's position
         self._clip = float(original.max_grad_norm or 0.0)
-        self.args.max_grad_norm = 0.0  # clipped at the swarm's step instead (`_clip_at_step`)
+        self.args.max_grad_norm = 0.0  # clipped at the swarm's step instead (`clip_before_step`)
+        if original.fp16 and original.device.type == "cpu":
+            logger.warning("fp16=True on a CPU: transformers (accelerate) neither autocasts nor scales the loss there, "
+                           "so this trains in float32; bf16=True autocasts on CPUs")
         self._local_steps = self._logged_local = 0
         self._resuming = bool(kwargs.get("resume_from_checkpoint") or (args and args[0]))
         try:
@@ -177,7 +183,7 @@ class SwarmTrainer(transformers.Trainer):
             self.args = original
             self._close()
 
-    def _collective_max_steps(self, args: Any) -> int:
+    def _collective_max_steps(self, args: transformers.TrainingArguments) -> int:
         if args.max_steps > 0:
             return int(args.max_steps)
         if self.train_dataset is None:
@@ -189,51 +195,38 @@ class SwarmTrainer(transformers.Trainer):
             return max(1, math.ceil(samples / target))
         return max(1, math.ceil(samples / (args.per_device_train_batch_size * args.gradient_accumulation_steps)))
 
-    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         inner = super().create_optimizer(model)
         if isinstance(inner, SwarmTorchOptimizer):
             return inner
-        if self._clip > 0:
-            params = [p for group in inner.param_groups for p in group["params"]]
-            clip = self._clip
-
-            def clip_at_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-                torch.nn.utils.clip_grad_norm_(params, clip)
-
-            inner.register_step_pre_hook(clip_at_step)
-        self._adapter = SwarmTorchOptimizer(inner, self._take_samples)
+        clip_before_step(inner, self._clip)
+        self._adapter = SwarmTorchOptimizer(inner)
         self.optimizer = self._adapter
         return self._adapter
 
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: torch.optim.Optimizer | None = None) -> ScheduleView | LRScheduler | None:
         if self.session is not None:
             return self.lr_scheduler
         adapter = self._adapter
         if adapter is None:
             raise RuntimeError("create_optimizer must run before create_scheduler")
-        inner = adapter.optimizer
         self.lr_scheduler = None
-        scheduler = super().create_scheduler(num_training_steps, optimizer=inner)
-        swarm = self.swarm
-        if self._resuming:  # the checkpoint's state loads first; the swarm's newer one at the first step
-            swarm = replace(swarm, collaboration=replace(swarm.collaboration, load_state_on_start=False))
-        self.session = SwarmSession(swarm, self.model, inner, scheduler, peer=self.peer,
-                                    fingerprint=fingerprint_of(self.model), sampler=self._sampler)
-        adapter.bind(self.session)
-        self.lr_scheduler = ScheduleView(scheduler, inner)
+        scheduler = super().create_scheduler(num_training_steps, optimizer=adapter.optimizer)
+        self.session, self.lr_scheduler = adapter.join(
+            self.swarm, self.model, scheduler, peer=self.peer, resuming=self._resuming,
+            fingerprint=fingerprint_of(self.model), sampler=self._sampler)
         self._last_step = self.session.global_step
         self._logged_global = self.state.global_step
         return self.lr_scheduler
 
-    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._samples += batch_size_of(inputs)
+    def training_step(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor], *args: object,
+                      **kwargs: object) -> torch.Tensor:
+        if self._adapter is not None:
+            self._adapter.count(inputs)
         return super().training_step(model, inputs, *args, **kwargs)
 
-    def _take_samples(self) -> int:
-        samples, self._samples = self._samples, 0
-        return samples
-
-    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+    def log(self, logs: dict[str, float], *args: object, **kwargs: object) -> None:
         # the Trainer divides the summed loss by the steps its count moved; in a swarm that count is the
         # swarm's (`SwarmCallback`), while the loss was summed over this peer's own steps
         if "loss" in logs and self._local_steps > self._logged_local:

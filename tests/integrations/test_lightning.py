@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ pytest.importorskip("transformers", reason="the example model needs the transfor
 pytest.importorskip("datasets", reason="the example corpus needs the transformers extra")
 
 from fast import FAST
-from gpt2_common import byte_corpus, held_out_loss, tiny_gpt2
+from gpt2_common import InThreads, byte_corpus, held_out_loss, tiny_gpt2
 from torch.utils.data import DataLoader
 
 from swarm.integrations.lightning import SwarmStrategy
@@ -50,20 +48,7 @@ def test_three_lightning_peers_reach_identical_parameters_and_a_lower_loss(swarm
         trainer = pl.Trainer(strategy=strategy, max_steps=10 * STEPS, accumulate_grad_batches=2, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         runs.append((trainer, module, loader, strategy))
-    errors: list[BaseException] = []
-
-    def run(trainer, module, loader) -> None:
-        try:
-            trainer.fit(module, loader)
-        except Exception as e:  # noqa: BLE001 -- surfaced by the assertion below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=r[:3]) for r in runs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors and not any(t.is_alive() for t in threads)
+    InThreads([lambda r=r: r[0].fit(r[1], r[2]) for r in runs]).join(90)
     first = list(modules[0].parameters())
     for other in modules[1:]:
         assert all(torch.equal(a, b) for a, b in zip(first, other.parameters()))

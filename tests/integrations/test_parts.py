@@ -122,19 +122,26 @@ def test_the_torch_face_steps_the_swarm_and_carries_its_state(swarm_peers):
     (peer,) = swarm_peers(1)
     model = TinyLM()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    samples = iter([4, 4])
-    adapter = SwarmTorchOptimizer(inner, lambda: next(samples))
+    adapter = SwarmTorchOptimizer(inner)
     assert adapter.state_dict() == inner.state_dict()  # unbound: the wrapped optimizer itself
     session = SwarmSession(SwarmArguments(run_id="face", target_batch_size=8, collaboration=FAST), model, inner,
                            peer=peer)
     adapter.bind(session)
     assert adapter.param_groups is inner.param_groups
     before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="holds no samples"):
+        adapter.step()  # nothing counted: refused, nothing handed to the swarm
     for _ in range(2):
-        model(torch.randint(0, 32, (4, 3))).sum().backward()
+        batch = torch.randint(0, 32, (4, 3))
+        adapter.count({"input_ids": batch})
+        model(batch).sum().backward()
         adapter.step()
         adapter.zero_grad()
-    assert session.global_step == 1  # 8 samples: the target, taken alone
+    assert session.global_step == 1  # 2 x 4 samples: the target, taken alone
+    adapter.count(torch.zeros(4, 3))
+    adapter.discard_samples()  # a step the gradient scaler skipped
+    with pytest.raises(ValueError, match="holds no samples"):
+        adapter.step()
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     state = adapter.state_dict()
     assert state["swarm_optimizer"]["metadata"]["epoch"] == 1

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="the transformers extr
 pytest.importorskip("datasets", reason="the transformers extra is not installed")
 
 from fast import RESTART
-from gpt2_common import byte_corpus, tiny_gpt2
+from gpt2_common import InThreads, byte_corpus, tiny_gpt2
 from procs import read_stdout_lines
 
 from swarm.integrations.session import SwarmArguments
@@ -88,17 +88,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint_rejoins_and_catches_up(swarm_
         trainers.append(SwarmTrainer(model=model, args=args, train_dataset=train, peer=peer, callbacks=[
             HoldAt(HOLD_AT, released)], swarm=SwarmArguments(run_id="restart", target_batch_size=24,
                                                               collaboration=RESTART, min_peers=3, peers_timeout=150)))
-    errors: list[Exception] = []
-
-    def run(trainer: SwarmTrainer) -> None:
-        try:
-            trainer.train()
-        except Exception as e:  # noqa: BLE001 -- surfaced by the assertion below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
-    for t in threads:
-        t.start()
+    live = InThreads([t.train for t in trainers])
     out = tmp_path / "third"
     common = ["--initial-peers", peers[0].addrs[0], "--identity", str(tmp_path / "third.key"), "--out", str(out),
               "--steps", str(STEPS)]
@@ -131,9 +121,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint_rejoins_and_catches_up(swarm_
         released.set()
         third.kill()
         restarted.kill()
-        for t in threads:
-            t.join(90)
-    assert not errors and not any(t.is_alive() for t in threads)
+        live.join(90)  # raises a live trainer's error, or if one did not end
     final = torch.load(out / "final.pt", weights_only=True)
     for model in models:
         assert all(torch.equal(a, b) for a, b in zip(final, model.parameters()))

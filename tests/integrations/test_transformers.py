@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ transformers = pytest.importorskip("transformers", reason="the transformers extr
 pytest.importorskip("datasets", reason="the transformers extra is not installed")
 
 from fast import FAST
-from gpt2_common import byte_corpus, held_out_loss, tiny_gpt2
+from gpt2_common import InThreads, byte_corpus, held_out_loss, tiny_gpt2
 
 from swarm.compression import CompressionType
 from swarm.integrations.session import SwarmArguments
@@ -38,20 +36,7 @@ def test_three_trainers_reach_identical_parameters_and_a_lower_loss(swarm_peers,
     models = [tiny_gpt2(context=32) for _ in range(3)]
     before = held_out_loss(models[0], held_out)
     trainers = [_trainer(p, m, train, str(tmp_path / f"p{i}")) for i, (p, m) in enumerate(zip(swarm_peers(3), models))]
-    errors: list[BaseException] = []
-
-    def run(trainer: SwarmTrainer) -> None:
-        try:
-            trainer.train()
-        except Exception as e:  # noqa: BLE001 -- surfaced by the assertion below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors and not any(t.is_alive() for t in threads)
+    InThreads([t.train for t in trainers]).join(90)  # raises a trainer's error, or if one did not end
     # max_steps counts the swarm's steps: every trainer stopped at the same collective step
     assert [t.state.global_step for t in trainers] == [STEPS] * 3
     first = list(models[0].parameters())
@@ -93,12 +78,8 @@ def test_three_trainers_in_diloco_mode_share_the_outer_parameters(swarm_peers, t
             collaboration=FAST, min_peers=3, peers_timeout=30))
         trainer.add_callback(KeepShared(lambda t=trainer: t))
         trainers.append(trainer)
-    threads = [threading.Thread(target=t.train) for t in trainers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not any(t.is_alive() for t in threads) and len(ends) == 3
+    InThreads([t.train for t in trainers]).join(90)
+    assert len(ends) == 3
     # max_steps counts the swarm's inner steps: 16 inner steps are 4 rounds of 4
     assert [t.state.global_step for t in trainers] == [16] * 3 and {epoch for epoch, _ in ends} == {4}
     for _, shared in ends[1:]:
