@@ -201,6 +201,7 @@ class DHTElection:
         self.started: dict[str, str] = {}
         """PeerID -> round id (hex) of peers whose declaration says they started a group."""
         self._withdrawal: asyncio.Task[None] | None = None  # `end`'s store, still running
+        self._declaring: asyncio.Task[None] | None = None  # `begin`'s store, still running
         self.names_round = False
         """Whether `group_key` names one round (e.g. an epoch) rather than being reused by every step."""
         self.read_seconds = 0.0
@@ -227,10 +228,23 @@ class DHTElection:
         self.read_seconds = 0.0
         self._began = get_dht_time()
         value = {"addr": me.addr, "client_mode": me.client_mode, "ready_at": self._began, "looking": True}
-        ok = await self.dht.astore(self.key, value, expiration_time=deadline_wall, subkey=owner_marker(me.peer_id))
-        self.read_seconds = max(self.read_seconds, get_dht_time() - self._began)
-        if not ok:
-            logger.debug("declaration under %s was not stored", self.key)
+        # The store runs beside this step's first reads, not before them: its lookup may wait one
+        # request timeout on a dead node near the key that this peer has not met yet, and a
+        # follower whose first read already names the leader joins it then (the join is what the
+        # leader counts). A step that leads meanwhile counts itself (`leader`).
+        self._declaring = asyncio.ensure_future(self._declare(value, deadline_wall, me.peer_id))
+
+    async def _declare(self, value: dict[str, object], expiration: float, peer_id: str) -> None:
+        began, key = self._began, self.key
+        try:
+            ok = await self.dht.astore(key, value, expiration_time=expiration, subkey=owner_marker(peer_id))
+        except Exception:  # the step goes on; a declaration that never lands costs only visibility
+            logger.debug("could not declare under %s", key, exc_info=True)
+            return
+        took = get_dht_time() - began
+        if self._began == began:  # still this step: the window covers the slowest store too
+            self.read_seconds = max(self.read_seconds, took)
+        logger.debug("%s under %s in %.3f s", "declared" if ok else "declaration not stored", key, took)
 
     async def announce(self, me: MemberInfo, ready_at: float, expiration: float, group_key: str | None = None) -> bool:
         """Declares that this peer will look for this group (or group `group_key` of the same
@@ -271,6 +285,8 @@ class DHTElection:
         found = await self.dht.aget(self.key, latest=True)
         now = get_dht_time()
         self.read_seconds = max(self.read_seconds, now - asked)
+        if now - asked > 1.0:
+            logger.debug("a read of %s took %.3f s", self.key, now - asked)
         declared: dict[str, Declaration] = {}
         leaders: dict[str, tuple[float, str]] = {}
         for subkey, item in subkey_entries(found).items():

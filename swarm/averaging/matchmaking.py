@@ -756,8 +756,10 @@ class Matchmaking:
 
     def _window(self) -> float:
         # a follower reads the same declarations: the window covers the slowest read (or store)
-        # this peer saw (a crashed replica holds each read for the DHT's request timeout)
-        return max(self.config.join_window, self.election.read_seconds)
+        # this peer saw (a crashed replica holds each read for the DHT's request timeout), and a
+        # follower's first read that still waits on the dead nodes this peer already passes over
+        # (`patience`: one request timeout while this peer's DHT knows such nodes, else 0)
+        return max(self.config.join_window, self.election.read_seconds, self.election.patience())
 
     def _why_start(self, step: _Step, lead: _Lead, now: float) -> str:
         """Why this leader starts its group now ("": not yet; `_LOOK_AGAIN`: after one more look
