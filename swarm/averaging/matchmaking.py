@@ -75,7 +75,9 @@ class MatchmakingConfig:
             (a new tensor, a new `Averager`: tenths of a second on a busy 2-core machine), and one
             that comes later than this after the previous arrival averages in another group or
             not at all; `swarm.Optimizer` says how many peers come (`expected_size`), so its
-            leaders rarely wait this long.
+            leaders rarely wait this long. The wait is longer where the leader's own reads were
+            slower, or while its DHT knows dead nodes (one request timeout: a follower's read
+            may still wait on them).
         matchmaking_share: at most this share of a step's timeout goes to forming a group when
             `min_group_size` is met (the rest is for the all-reduce).
         retry_interval: pause before a follower asks again after a leader refused it.
