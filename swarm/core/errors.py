@@ -7,6 +7,8 @@ so code above the network layer never sees a raw `grpc.RpcError`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class SwarmError(Exception):
     """Base class of every error swarm raises on purpose."""
@@ -70,7 +72,15 @@ class DHTError(SwarmError):
 
 
 class ValidationError(DHTError):
-    """A DHT record was rejected by a validator (bad signature, wrong owner, schema)."""
+    """A DHT record was rejected by a validator (bad signature, wrong owner, schema).
+
+    Attributes:
+        results: for a batch store, whether each record of the batch was stored (empty otherwise).
+    """
+
+    def __init__(self, message: str, results: Sequence[bool] = ()) -> None:
+        super().__init__(message)
+        self.results: tuple[bool, ...] = tuple(results)
 
 
 class AveragingError(SwarmError):

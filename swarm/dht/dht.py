@@ -263,9 +263,7 @@ class DHT:
                 results.append(False)
                 refused.append(str(e))
         if refused:
-            error = ValidationError(f"{len(refused)} of {count} records were refused: {' | '.join(refused[:5])}")
-            error.results = results  # type: ignore[attr-defined]
-            raise error
+            raise ValidationError(f"{len(refused)} of {count} records were refused: {' | '.join(refused[:5])}", results)
         return results
 
     async def aget_many(self, keys: Sequence[Key], latest: bool = False) -> dict[Key, ValueWithExpiration | None]:

@@ -28,6 +28,7 @@ import logging
 import re
 from collections.abc import Iterable, Sequence
 
+from swarm.core.errors import ValidationError
 from swarm.core.loop import spawn
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.expiring import ValueWithExpiration, subkey_entries
@@ -81,9 +82,12 @@ async def declare_experts(dht: KeyValueStore, uids: Sequence[str], addr: str, ex
         results: list[object] = list(await dht.astore_many(
             [k for k, _, _ in records], [v for _, _, v in records], expiration_time, [s for _, s, _ in records]
         ))
-    except Exception as e:  # noqa: BLE001 - a refused or failed round is retried by the caller
+    except ValidationError as e:  # some records refused: the others may be in
+        logger.debug("declaring %d records: %s", len(records), e)
+        results = list(e.results)
+    except Exception as e:  # noqa: BLE001 - a failed round is retried by the caller
         logger.debug("declaring %d records failed: %s", len(records), e)
-        results = list(getattr(e, "results", []))  # a ValidationError carries the per-record results
+        results = []
     return sum(1 for r in results if r is True)
 
 
