@@ -29,6 +29,7 @@ from typing import Protocol
 
 from swarm.averaging.group import MemberInfo
 from swarm.core.errors import ConfigError
+from swarm.core.loop import spawn
 from swarm.core.multiaddr import Multiaddr, is_relayed
 from swarm.core.timeutil import get_dht_time
 from swarm.dht.expiring import subkey_entries
@@ -232,7 +233,7 @@ class DHTElection:
         # request timeout on a dead node near the key that this peer has not met yet, and a
         # follower whose first read already names the leader joins it then (the join is what the
         # leader counts). A step that leads meanwhile counts itself (`leader`).
-        self._declaring = asyncio.ensure_future(self._declare(value, deadline_wall, me.peer_id))
+        self._declaring = spawn(self._declare(value, deadline_wall, me.peer_id), "averaging-declare")
 
     async def _declare(self, value: dict[str, object], expiration: float, peer_id: str) -> None:
         began, key = self._began, self.key
@@ -328,4 +329,4 @@ class DHTElection:
                 logger.debug("could not withdraw the declaration under %s", key, exc_info=True)
             logger.debug("withdrew the declaration under %s in %.3f s", key, get_dht_time() - started_at)
 
-        self._withdrawal = asyncio.ensure_future(withdraw())
+        self._withdrawal = spawn(withdraw(), "averaging-withdraw")

@@ -67,6 +67,7 @@ class Contacts:
         self.checked: dict[DHTID, float] = {}
         """When each contact was last checked (monotonic seconds)."""
         self._timeouts: dict[str, int] = {}  # consecutive timeouts per peer
+        self._last_timeout = -math.inf  # monotonic time of the last call that timed out
         self._departed: dict[str, float] = {}  # peer -> monotonic time until which it stays out
         self._closed = False
         self._tasks: set[asyncio.Task[object]] = set()
@@ -125,6 +126,7 @@ class Contacts:
         self.failures[method] += 1
         logger.debug("DHT %s to %s failed: %s", method.rsplit("/", 1)[-1], node.peer_id, error)
         if isinstance(error, DeadlineExceeded):
+            self._last_timeout = time.monotonic()
             strikes = self._timeouts.get(node.peer_id, 0) + 1
             if strikes < TIMEOUTS_TO_DROP:
                 if len(self._timeouts) > CACHE_LIMIT:
@@ -140,9 +142,10 @@ class Contacts:
         """How many of `node`'s calls in a row timed out (0 once it answers again)."""
         return self._timeouts.get(node.peer_id, 0)
 
-    def has_suspects(self) -> bool:
-        """Whether some node's last call from this peer timed out and it has not answered since."""
-        return bool(self._timeouts)
+    def timed_out_within(self, seconds: float) -> bool:
+        """Whether a call of this peer to some node timed out in the last `seconds` (a node
+        dropped since counts: peers that have not met it yet may still wait on it)."""
+        return time.monotonic() - self._last_timeout <= seconds
 
     def is_suspect(self, peer_id: str) -> bool:
         """Whether this peer's last call to `peer_id` timed out and it has not answered since

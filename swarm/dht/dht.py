@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+PATIENCE_AFTER_TIMEOUT = 60.0
+"""Seconds after this peer's last DHT call that timed out during which others' reads may still
+wait on that node (`DHT.read_patience`)."""
+
 
 class DHT:
     """A peer's view of the DHT: `peer.dht`. Create it with `await DHT.create(peer, config)`.
@@ -274,7 +278,11 @@ class DHT:
 
     def read_patience(self) -> float:
         """See `swarm.dht.handle.KeyValueStore.read_patience`."""
-        return self.config.request_timeout if self.node.protocol.contacts.has_suspects() else 0.0
+        # Peers that look up the same keys meet the same dead nodes together, round by round, so
+        # a timeout long past says nothing of the next read; a stale suspect must not stretch
+        # every leader's wait in a long-lived swarm.
+        recent = self.node.protocol.contacts.timed_out_within(PATIENCE_AFTER_TIMEOUT)
+        return self.config.request_timeout if recent else 0.0
 
     async def wait_for_stores(self, timeout: float | None = None) -> bool:
         """Waits until the stores made so far have reached every replica (a store returns once

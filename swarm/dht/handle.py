@@ -40,8 +40,9 @@ class KeyValueStore(Protocol):
 
     def read_patience(self) -> float:
         """Seconds another peer's read may still spend waiting on nodes this one saw time out
-        (one request timeout while it has such suspects, else 0): this peer's own reads no longer
-        wait for them (`swarm.dht.traversal`), a peer that has not met them yet does."""
+        (one request timeout for a minute after this peer's last call that timed out, else 0):
+        this peer's own reads no longer wait for them (`swarm.dht.traversal`), a peer that has
+        not met them yet does."""
         ...
 
     async def astore_many(

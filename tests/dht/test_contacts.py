@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from swarm.core.errors import DeadlineExceeded
 from swarm.core.identity import Identity
 from swarm.dht import DHTConfig, FaultPlan, LinkFault
 from swarm.dht.blacklist import Blacklist
@@ -50,6 +51,19 @@ def test_a_departed_node_stays_out_for_a_grace_period():
     contacts.heard_from(nodes[0])
     assert nodes[0].node_id in contacts.routing_table
     assert not contacts.blacklist.is_banned(nodes[0].peer_id)
+
+
+def test_a_timeout_makes_reads_patient_for_a_while_only():
+    """`timed_out_within` (what `DHT.read_patience` asks): a recent timeout says others' reads may
+    still wait on that node; one long past does not, even if the node never answered again."""
+    contacts, nodes = contacts_of_a_new_node()
+    for node in nodes:
+        contacts.heard_from(node)
+    assert not contacts.timed_out_within(60.0)  # nothing timed out yet
+    contacts.failed(nodes[0], DeadlineExceeded("no answer"), "/swarm.DHT/Find")
+    assert contacts.is_suspect(nodes[0].peer_id) and contacts.timed_out_within(60.0)
+    contacts._last_timeout = time.monotonic() - 61.0  # a minute later, still a suspect
+    assert contacts.is_suspect(nodes[0].peer_id) and not contacts.timed_out_within(60.0)
 
 
 def failed_calls(peer) -> int:
