@@ -18,7 +18,8 @@ an answer of another shape, with NaN/Inf, or far larger than the layer's other a
 expert for the batch like a timeout, and its server is avoided for a while; what is accepted is
 clipped row by row to a bound learned from the answers, so that no expert weighs more than that in
 the combination. With spot checks on, a sampled batch also asks a second server of each expert that
-has one, beside its own calls, and compares (`swarm.moe.client.spot_checks`).
+has one, beside its own calls, and compares; the mismatches' third opinions are asked all at once,
+under one short deadline (`swarm.moe.client.spot_checks`).
 
 `MixtureCall` ties this to autograd: its forward returns the experts' outputs per (sample, slot)
 and which slots answered; its backward returns the gradient w.r.t. the mixture's input.
@@ -215,9 +216,9 @@ class MixtureCaller:
         checks: how answers are checked and clipped (default: `AnswerChecks()`).
         spot: compares a sampled fraction of the answers with other servers' (None: never). A
             mismatch that blames the other server is told to `on_failure` with the job it checked,
-            whose answer stands (`ReplicaMismatch.blamed` names the server); so is a third server
-            asked for an opinion that gave none in time (`SilentReplica.addr`). A mismatch that blames nobody
-            leaves the answer as it is.
+            whose answer stands (`ReplicaMismatch.blamed` names the server); so is a server asked
+            for a second or third opinion that gave none in time (`SilentReplica.addr`). A mismatch
+            that blames nobody leaves the answer as it is.
     """
 
     def __init__(
