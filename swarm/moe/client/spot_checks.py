@@ -313,10 +313,8 @@ class SpotChecker:
             tolerance = self.config.tolerance
             if tie_answer is not None and answers_match(answer, tie_answer, tolerance):
                 blamed, how = opinion.addr, "a third server agreed with the first"
-                self._partners.setdefault(opinion.addr, set()).add(primary)
             elif tie_answer is not None and second is not None and answers_match(second, tie_answer, tolerance):
                 blamed, how = primary, "a third server agreed with the second"
-                self._partners.setdefault(primary, set()).add(opinion.addr)
             else:
                 blamed, how = self._blame_on_evidence(primary, opinion.addr)
         count_event("rejected", "forward", "mismatch")
