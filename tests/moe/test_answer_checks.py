@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from swarm.core.errors import ConfigError
-from swarm.moe.client.answer_checks import AnswerChecks, AnswerGuard
+from swarm.moe.client.answer_checks import AnswerChecks, AnswerGuard, ExpertGuard, MisbehavingExpert
 from swarm.moe.magnitudes import NormReference, row_norms, typical_norm
+from swarm.moe.schema import TensorSchema
 from swarm.moe.server.config import ExpertServerConfig
 from swarm.moe.server.gradient_bounds import GradientBound
 from swarm.moe.server.hostile import HostileAnswers
@@ -86,3 +87,21 @@ def test_bad_settings_are_refused() -> None:
         ExpertServerConfig(grad_clip_ratio=0.5)
     with pytest.raises(ConfigError):
         AnswerChecks(reject_ratio=1.0)
+
+
+def test_a_single_experts_answer_without_rows_or_inputs_is_not_judged_by_magnitude() -> None:
+    guard = ExpertGuard(AnswerChecks(), "ffn.0")
+    # no rows, or no inputs at all: nothing to measure a gain against; the answer passes, unlearned
+    guard.check_outputs("a", [torch.zeros(0, 4)], [], [])
+    guard.check_outputs("a", [], [], [])
+    guard.check_grads("a", [torch.zeros(0, 4)], [torch.zeros(0, 4)], [torch.zeros(0, 4)])
+    guard.check_grads("a", [], [], [])
+    guard.check_grads("a", [torch.ones(2, 4)], [], [torch.ones(2, 4)])  # no output gradient sent
+    assert guard.rejected == 0 and len(guard.guard.outputs) == 0 and len(guard.guard.grads) == 0
+    with pytest.raises(MisbehavingExpert, match="NaN/Inf"):  # finiteness is still judged
+        guard.check_grads("a", [torch.ones(2, 4)], [], [torch.full((2, 4), float("nan"))])
+    with pytest.raises(MisbehavingExpert, match="1 rows for 0"):  # and so is the shape
+        guard.check_outputs("a", [], [torch.ones(1, 4)], [TensorSchema((4,), torch.float32)])
+    # with rows, the magnitude is judged as before
+    guard.check_outputs("a", [torch.ones(2, 4)], [torch.ones(2, 4)], [TensorSchema((4,), torch.float32)])
+    assert len(guard.guard.outputs) == 1

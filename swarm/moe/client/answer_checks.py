@@ -237,6 +237,8 @@ class ExpertGuard:
                 self._reject("forward", "shape", addr, f"answered outside its declared schema: {e}")
             if out.shape[0] != rows:
                 self._reject("forward", "shape", addr, f"answered {out.shape[0]} rows for {rows}")
+        if rows == 0:  # no inputs or no rows: no output row to judge, nothing for the reference to learn
+            return
         scale = input_scale(torch.cat([x.detach().reshape(rows, -1).float() for x in inputs], dim=1))
         self._judge("forward", addr, outputs, scale, self.guard.outputs)
 
@@ -254,6 +256,12 @@ class ExpertGuard:
         if len(grads) != len(inputs) or any(g.shape != x.shape or g.dtype != x.dtype for g, x in zip(grads, inputs)):
             self._reject("backward", "shape", addr, f"answered gradients {[tuple(g.shape) for g in grads]} for "
                          f"inputs {[tuple(x.shape) for x in inputs]}")
+        if not inputs or inputs[0].dim() == 0 or inputs[0].shape[0] == 0:
+            return  # no rows: nothing to judge, nothing for the reference to learn
+        if not grad_outputs:  # no gradient sent to measure gains against: finiteness alone is judged
+            if not all(bool(torch.isfinite(g).all()) for g in grads):
+                self._reject("backward", "not_finite", addr, "answered NaN/Inf")
+            return
         sent = torch.stack([row_norms(g) for g in grad_outputs]).sum(dim=0)
         self._judge("backward", addr, grads, sent, self.guard.grads)
 

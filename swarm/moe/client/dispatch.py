@@ -18,7 +18,8 @@ an answer of another shape, with NaN/Inf, or far larger than the layer's other a
 expert for the batch like a timeout, and its server is avoided for a while; what is accepted is
 clipped row by row to a bound learned from the answers, so that no expert weighs more than that in
 the combination. With spot checks on, a sampled batch also asks a second server of each expert that
-has one, beside its own calls, and compares (`swarm.moe.client.spot_checks`).
+has one, beside its own calls, and compares; the mismatches' third opinions are asked all at once,
+under one short deadline (`swarm.moe.client.spot_checks`).
 
 `MixtureCall` ties this to autograd: its forward returns the experts' outputs per (sample, slot)
 and which slots answered; its backward returns the gradient w.r.t. the mixture's input.
@@ -48,7 +49,14 @@ from swarm.moe.client.answer_checks import (
 from swarm.moe.client.beam_search import ExpertChoice
 from swarm.moe.client.expert import as_payload
 from swarm.moe.client.jobs import ExpertJob, ServerShare, plan_jobs, plan_shares
-from swarm.moe.client.spot_checks import ReplicaMismatch, SecondOpinion, SpotChecker
+from swarm.moe.client.spot_checks import (
+    ReplicaMismatch,
+    SecondOpinion,
+    SecondOpinions,
+    SilentReplica,
+    SpotChecker,
+    ThirdOpinion,
+)
 from swarm.moe.group_calls import GroupMember, call_backward_group, call_forward_group
 from swarm.moe.magnitudes import row_norms
 
@@ -208,7 +216,9 @@ class MixtureCaller:
         checks: how answers are checked and clipped (default: `AnswerChecks()`).
         spot: compares a sampled fraction of the answers with other servers' (None: never). A
             mismatch that blames the other server is told to `on_failure` with the job it checked,
-            whose answer stands (`ReplicaMismatch.blamed` names the server).
+            whose answer stands (`ReplicaMismatch.blamed` names the server); so is a server asked
+            for a second or third opinion that gave none in time (`SilentReplica.addr`). A mismatch
+            that blames nobody leaves the answer as it is.
     """
 
     def __init__(
@@ -260,7 +270,7 @@ class MixtureCaller:
         answers = _Answers(jobs, batch, torch.full((batch,), policy.k_min, dtype=torch.long), self._failed)
         spot = self.spot if self.spot is not None and self.spot.sample() else None
         job_rows = [row_ops.take_rows(payload, job.rows) for job in jobs] if spot is not None else []
-        opinions: list[SecondOpinion] = []
+        opinions = SecondOpinions()
 
         async def call(share: ServerShare, x_share: torch.Tensor) -> None:
             def on_answer(i: int, outcome: list[torch.Tensor] | RPCError) -> None:
@@ -274,8 +284,7 @@ class MixtureCaller:
 
         async def second_opinions(checker: SpotChecker) -> None:
             try:
-                opinions.extend(await asyncio.wait_for(
-                    checker.second_opinions([(job.uid, job.addr) for job in jobs], job_rows), policy.forward_timeout))
+                await checker.second_opinions([(job.uid, job.addr) for job in jobs], job_rows, opinions)
             except Exception as e:  # noqa: BLE001 - a spot check that cannot be made gives no evidence
                 logger.debug("no spot check for this batch: %s", e)
 
@@ -284,10 +293,21 @@ class MixtureCaller:
                                    policy.timeout_after_k_min)
             if spot is None:
                 await calls
-            else:  # the second opinions travel beside the batch's own calls
-                await asyncio.gather(calls, second_opinions(spot))
+                return
+            # the second opinions travel beside the batch's own calls, and once those are done get at
+            # most `opinion_timeout` more: a silent second server holds the batch no longer than that
+            asking = asyncio.ensure_future(second_opinions(spot))
+            try:
+                await calls
+                await asyncio.wait([asking], timeout=spot.opinion_timeout)
+            finally:
+                asking.cancel()
+                await asyncio.gather(asking, return_exceptions=True)
 
-        self.peer.run(run(), policy.forward_timeout + 5.0)
+        self.peer.run(run(), policy.forward_timeout + (spot.opinion_timeout if spot is not None else 0.0) + 5.0)
+        for j, addr in opinions.unanswered():  # like a timeout: that server is avoided a while
+            self.on_failure(jobs[j], SilentReplica(f"expert {jobs[j].uid}: its server {addr} gave no second "
+                                                   f"opinion in time", addr))
         results = answers.results
         self._learn_output_shape(results, tuple(x.shape[1:]))
         for i, (job, result) in enumerate(zip(jobs, results)):
@@ -311,7 +331,7 @@ class MixtureCaller:
                     self._failed(jobs[i], self._rejected("forward", reason, jobs[i], what))
                     results[i] = None
         if spot is not None:
-            self._spot_check(spot, jobs, results, opinions, job_rows)
+            self._spot_check(spot, jobs, results, opinions.found, job_rows)
         if self.output_shape is None:
             raise MoEError(f"none of the {len(jobs)} chosen experts answered, and none ever has")
         answered = torch.zeros(batch, k, dtype=torch.bool)
@@ -341,21 +361,27 @@ class MixtureCaller:
         self, spot: SpotChecker, jobs: Sequence[ExpertJob], results: list[list[torch.Tensor] | None],
         opinions: Sequence[SecondOpinion], job_rows: Sequence[torch.Tensor],
     ) -> None:
-        """Compares the accepted answers with their second opinions; drops those shown or suspected wrong."""
-        for opinion in opinions:
-            job, result = jobs[opinion.job], results[opinion.job]
-            if result is None:
-                continue
-            rows = job_rows[opinion.job]
-
-            def third(job: ExpertJob = job, opinion: SecondOpinion = opinion, rows: torch.Tensor = rows
-                      ) -> list[torch.Tensor] | None:
-                return self.peer.run(spot.third_opinion(job.uid, (job.addr, opinion.addr), rows),
-                                     self.policy.forward_timeout + 5.0)
-
-            error = spot.judge(job.uid, job.addr, result[0], opinion, third)
-            if error is None:
-                continue
+        """Compares the accepted answers with their second opinions, asks the third opinions of all the
+        mismatches at once, and drops the answers of servers shown wrong."""
+        mismatched = [o for o in opinions if (r := results[o.job]) is not None and not spot.matches(r[0], o)]
+        asks = [o for o in mismatched if spot.needs_third(results[o.job][0], o)]  # type: ignore[index]
+        thirds: dict[int, ThirdOpinion | None] = {}
+        if asks:
+            requests = [(jobs[o.job].uid, (jobs[o.job].addr, o.addr), job_rows[o.job]) for o in asks]
+            try:
+                found = self.peer.run(spot.third_opinions(requests), spot.opinion_timeout + 5.0)
+            except Exception as e:  # noqa: BLE001 - no third opinion: the mismatches stay undecided
+                logger.debug("no third opinions for this batch: %s", e)
+                found = [None] * len(asks)
+            thirds = {o.job: third for o, third in zip(asks, found)}
+        for opinion in mismatched:
+            job, result, third = jobs[opinion.job], results[opinion.job], thirds.get(opinion.job)
+            if third is not None and third.outputs is None:  # like a timeout: that server is avoided a while
+                self.on_failure(job, SilentReplica(f"expert {job.uid}: its server {third.addr} gave no third "
+                                                   f"opinion within {spot.opinion_timeout:.3g} s", third.addr))
+            error = spot.judge(job.uid, job.addr, result[0], opinion, third)  # type: ignore[index]
+            if error.blamed is None:
+                continue  # nothing tells which one lies: the answer, which passed the checks, stands
             self.misbehaviours += 1
             if error.blamed == opinion.addr:
                 self.on_failure(job, error)  # the other server lied: it is avoided, this answer stands

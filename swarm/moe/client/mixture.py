@@ -24,7 +24,7 @@ from swarm.moe.client.answer_checks import AnswerChecks, MisbehavingExpert
 from swarm.moe.client.beam_search import ExpertChoice, MoEBeamSearcher
 from swarm.moe.client.dispatch import DispatchPolicy, MixtureCall, MixtureCaller
 from swarm.moe.client.jobs import ExpertJob
-from swarm.moe.client.spot_checks import ReplicaMismatch, SpotCheckConfig, SpotChecker
+from swarm.moe.client.spot_checks import ReplicaMismatch, SilentReplica, SpotCheckConfig, SpotChecker
 from swarm.moe.sources import ExpertSource
 
 __all__ = ["MixtureConfig", "RemoteMixtureOfExperts"]
@@ -164,6 +164,9 @@ class RemoteMixtureOfExperts(nn.Module):
     def _on_failure(self, job: ExpertJob, error: BaseException) -> None:
         # runs on the peer's loop, like every use of the searcher's state (or, for a spot check's
         # verdict, on the calling thread between two searches)
+        if isinstance(error, SilentReplica):  # a server that gave no third opinion: avoided like a timeout
+            self.searcher.avoid_server(error.addr, self.config.policy.exclude_failed_for)
+            return
         if isinstance(error, ReplicaMismatch):
             if error.blamed is not None:
                 self.searcher.avoid_server(error.blamed, self.config.checks.avoid_for)
