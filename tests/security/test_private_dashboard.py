@@ -5,6 +5,7 @@ is public as before. The page-only client process joins a private swarm and prin
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -55,9 +56,14 @@ def _serve(peer: Peer, public: bool = False) -> DashboardServer:
     return serve_dashboard(peer, DashboardConfig(refresh_period=0.5), public=public)
 
 
-def test_a_private_swarms_page_is_refused_without_its_token_and_served_with_it(make_peer: Callable[..., Peer]) -> None:
-    server = _serve(_private_peer(make_peer))
+def test_a_private_swarms_page_is_refused_without_its_token_and_served_with_it(
+        make_peer: Callable[..., Peer], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="swarm.dashboard"):
+        server = _serve(_private_peer(make_peer))
     assert server.access.token and server.page_url == f"{server.url}?token={server.access.token}"
+    # the log names the page, never its token (logs are kept and shared)
+    assert any(server.url in r.getMessage() for r in caplog.records)
+    assert not any(server.access.token in r.getMessage() for r in caplog.records)
     name = f"swarm_dashboard_{server.port}"  # a cookie per dashboard: browsers share one host's cookies across ports
     for route in ROUTES:  # no route, no file, no stream: nothing without the token
         status, body, _ = _get(server.url + route)
