@@ -215,7 +215,7 @@ class DashboardServer:
             Route("/api/history", history, methods=["GET"]),
             Route("/api/events", events, methods=["GET"]),
             Mount("/static", Static(directory=STATIC), name="static"),
-        ]))
+        ]), self.port)
 
     async def _wait_past(self, version: int) -> bool:
         """Waits for a snapshot newer than `version` (or the end); False after a quiet heartbeat."""

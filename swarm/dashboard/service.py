@@ -53,5 +53,8 @@ def serve_dashboard(peer: Peer, config: DashboardConfig, public: bool = False) -
     server = DashboardServer(PeerDashboard(Collector(peer, config)), config, access)
     peer.run(server.astart(), timeout=30)
     peer.attach(server)
-    logger.info("serving the swarm's dashboard at %s", server.page_url)
+    # never the token: logs are kept and shared; the operator gets `page_url` from what the command
+    # line prints (`swarm.cli.dashboard`)
+    logger.info("serving the swarm's dashboard at %s%s", server.url,
+                "" if access.public else " (private: open the URL with the token printed at start)")
     return server

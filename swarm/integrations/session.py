@@ -33,7 +33,7 @@ from swarm.integrations.admission import AdmissionConfig, ModelAdmission
 from swarm.integrations.data import PeerShardSampler, peer_seed
 from swarm.integrations.fingerprint import ModelFingerprint, model_fingerprint, scoped_prefix
 from swarm.optim.config import CollaborationConfig, DiLoCoConfig
-from swarm.optim.distributed import is_following_rank, machine_peer_id, swarm_optimizer
+from swarm.optim.distributed import agree_started, is_following_rank, machine_peer_id, swarm_optimizer
 from swarm.optim.group_averaging import make_swarm_averager
 from swarm.optim.outcome import StepOutcome
 from swarm.peer import Peer
@@ -141,18 +141,26 @@ class SwarmSession:
         # in a torchrun job, rank 0's peer is the machine's and the other ranks follow it (`swarm.optim.distributed`)
         following = is_following_rank()
         self._owns_peer = peer is None and not following
-        self.peer: Peer | None = peer if peer is not None or following else Peer(
-            initial_peers=args.peers_to_join(), listen=args.listen, identity_path=args.identity_path,
-            client_mode=args.client_mode)
+        self.peer: Peer | None = peer
         self.sampler = sampler
         self.inner_steps = 0  # DiLoCo: the swarm's inner steps, as this peer counts them
         self.admission: ModelAdmission | None = None
         try:
-            self.fingerprint = fingerprint or model_fingerprint(model)
-            if self.peer is not None:
-                self.admission = ModelAdmission(self.peer, args.run_id, self.fingerprint, args.admission)
-                self.admission.admit()
-                self.peer.attach(self.admission)
+            try:
+                if self._owns_peer:
+                    self.peer = Peer(initial_peers=args.peers_to_join(), listen=args.listen,
+                                     identity_path=args.identity_path, client_mode=args.client_mode)
+                self.fingerprint = fingerprint or model_fingerprint(model)
+                if self.peer is not None:
+                    self.admission = ModelAdmission(self.peer, args.run_id, self.fingerprint, args.admission)
+                    self.admission.admit()
+                    self.peer.attach(self.admission)
+            except Exception as e:
+                # in a job, the other ranks would otherwise wait for rank 0 in the next collective
+                # until the process group's timeout: they learn of the failure and raise too
+                agree_started(e)
+                raise
+            agree_started(None)
             self.peer_id = machine_peer_id(self.peer)
             config = args.config
             compression = args.diloco.compression if args.diloco is not None else config.gradient_compression

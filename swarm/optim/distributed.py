@@ -37,7 +37,9 @@ Sharded models (FSDP, DTensor parameters) are refused: a rank's replica must hol
 for the ranks' steps to be the same step.
 
 Faults: a command that fails on rank 0 (an error of the swarm optimizer) fails the call on every
-rank alike (`LocalRankError` on the others), after the ranks applied the same changes. A rank that
+rank alike (`LocalRankError` on the others), after the ranks applied the same changes; so does a
+rank 0 that cannot join the swarm before the optimizer is built (`agree_started`, called by
+`SwarmSession`). A rank that
 dies breaks the process group: the next collective fails on the survivors, nothing further is
 applied (a contribution whose reduction among the ranks failed never reaches the swarm: the round
 is launched only after it), and torchrun stops the job; rank 0 then leaves the swarm (`DistributedOptimizer.shutdown`
@@ -416,6 +418,28 @@ def is_following_rank() -> bool:
     because rank 0's peer is the machine's."""
     ranks = job_ranks()
     return ranks is not None and ranks.rank != 0
+
+
+def agree_started(error: Exception | None) -> None:
+    """In a job, where every rank calls it at the same point, after its own part of joining the
+    swarm (rank 0: starting its `swarm.Peer`, the model check; `error`: how that failed, None if it
+    did not): every rank learns whether any rank failed before any of them waits on the others in a
+    collective that a failed rank would never reach. A rank whose own part failed returns (its
+    caller raises its own error); the others raise `LocalRankError` with rank 0's reason. Outside a
+    job it does nothing.
+
+    Raises:
+        LocalRankError: this rank's part went well and another rank's failed.
+    """
+    ranks = job_ranks()
+    if ranks is None or not ranks.sum_int(int(error is not None)):
+        return
+    reason = ranks.broadcast_object(f"{type(error).__name__}: {error}" if ranks.rank == 0 and error is not None
+                                    else None)
+    if error is None:
+        raise LocalRankError(f"local rank {ranks.rank}: " + (
+            f"rank 0 could not join the swarm: {reason}" if isinstance(reason, str)
+            else "another local rank could not join the swarm (see its error)"))
 
 
 def machine_peer_id(peer: PeerHandle | None) -> str:

@@ -4,6 +4,7 @@ same from a live run through state transfer, and clear errors for what it cannot
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 from swarm.checkpoint import CheckpointStore
 from swarm.checkpoint.format import TENSORS_FILE
 from swarm.cli.export import main as export_main
+from swarm.core.errors import ConfigError
 from swarm.optim.checkpointing import to_raw
 
 
@@ -130,3 +132,35 @@ def test_export_of_a_transformers_run_is_a_directory_from_pretrained_loads_bit_f
                         "--out", str(tmp_path / "refused")]) == 1
     assert "another model" in capsys.readouterr().err
     assert not (tmp_path / "refused" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_export_of_a_half_precision_transformers_run_keeps_its_dtype(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], dtype: torch.dtype) -> None:
+    """A run trained in bf16/fp16 (its config's torch_dtype says so) is the same model, not another
+    one: the file holds the parameters in the dtype the run trained them in."""
+    transformers = pytest.importorskip("transformers")
+    net, config_dir = tiny_gpt2(tmp_path)
+    net = net.to(dtype)
+    net.save_pretrained(config_dir)  # as a Trainer writes its output_dir: the config names the model's dtype
+    saved = json.loads((config_dir / "config.json").read_text())
+    assert saved.get("dtype", saved.get("torch_dtype")) == str(dtype).removeprefix("torch.")
+    trained = [p for p in net.parameters() if p.requires_grad]
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save("hf-run", 3, 0, [(f"param.{i}", to_raw(p)) for i, p in enumerate(trained)],
+               {"optimizer": {}, "scheduler": None}, [])
+    out = tmp_path / "exported"
+    assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--transformers", str(config_dir),
+                        "--out", str(out)]) == 0, capsys.readouterr().err
+    written = safetensors.torch.load_file(str(out / "model.safetensors"))
+    expected = dict(net.named_parameters())
+    assert {t.dtype for t in written.values()} == {dtype}
+    assert all(torch.equal(written[name], expected[name].detach()) for name in written)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=dtype)
+    assert all(torch.equal(p, expected[name]) for name, p in loaded.named_parameters())
+
+    from swarm.optim.pretrained import match_names  # a parameter that is not floating point: refused
+
+    ints = [(f"param.{i}", to_raw(p.detach().to(torch.int32))) for i, p in enumerate(trained)]
+    with pytest.raises(ConfigError, match="not floating point"):
+        match_names(ints, [(name, tuple(p.shape)) for name, p in net.named_parameters()])

@@ -5,6 +5,7 @@ is public as before. The page-only client process joins a private swarm and prin
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -55,21 +56,29 @@ def _serve(peer: Peer, public: bool = False) -> DashboardServer:
     return serve_dashboard(peer, DashboardConfig(refresh_period=0.5), public=public)
 
 
-def test_a_private_swarms_page_is_refused_without_its_token_and_served_with_it(make_peer: Callable[..., Peer]) -> None:
-    server = _serve(_private_peer(make_peer))
+def test_a_private_swarms_page_is_refused_without_its_token_and_served_with_it(
+        make_peer: Callable[..., Peer], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="swarm.dashboard"):
+        server = _serve(_private_peer(make_peer))
     assert server.access.token and server.page_url == f"{server.url}?token={server.access.token}"
+    # the log names the page, never its token (logs are kept and shared)
+    assert any(server.url in r.getMessage() for r in caplog.records)
+    assert not any(server.access.token in r.getMessage() for r in caplog.records)
+    name = f"swarm_dashboard_{server.port}"  # a cookie per dashboard: browsers share one host's cookies across ports
     for route in ROUTES:  # no route, no file, no stream: nothing without the token
         status, body, _ = _get(server.url + route)
         assert status == 403 and b"private swarm" in body, (route, status)
         assert _get(f"{server.url}{route}?token=wrong")[0] == 403
-        assert _get(server.url + route, {"Cookie": "swarm_dashboard=wrong"})[0] == 403
+        assert _get(server.url + route, {"Cookie": f"{name}=wrong"})[0] == 403
     status, body, headers = _get(server.page_url)  # the URL the operator got
     assert status == 200 and b"<title>swarm dashboard</title>" in body
     cookie = headers["set-cookie"]
-    assert cookie.startswith(f"swarm_dashboard={server.access.token};") and "HttpOnly" in cookie
+    assert cookie.startswith(f"{name}={server.access.token};") and "HttpOnly" in cookie
     assert "SameSite=Strict" in cookie
     for route in ROUTES[1:]:  # the page's own requests carry the cookie
         assert _get(server.url + route, {"Cookie": cookie.split(";")[0]})[0] == 200, route
+    # beside another local application's cookie that `http.cookies` cannot parse
+    assert _get(server.url + "api/snapshot", {"Cookie": f'x=a b; {cookie.split(";")[0]}'})[0] == 200
     assert _get(server.url + "api/snapshot", {"Authorization": f"Bearer {server.access.token}"})[0] == 200
 
 

@@ -1,0 +1,42 @@
+"""One rank of a 2-rank gloo job (no torchrun: the rank and a file store come from the command
+line) that starts a `SwarmSession` whose rank 0 cannot join the swarm (its listen address is not a
+multiaddr). Prints the error the session raised on this rank as `<rank> <type>: <message>`, then
+stays in the job until its stdin closes: a rank 0 that lives on after its error (a framework that
+catches it, a process kept up by other threads) is the case where the other ranks would wait for it
+in a collective until the process group's timeout, rather than see its connection close."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+
+from swarm.core.errors import SwarmError
+from swarm.integrations.session import SwarmArguments, SwarmSession
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--timeout", type=float, required=True, help="the process group's, in seconds")
+    args = parser.parse_args()
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    model = torch.nn.Linear(4, 2)
+    try:
+        SwarmSession(SwarmArguments(run_id="ranks", target_batch_size=4, listen="not-a-multiaddr"), model,
+                     torch.optim.SGD(model.parameters(), lr=0.1))
+    except SwarmError as e:  # what the session raises when a rank cannot join
+        print(f"{args.rank} {type(e).__name__}: {e}", flush=True)
+    else:
+        print(f"{args.rank} started", flush=True)
+    sys.stdin.read()  # until the test has read both ranks' lines
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
