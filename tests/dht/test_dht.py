@@ -110,8 +110,11 @@ def test_concurrent_single_gets_are_coalesced_into_shared_requests(swarm):
 
     results = client.run(many())
     assert [r.value for r in results] == list(range(200))
-    # every key was looked up on the network, yet the requests went out batched
-    assert protocol.calls_sent[FIND] - before <= 2 * len(peers)
+    # every key was looked up on the network, yet the requests went out batched: one lookup per
+    # key would send 200 or more. How many batched requests go out is a timing figure (an answer
+    # slower than `slow_after` is hedged with another request, more often on a loaded machine:
+    # 18 with 6 nodes was seen at load ~4, 2 per node on a quiet one), so the bound is on batching.
+    assert protocol.calls_sent[FIND] - before < len(keys) // 4
     assert client.dht.node.stats.lookups >= 200
 
 
