@@ -55,6 +55,24 @@ class PeerProcess:
         """Reads `count` stdout lines, failing with the process's stderr if they do not come in time."""
         return read_stdout_lines(self.proc, count, timeout, "peer", self.kill, self.stderr_text)
 
+    def read_log_until(self, done: Callable[[str], bool], timeout: float) -> str:
+        """Reads the peer's log (stderr) until a line makes `done` true, and returns that line;
+        fails with the last lines read if none does within `timeout` seconds or the log ends."""
+        stream = self.proc.stderr
+        assert stream is not None
+        seen: list[str] = []
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(stream, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                assert left > 0 and sel.select(left), "\n".join(seen[-20:])
+                line = stream.readline()
+                assert line, "\n".join(seen[-20:])
+                seen.append(line.rstrip())
+                if done(line):
+                    return line
+
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
 

@@ -4,9 +4,7 @@ peer resumes when no live peer is left; and its options are checked."""
 
 from __future__ import annotations
 
-import selectors
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -19,24 +17,6 @@ from swarm.core.errors import ConfigError
 from swarm.optim import CollaborationConfig, Optimizer
 from swarm.optim.checkpointing import from_raw
 from swarm.peer import Peer
-
-
-def read_log_until(archiver: PeerProcess, text: str, timeout: float) -> str:
-    """Reads the archiver's stderr until a line holds `text` (its log: INFO)."""
-    stream = archiver.proc.stderr
-    assert stream is not None
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(stream, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0 and sel.select(left), "\n".join(seen[-20:])
-            line = stream.readline()
-            assert line, "\n".join(seen[-20:])
-            seen.append(line.rstrip())
-            if text in line:
-                return line
 
 
 def model() -> torch.nn.Module:
@@ -64,7 +44,7 @@ def test_an_archiver_keeps_the_live_state_and_a_trainer_resumes_from_it(tmp_path
                 opt.step()
                 opt.zero_grad()
             trained = [p.detach().clone() for p in net.parameters()]
-            read_log_until(archiver, "archived epoch 3", 90)
+            archiver.read_log_until(lambda line: "archived epoch 3" in line, 90)
             opt.shutdown()
         checkpoint = CheckpointStore(tmp_path / "archive").load_newest("kept")
         assert checkpoint.epoch == 3

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -142,23 +141,6 @@ def test_every_trainer_killed_then_restarted_resumes_bit_for_bit_from_the_newest
             t.kill()
 
 
-def read_log_until(archiver: PeerProcess, done: Callable[[str], bool], timeout: float) -> str:
-    """Reads the archiver's log (stderr, INFO) until a line makes `done` true; returns that line."""
-    stream = archiver.proc.stderr
-    assert stream is not None
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(stream, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0 and sel.select(left), "\n".join(seen[-20:])
-            line = stream.readline()
-            assert line, "\n".join(seen[-20:])
-            seen.append(line.rstrip())
-            if done(line):
-                return line
-
 
 def archived_epoch(line: str) -> int:
     """The epoch of an archiver's ``archived epoch N in ...`` log line, else -1."""
@@ -179,7 +161,7 @@ def test_trainers_and_their_archiver_killed_then_restarted_resume_at_the_newest_
         try:
             for t in trainers:
                 t.ready()
-            read_log_until(archiver, lambda line: archived_epoch(line) >= 3, 150)
+            archiver.read_log_until(lambda line: archived_epoch(line) >= 3, 150)
         finally:  # SIGKILL, every process at once: no clean shutdown, no last save
             for proc in [t.proc for t in trainers] + [archiver.proc]:
                 if proc.poll() is None:
@@ -193,7 +175,7 @@ def test_trainers_and_their_archiver_killed_then_restarted_resume_at_the_newest_
 
     with PeerProcess(*archiver_args, ready_timeout=90) as archiver:
         assert archiver.addrs[0].endswith(f"/p2p/{archiver_id}")  # its identity: the PeerID trainers trust
-        read_log_until(archiver, lambda line: "announced the archive of epochs" in line, 60)
+        archiver.read_log_until(lambda line: "announced the archive of epochs" in line, 60)
         trainers = [Trainer(None, tmp_path / f"resumed-{i}.log", seed=i, resume=False,
                             initial_peer=archiver.addrs[0], resume_from=archiver_id) for i in range(3)]
         try:
