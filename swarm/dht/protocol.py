@@ -137,7 +137,9 @@ class DHTProtocol:
         self.calls_sent[method] += 1
         loop = asyncio.get_running_loop()
         start = loop.time()
+        channel: PeerChannel | None = None
         try:
+            channel = self._channel(node)  # the one `_send` uses (the pool keeps it)
             if not self.contacts.timeouts_in_a_row(node):
                 response = await self._send_or_resend(node, method, request, response_type, timeout,
                                                       early_resend=resend_lost)
@@ -148,7 +150,9 @@ class DHTProtocol:
                 self._timed_out(node, method, timeout)
             self.contacts.failed(node, e, method)
             if isinstance(e, PeerUnreachable) and node.node_id not in self.routing_table:
-                await self.pool.forget(node.peer_id)  # no channel kept open to a node that is not there
+                # no channel kept open to a node that is not there; but only the channel this call
+                # used: another caller may have replaced it meanwhile (a fresh dial) and still uses it
+                await self.pool.forget(node.peer_id, channel)
             if reraise:
                 raise
             return None

@@ -675,10 +675,14 @@ class ChannelPool:
         self._channels[channel.peer_id] = channel
         return channel
 
-    async def forget(self, peer_id: str) -> None:
-        channel = self._channels.pop(peer_id, None)
-        if channel is not None:
-            await channel.close()
+    async def forget(self, peer_id: str, channel: PeerChannel | None = None) -> None:
+        """Closes the channel to `peer_id`; given `channel`, only if that one is still the peer's
+        (a caller whose call failed on it must not close a newer channel that others now use)."""
+        current = self._channels.get(peer_id)
+        if current is None or (channel is not None and current is not channel):
+            return
+        del self._channels[peer_id]
+        await current.close()
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

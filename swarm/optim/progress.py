@@ -234,6 +234,37 @@ def majority_digest(reports: Iterable[PeerProgress], epoch: int) -> str | None:
     return min(counts, key=lambda d: (-counts[d], d)) if counts else None
 
 
+def merge_read(
+    known: Mapping[str, tuple[PeerProgress, float]], read: Mapping[str, tuple[PeerProgress, float]],
+    left: set[str], now: float,
+) -> dict[str, tuple[PeerProgress, float]]:
+    """What a peer knows of the swarm's reports after one more read of the progress key.
+
+    Args:
+        known: PeerID -> (report, its record's expiration) from the reads before.
+        read: the same from this read.
+        left: PeerIDs whose records in this read say they left.
+        now: the current DHT time.
+
+    A read that missed a record (a replica slow to answer, or this node's own copy while it is
+    new and empty) does not make its peer leave: the report counts until its record expires,
+    unless the peer said it left. The record's expiration decides, not the report's time: a peer
+    that waits (for a round, a download, another peer) keeps its record alive with heartbeats
+    that repeat its last report, time included. Where both have a report, the newer one counts.
+    """
+    merged = dict(read)
+    for peer_id, (previous, expires) in known.items():
+        if peer_id in left:
+            continue
+        if peer_id not in merged:
+            if expires > now:
+                merged[peer_id] = (previous, expires)
+            continue
+        report, read_expires = merged[peer_id]
+        merged[peer_id] = (previous if previous.time > report.time else report, max(expires, read_expires))
+    return merged
+
+
 def _digest_counts(reports: Iterable[PeerProgress], epoch: int) -> dict[str, int]:
     counts: dict[str, int] = {}
     for r in reports:

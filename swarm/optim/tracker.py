@@ -35,7 +35,14 @@ from swarm.dht.handle import PeerHandle
 from swarm.dht.validation import marker_owner, owner_marker
 from swarm.optim.config import CollaborationConfig
 from swarm.optim.outcome import RoundOutcome
-from swarm.optim.progress import PeerProgress, RoundSummary, SwarmProgress, progress_key, summarize
+from swarm.optim.progress import (
+    PeerProgress,
+    RoundSummary,
+    SwarmProgress,
+    merge_read,
+    progress_key,
+    summarize,
+)
 
 __all__ = ["ProgressTracker", "progress_key"]
 
@@ -65,6 +72,7 @@ class ProgressTracker:
         self._local = PeerProgress(peer.peer_id, 0, 0, 0.0, clock(), peer.client_mode, addr,
                                    target_batch_size=config.target_batch_size)
         self._reports: dict[str, PeerProgress] = {}
+        self._expires: dict[str, float] = {}  # when each report's record expires in the DHT
         self._dirty = True
         self._urgent = False
         self._last_report = 0.0
@@ -293,7 +301,7 @@ class ProgressTracker:
         """Takes in a read of the progress key (`aget`'s or `local_copy`'s value) and schedules the
         next read."""
         cfg = self.config
-        reports: dict[str, PeerProgress] = {}
+        read: dict[str, tuple[PeerProgress, float]] = {}
         left: set[str] = set()
         for subkey, item in subkey_entries(found).items():
             peer_id = marker_owner(subkey)  # signed by that peer; other subkeys anyone may write
@@ -305,17 +313,13 @@ class ProgressTracker:
                 continue
             report = PeerProgress.from_record(peer_id, record)
             if report is not None:
-                reports[report.peer_id] = report
+                read[report.peer_id] = (report, item.expiration_time)
         now = self.clock()
         with self._lock:
-            # a lookup that missed a record (a replica slow to answer) does not make its peer leave:
-            # it counts until its report expires, unless it said it left
-            for peer_id, previous in self._reports.items():
-                if peer_id not in reports and peer_id not in left and previous.time + cfg.progress_expiration > now:
-                    reports[peer_id] = previous
-                elif peer_id in reports and previous.time > reports[peer_id].time:
-                    reports[peer_id] = previous  # the other source had a newer one already
-            self._reports = reports
+            known = {p: (r, self._expires.get(p, 0.0)) for p, r in self._reports.items()}
+            merged = merge_read(known, read, left, now)  # a record this read missed counts until it expires
+            self._reports = {p: r for p, (r, _) in merged.items()}
+            self._expires = {p: e for p, (_, e) in merged.items()}
             self._changed.notify_all()
         self._fetched.set()
         if self._next_reports is not None:

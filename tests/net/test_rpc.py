@@ -245,3 +245,25 @@ def test_a_call_whose_channel_is_closed_under_it_is_peer_unreachable(make_peer, 
         assert not call.cancelled()
 
     b.run(go(), timeout=30)
+
+
+def test_forgetting_a_channel_that_was_replaced_leaves_the_new_one_open(make_peer):
+    # a DHT request failed on the channel its caller closed (`forget`) and then forgets that
+    # channel in turn: by then the caller dialled afresh, and its new channel must stay open (a
+    # revoked peer's fresh dial once failed as "channel closed" instead of hearing "revoked")
+    a = make_peer()
+    b = make_peer()
+
+    async def go() -> None:
+        old = b.pool.get(a.addrs[0])
+        await old.info()
+        await b.pool.forget(a.peer_id)
+        new = b.pool.get(a.addrs[0])
+        assert new is not old
+        await b.pool.forget(a.peer_id, old)  # the failed request's clean-up, late
+        assert b.pool.known(a.peer_id) is new
+        await new.info(timeout=10)  # handshake and call on the new channel
+        await b.pool.forget(a.peer_id, new)
+        assert b.pool.known(a.peer_id) is None
+
+    b.run(go(), timeout=30)

@@ -97,6 +97,10 @@ def main() -> None:
     if peer is not None:
         peer.shutdown()
     print("done", flush=True)
+    if in_job:  # gloo may abort a rank as the interpreter finalizes: dist_trainer_proc.py says why
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -126,10 +126,6 @@ def test_a_two_rank_job_is_one_identical_peer_counting_both_ranks_and_a_dead_ran
 
 @pytest.mark.slow
 @pytest.mark.timeout(500)
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect, open: on a quiet machine the restarted job loads the state at epoch 3, then counts no "
-    "other live peer and steps alone to the end while the one-process peer waits for it (2 of 3 fresh-clone "
-    "runs on 2026-12-06)"))
 def test_a_job_restarted_with_its_identity_rejoins_and_catches_up_in_diloco_mode(tmp_path: Path) -> None:
     single = _start([sys.executable, WORKER, "--out", str(tmp_path), "--name", "single", "--epochs", "6",
                      "--batch", "8", "--diloco", "--wait-rejoin", "3"], tmp_path, "single")

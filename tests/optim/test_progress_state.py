@@ -10,7 +10,7 @@ import torch
 from swarm.core.errors import ConfigError
 from swarm.optim import CollaborationConfig, DiLoCoConfig
 from swarm.optim.accumulator import GradientAccumulator
-from swarm.optim.progress import PeerProgress, ThroughputMeter, canonical_digest, summarize
+from swarm.optim.progress import PeerProgress, ThroughputMeter, canonical_digest, merge_read, summarize
 from swarm.optim.training_state import TrainingState, state_digest
 
 
@@ -37,6 +37,29 @@ def test_records_round_trip_and_hostile_ones_are_dropped():
     for bad in (None, "x", {"epoch": -1, "samples": 0, "sps": 0, "time": 0}, {"epoch": 1},
                 {"epoch": 1, "samples": 2, "sps": float("nan"), "time": 0}, {"left": True}):
         assert PeerProgress.from_record("p", bad) is None
+
+
+def test_a_waiting_peer_whose_record_a_read_missed_counts_until_its_record_expires():
+    """A peer held up (waiting for another, a round, a download) repeats its last report, time
+    included, in heartbeats that renew its record. A read that misses it (a new node's empty copy)
+    keeps it while the record lives, however old the report's time; it goes once the record
+    expires or the peer says it left. The last two runs of the restart test under torchrun failed
+    here: the waiting peer's 5-s-old report was dropped, and the restarted job stepped alone."""
+    waiting = report("w", 3, 0, time=95.0)  # reported at 95 s, renewed since by heartbeats
+    known = {"w": (waiting, 103.0), "x": (report("x", 3, 8, time=100.5), 101.0)}
+    fresh = {"me": (report("me", 3, 0, time=100.0), 103.0)}
+    merged = merge_read(known, fresh, left=set(), now=100.0)
+    assert merged["w"] == (waiting, 103.0)  # missed by this read, counted: its record lives on to 103 s
+    assert "x" in merged
+    later = merge_read(merged, fresh, left=set(), now=102.0)
+    assert "w" in later and "x" not in later  # x's record expired at 101 s
+    assert "w" not in merge_read(later, fresh, left=set(), now=103.5)
+    assert "w" not in merge_read(known, fresh, left={"w"}, now=100.0)  # it said it left
+    # read again: the newer report counts, and the later expiration of the two
+    renewed = {"w": (report("w", 3, 0, time=95.0), 106.0)}
+    assert merge_read(known, renewed, set(), now=100.0)["w"] == (waiting, 106.0)
+    newer = report("w", 4, 16, time=101.0)
+    assert merge_read({"w": (newer, 104.0)}, renewed, set(), now=101.5)["w"] == (newer, 106.0)
 
 
 def test_canonical_digest_is_the_majority_and_ties_break_the_same_way_everywhere():

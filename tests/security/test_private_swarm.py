@@ -222,9 +222,6 @@ def test_repeated_attempts_from_one_address_are_refused_unread(swarm: Swarm) -> 
     assert member.gate.refused["too many refused attempts"] >= len(throttled)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect, open: a revoked peer dialling a member afresh once got 'channel closed' instead of "
-    "PermissionDenied naming the revocation (1 of 3 fresh-clone runs on 2026-12-06)"))
 def test_a_revoked_member_is_cut_off_within_the_interval(swarm: Swarm) -> None:
     interval = 0.5
     first = swarm.invite(revocation_interval=interval)
