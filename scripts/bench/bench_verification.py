@@ -17,7 +17,9 @@ makes them (the inputs through the wire codec, `centered_clip`, the result throu
    true distance, and with its distance understated), an inflated automatic radius (x3, x10), a
    two-coordinate shift (one try against the sign vectors), a wrong digest, and overstated
    distances of honest members. Every member but the reducer checks; a lie is caught when one
-   of them fails it. Reported: the detection rate.
+   of them fails it. Reported: the detection rate; for the lies that change only what the reducer
+   publishes, also both revisions' rates on the parts whose honest form the baseline passes (a
+   check that refuses a part honest or not tells no lie from the truth there).
 
 With `--baseline REV` (default: the checks before their slack was derived) the checks of that
 revision of verification.py, loaded from git, run on the same parts and lies in the same
@@ -56,6 +58,9 @@ ROUND = b"bench-verification"
 SIZES = (1, 3, 17, 256, 1000, 4096)
 SCENARIOS = ("tight", "normal", "spread", "very_spread", "heavy", "outlier", "two_clusters", "line", "identical_majority",
              "all_equal")
+# lies that leave the inputs as they were and change only what the reducer publishes: the part
+# they were made from is their honest form
+CLAIM_LIES = ("shift_1e-2", "shift_1e-3", "substitute", "over_clip", "two_coordinates", "wrong_digest")
 ATTACKS = ("shift_1e-2", "shift_1e-3", "substitute", "over_clip", "own_outlier_unclipped",
            "own_outlier_distance_understated", "inflate_tau_x3", "inflate_tau_x10", "two_coordinates",
            "wrong_digest", "overstate_distances")
@@ -381,6 +386,9 @@ def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4
     agen = torch.Generator().manual_seed(seed + 1)
     for name in ATTACKS:
         caught_new = caught_old = applied = 0
+        # the baseline's catches of lies made from a part that it refuses honest too tell nothing
+        # apart: counted separately (only for the lies that change nothing but the reducer's claim)
+        caught_old_fair = caught_new_fair = refused_old_honest = 0
         tried = 0
         per_codec: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
         while applied < trials and tried < 20 * trials:
@@ -401,15 +409,26 @@ def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4
                 got_old = bool(attack(name, p, agen, lambda q, i, **kw: check_old(old, q, i, **kw), False))
                 caught_old += got_old
                 per_codec[p.codec][2] += got_old
+                if name in CLAIM_LIES:
+                    refused = any(check_old(old, p, i) for i in range(len(p.inputs)) if i != p.reducer)
+                    refused_old_honest += refused
+                    caught_old_fair += got_old and not refused
+                    caught_new_fair += got_new and not refused
         line = f"attack {name}: caught {caught_new}/{applied} ({100 * caught_new / max(1, applied):.1f}%)"
         if old is not None:
             line += (" baseline n/a (no such field)" if name in NEW_FIELDS
                      else f", baseline {caught_old}/{applied} ({100 * caught_old / max(1, applied):.1f}%)")
+            if name in CLAIM_LIES and name not in NEW_FIELDS:
+                fair = max(1, applied - refused_old_honest)
+                line += (f"; on the {applied - refused_old_honest} parts whose honest form the baseline passes: "
+                         f"{caught_new_fair} ({100 * caught_new_fair / fair:.1f}%), baseline {caught_old_fair} "
+                         f"({100 * caught_old_fair / fair:.1f}%)")
         out(line)
         if by_codec:
             out("  by codec (caught, baseline, of): " + ", ".join(
                 f"{c}: {v[1]}, {v[2]}, {v[0]}" for c, v in sorted(per_codec.items())))
         results["detected"][name] = (caught_new, caught_old, applied)
+        results.setdefault("detected_fair", {})[name] = (caught_new_fair, caught_old_fair, applied - refused_old_honest)
     out(f"total {time.perf_counter() - t0:.0f} s")
     return results
 
