@@ -195,16 +195,22 @@ class PeerChannel:
         return self.pool.signer.metadata_for(self.peer_id)
 
     async def verify(self) -> None:
-        """Runs the handshake once per channel (concurrent callers share it)."""
+        """Runs the handshake once per channel (concurrent callers share it). A channel closed
+        (`ChannelPool.forget`) fails every later call as unreachable, where gRPC would raise its
+        own `UsageError` past the caller's handling of RPC errors."""
         verified = self._verified
-        if verified is not None and verified.done() and verified.exception() is None:
+        if verified is not None and verified.done() and verified.exception() is None and not self._closed:
             return  # the per-call fast path: no new future, no shield
+        if self._closed:
+            raise PeerUnreachable(f"the channel to {self.addr} is closed", peer_id=self.peer_id)
         if self._verified is None or (self._verified.done() and self._verified.exception() is not None):
             self._verified = asyncio.ensure_future(self._handshake())
             # a caller cancelled while the handshake runs leaves it unawaited: its failure is
             # reported to the callers that wait, never as "Task exception was never retrieved"
             self._verified.add_done_callback(_retrieve)
         await asyncio.shield(self._verified)
+        if self._closed:  # closed while the handshake ran
+            raise PeerUnreachable(f"the channel to {self.addr} is closed", peer_id=self.peer_id)
 
     async def _handshake(self) -> None:
         await self._prove_identity()

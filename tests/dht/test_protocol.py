@@ -3,6 +3,7 @@ the reasons a refused record comes back with, and how failed calls are handled."
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -10,9 +11,10 @@ import msgpack
 import pytest
 
 from swarm.core.errors import InvalidRequest
+from swarm.core.faults import FaultPlan, LinkFault
 from swarm.core.identity import Identity
 from swarm.core.timeutil import get_dht_time
-from swarm.dht import SignatureValidator, owner_marker
+from swarm.dht import DHTConfig, SignatureValidator, owner_marker
 from swarm.dht.buckets import NodeInfo
 from swarm.dht.dictionary_value import DictionaryValue
 from swarm.dht.ids import DHTID
@@ -154,6 +156,38 @@ def test_a_dead_peer_is_dropped_and_blacklisted_with_backoff(swarm):
     second = node.blacklist.banned_until(c.peer_id)
     assert second is not None and second - get_dht_time() > node.config.blacklist_base_time * 1.5
     assert b.run(b.dht.node.protocol.call_ping(info(a)))  # the living are unaffected
+
+
+def test_a_request_that_fails_on_a_closed_channel_leaves_the_callers_fresh_channel_open(swarm):
+    """A DHT request in flight on a channel that its owner closes fails as unreachable, and the DHT
+    then closes "the node's channel" (the node is out of its table). By then the owner has dialled
+    afresh: that new channel must stay open. Before, the DHT closed it mid-handshake, and a revoked
+    peer's fresh dial failed as "channel closed" instead of hearing why it was refused."""
+    holder = swarm.add()
+    plan = FaultPlan()
+    caller = swarm.add(config=DHTConfig(request_timeout=10.0, lookup_timeout=20.0, fault_plan=plan))
+    node = caller.dht.node
+
+    async def go() -> None:
+        old = caller.pool.known(holder.peer_id)
+        assert old is not None and node.routing_table.get(peer_id=holder.peer_id) is not None
+        node.routing_table.remove(node_id_of(holder.peer_id))  # as after an earlier failure
+        plan.set_peer(holder.peer_id, LinkFault(delay=0.5))  # the ping waits on its way out, on `old`
+        delayed = plan.stats.delayed
+        ping = asyncio.ensure_future(node.protocol.call_ping(info(holder)))
+        for _ in range(10_000):  # until the ping is inside its delay, holding `old` (a few loop turns)
+            if plan.stats.delayed > delayed:
+                break
+            await asyncio.sleep(0)
+        assert plan.stats.delayed > delayed
+        plan.set_peer(holder.peer_id, LinkFault())
+        await caller.pool.forget(holder.peer_id)  # the owner closes `old` and dials afresh
+        fresh = caller.pool.get(holder.addrs[0])
+        assert not await ping  # it failed on the closed channel ...
+        assert caller.pool.known(holder.peer_id) is fresh  # ... and left the new one alone
+        await fresh.info(timeout=5)
+
+    caller.run(go(), timeout=30)
 
 
 def test_a_full_bucket_keeps_live_contacts_and_replaces_dead_ones(swarm):
