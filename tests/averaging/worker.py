@@ -69,7 +69,6 @@ def main() -> None:
         logging.getLogger("swarm.averaging").setLevel(logging.DEBUG)
     index, seed, numel = cfg["index"], cfg["seed"], cfg["numel"]
     peer = Peer(client_mode=cfg.get("client_mode", False))
-    emit(event="ready", addr=peer.addrs[0] if peer.addrs else "", peer_id=peer.peer_id)
     plan = FaultPlan()
 
     def arm(faults: list[dict]) -> None:
@@ -87,6 +86,9 @@ def main() -> None:
     )
     if "serve_state" in cfg:
         serve_state(peer, cfg["serve_state"], plan)
+    # ready once it serves what it was asked to: a test that downloads at "ready" found no State
+    # method on a loaded machine when this came before the state server (a victim never asked, so never killed)
+    emit(event="ready", addr=peer.addrs[0] if peer.addrs else "", peer_id=peer.peer_id)
     index_of: dict[str, int] = {}
     avg = None
     tensors: list[torch.Tensor] = []
