@@ -126,7 +126,7 @@ def main() -> None:
     if distributed:
         # torch 2.13's gloo worker threads may free a finished collective's tensors while the
         # interpreter finalizes, and abort there ("terminate called without an active exception";
-        # seen in 1 of ~12 restarts, core dump: ProcessGroupGloo::AsyncWork's destructor taking the
+        # seen in 3 of 30 restarts, core dump: ProcessGroupGloo::AsyncWork's destructor taking the
         # GIL during Py_FinalizeEx). Everything is written and the swarm left: skip finalization.
         sys.stdout.flush()
         sys.stderr.flush()
