@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypedDict
@@ -247,6 +248,10 @@ class Matchmaking:
         self._last_leader: Candidate | None = None  # that group's leader, when it was another peer
         self._led_last = False  # this peer led that group
         self._last_size = 0  # how many members it had
+        # the rounds (hex ids) of this peer's recent groups. A round that failed is retried under
+        # the same key, and its members' declarations still name it until they declare again: a
+        # round this peer was in never started without it
+        self._joined_rounds: deque[str] = deque(maxlen=16)
         self._link = peer.pool.estimates
         self._link.exclude(JOIN, REPORT)  # long polls, not round trips
         AveragingService.of(peer).join_handlers[prefix] = self.rpc_join
@@ -315,8 +320,8 @@ class Matchmaking:
         loop = asyncio.get_running_loop()
         while loop.time() < deadline:
             candidate = await self.election.leader(step.me, step.down)
-            if self.config.adaptive and step.missed is None and self.election.started:
-                rounds = sorted(set(self.election.started.values()))
+            rounds = sorted(set(self.election.started.values()).difference(self._joined_rounds))
+            if self.config.adaptive and step.missed is None and rounds:
                 step.missed = f"round(s) {', '.join(r[:8] for r in rounds)} of this group started without this peer"
             if candidate is None:
                 await asyncio.sleep(self.config.retry_interval)
@@ -589,6 +594,7 @@ class Matchmaking:
             self._last_round, self._last_leader, self._led_last = None, None, False  # the next try asks the DHT
         else:
             self._last_round, self._last_key, self._last_size = group.round_id, step.key, len(group.members)
+            self._joined_rounds.append(group.round_id.hex())
             leader = group.leader
             self._led_last = leader.peer_id == step.me.peer_id
             self._last_leader = None if self._led_last else Candidate(leader.peer_id, leader.addr)

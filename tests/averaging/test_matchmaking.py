@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 from avg_harness import FakeDHT, ValueWithExpiration, run_steps
 
-from swarm.averaging import Averager, AveragerConfig, MatchmakingConfig
+from swarm.averaging import Action, Averager, AveragerConfig, FaultPlan, FaultPoint, MatchmakingConfig
 from swarm.averaging.moshpit import moshpit_group_key, moshpit_next_coords
+from swarm.averaging.parts import RoundFailed
 from swarm.core.errors import AveragingError
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import owner_marker
@@ -92,6 +94,48 @@ def test_no_group_within_the_timeout_raises_and_leaves_tensors_alone():
         with pytest.raises(AveragingError, match="no averaging group"):
             avg.step(timeout=1.0)
         assert torch.equal(t, torch.ones(5))
+
+
+@pytest.mark.timeout(60)
+def test_the_members_of_a_failed_round_retry_it_together():
+    """A round that failed is retried under the same key (an epoch) by its members. Each member's
+    declaration still names the failed round (withdrawn when the group formed) until it declares
+    again: that is not a group of the round that started without the others. A member that retries
+    first waits for the rest, where it used to give up alone after 0.05 s ("started without this
+    peer")."""
+    dht = FakeDHT()
+    peers = [Peer() for _ in range(2)]
+    try:
+        for p in peers:
+            p.dht = dht
+        plans = [FaultPlan().add(FaultPoint.BEFORE_DECISION, Action.RAISE, rounds={0}) for _ in peers]
+        tensors = [[torch.full((100,), float(i))] for i in range(2)]
+        avgs = [Averager(p, t, prefix="retry", target_group_size=2, faults=plan)
+                for p, t, plan in zip(peers, tensors, plans)]
+        failed = run_steps(avgs, timeout=10, group_key="e0")
+        assert all(isinstance(r, RoundFailed) for r in failed), failed
+
+        def withdrawn() -> bool:  # both declarations name the failed round
+            entries = dht.data.get("retry.group.e0", {}).values()
+            return len(entries) == 2 and all("started" in e.value for e in entries)
+
+        deadline = time.monotonic() + 10
+        while not withdrawn() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert withdrawn(), dht.data
+        # the first member retries while the other's declaration still names the round they were in
+        with pytest.raises(AveragingError) as alone:
+            avgs[0].step(timeout=1.0, group_key="e0")
+        assert "started without this peer" not in str(alone.value), alone.value
+        assert "no averaging group formed within 1.0 s" in str(alone.value)
+        # then both retry: one group of both, the tensors averaged
+        results = run_steps(avgs, timeout=10, group_key="e0")
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert len({r.round_id for r in results}) == 1 and len(results[0].group) == 2
+        assert all(torch.allclose(t[0], torch.full((100,), 0.5)) for t in tensors)
+    finally:
+        for p in peers:
+            p.shutdown()
 
 
 @pytest.mark.timeout(30)
