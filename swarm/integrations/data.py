@@ -34,29 +34,43 @@ class PeerShardSampler(torch.utils.data.Sampler[int]):
     Args:
         num_samples: the dataset's length.
         seed: the order's seed (`peer_seed(peer.peer_id, run_id)`).
+        rank, ranks: in a job of `ranks` local ranks that are one peer, this rank's share of the
+            peer's order: the indices at positions `rank`, `rank + ranks`, ... of it. The
+            position (`offset`, `passes`) counts the peer's order and moves a whole row of `ranks`
+            positions per index: every rank of a job that takes batches of one size is at the
+            same position, and a rank's saved position resumes any rank.
     """
 
-    def __init__(self, num_samples: int, seed: int) -> None:
+    def __init__(self, num_samples: int, seed: int, rank: int = 0, ranks: int = 1) -> None:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        if not isinstance(ranks, int) or ranks < 1 or not isinstance(rank, int) or not 0 <= rank < ranks:
+            raise ValueError(f"rank must be in [0, ranks) and ranks positive, got rank {rank!r} of {ranks!r}")
         self.num_samples = num_samples
         self.seed = seed
+        self.rank, self.ranks = rank, ranks
         self.passes = 0  # complete passes over the dataset
-        self.offset = 0  # indices handed out in the current pass
+        self.offset = 0  # positions of the peer's order passed in the current pass
 
     def _order(self) -> torch.Tensor:
         g = torch.Generator().manual_seed((self.seed + self.passes) % (1 << 63))
         return torch.randperm(self.num_samples, generator=g)
 
     def __iter__(self) -> Iterator[int]:
+        order, drawn = self._order(), self.passes
         while True:
-            order = self._order()
-            while self.offset < self.num_samples:
-                index = int(order[self.offset])
+            if self.offset >= self.num_samples:  # a new pass, a new order
+                self.passes, self.offset = self.passes + 1, self.offset - self.num_samples
+                continue
+            at = self.position
+            if at % self.ranks != self.rank:  # another rank's position
                 self.offset += 1
-                yield index
-            self.passes += 1
-            self.offset = 0
+                continue
+            if drawn != self.passes:
+                order, drawn = self._order(), self.passes
+            index = int(order[self.offset])
+            self.offset += self.ranks - self.rank  # past the other ranks' positions of this row
+            yield index
 
     @property
     def position(self) -> int:

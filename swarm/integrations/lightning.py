@@ -21,15 +21,28 @@ not (docs/integrations.md, "Lightning"):
   identical; Lightning's `gradient_clip_val` still clips each local batch, as without a swarm;
 - the model check: a peer with another model is refused, before any round.
 
-One process trains one device (as `HivemindStrategy`); several GPUs of one machine are several peers.
+One process trains one device (as `HivemindStrategy`). Under `torchrun --nproc-per-node K` the
+job's K processes are one peer, as a `SwarmTrainer` job is (docs/operations.md, "A multi-GPU
+machine as one peer"): the strategy starts the job's process group (gloo on CPUs, NCCL on GPUs) when
+nothing did, rank 0 alone runs the `swarm.Peer`, each rank trains on `cuda:LOCAL_RANK` (or the CPU)
+and draws its own share of the data in the order rank 0's PeerID seeds (`sampler`), the optimizer
+is a `swarm.DistributedOptimizer` (the ranks' gradients are reduced once per collective step, not
+on every backward as DDP would), rank 0 alone writes checkpoints and logs, and Lightning's
+broadcasts, barriers and decisions (to save a checkpoint, to stop early) span the job. The model
+is not wrapped in DistributedDataParallel. To Lightning's data and logging the strategy is not a
+distributed one: it injects no DistributedSampler (`sampler` gives each rank its share), a value
+logged with `sync_dist` is rank 0's own, and validation runs whole on every rank.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.types import LRSchedulerConfig
@@ -38,6 +51,7 @@ from swarm.core.errors import ConfigError
 from swarm.integrations import session as swarm_session
 from swarm.integrations.data import PeerShardSampler, peer_seed
 from swarm.integrations.session import SwarmArguments
+from swarm.optim.distributed import agree_started, is_following_rank, job_ranks, machine_peer_id
 from swarm.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -71,25 +85,42 @@ class SwarmStrategy(SingleDeviceStrategy):
             raise ConfigError(f"max_collective_steps must be a positive int, got {max_collective_steps!r}")
         if max_grad_norm < 0:
             raise ConfigError(f"max_grad_norm must not be negative, got {max_grad_norm!r}")
+        local_rank = _start_job_group(device)
         if device is None:
-            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+            device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
         super().__init__(device=device, **kwargs)
+        ranks = job_ranks()
+        if ranks is not None:  # a torchrun job: its ranks are one peer, rank 0's
+            self.global_rank, self.local_rank, self.world_size = ranks.rank, local_rank, ranks.size
+        self._ranks = ranks
         self.swarm = swarm
         self.max_collective_steps = max_collective_steps
         self.max_grad_norm = max_grad_norm
-        self._owns_peer = peer is None
-        self.peer = peer if peer is not None else swarm.start_peer()
+        self._owns_peer = peer is None and not is_following_rank()
+        self.peer: Peer | None = peer
+        try:
+            if self._owns_peer:
+                self.peer = swarm.start_peer()
+        except Exception as e:
+            agree_started(e)  # in a job, the other ranks raise too rather than wait for rank 0
+            raise
+        agree_started(None)
+        self._machine_id = machine_peer_id(self.peer)  # in a job, a collective: every rank builds the strategy
         self.session: swarm_session.SwarmSession | None = None
         self._adapter: swarm_session.SwarmTorchOptimizer | None = None
         self._sampler: PeerShardSampler | None = None
         self._trainer: Trainer | None = None
         self._ended_at = 0
-        logger.info("[%s] to train with this peer, run the same script elsewhere with %s=\"%s\"", swarm.run_id,
-                    "SWARM_INITIAL_PEERS", " ".join(self.peer.addrs))
+        if self.peer is not None:
+            logger.info("[%s] to train with this peer, run the same script elsewhere with %s=\"%s\"", swarm.run_id,
+                        "SWARM_INITIAL_PEERS", " ".join(self.peer.addrs))
 
     def sampler(self, num_samples: int) -> PeerShardSampler:
-        """This peer's endless, resumable order of a dataset (pass it to the training DataLoader)."""
-        self._sampler = PeerShardSampler(num_samples, peer_seed(self.peer.peer_id, self.swarm.run_id))
+        """This peer's endless, resumable order of a dataset (pass it to the training DataLoader); in
+        a torchrun job, this rank's share of it."""
+        ranks = self._ranks
+        self._sampler = PeerShardSampler(num_samples, peer_seed(self._machine_id, self.swarm.run_id),
+                                         *((ranks.rank, ranks.size) if ranks is not None else ()))
         if self.session is not None:
             self.session.sampler = self._sampler
         return self._sampler
@@ -151,8 +182,49 @@ class SwarmStrategy(SingleDeviceStrategy):
                 self._ended_at = session.global_step
         finally:
             super().teardown()
-            if self._owns_peer:
+            if self._owns_peer and self.peer is not None:
                 self.peer.shutdown()
+
+    # -- a torchrun job: Lightning's collectives span its ranks (one process: what SingleDeviceStrategy does)
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self._ranks is None or self._ranks.rank == 0
+
+    def barrier(self, *args: object, **kwargs: object) -> None:
+        if self._ranks is not None:
+            dist.barrier(group=self._ranks.group)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._ranks is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=self._ranks.group)
+        return box[0]
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """One decision for the job (a checkpoint is saved by every rank's call or by none)."""
+        if self._ranks is None:
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes, group=self._ranks.group)
+        return bool(votes.item() == self._ranks.size) if all else bool(votes.item() > 0)
+
+
+def _start_job_group(device: str | torch.device | None) -> int:
+    """Under torchrun (WORLD_SIZE > 1 in the environment) starts the job's process group unless
+    something did (gloo on CPUs, NCCL on GPUs) and selects this rank's GPU; returns LOCAL_RANK
+    (0 outside a job)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world < 2:
+        return 0
+    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    if on_gpu:
+        torch.cuda.set_device(local_rank if device is None else torch.device(device))
+    if dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    return local_rank
 
 
 __all__ = ["SwarmArguments", "SwarmStrategy"]

@@ -71,6 +71,29 @@ def test_a_resumed_sampler_goes_on_where_it_stopped():
         resumed.load_state_dict({"seed": 1})
 
 
+def test_the_ranks_of_a_job_share_its_order_and_resume_from_any_ranks_position():
+    """A torchrun job is one peer: its K ranks draw disjoint shares of the peer's order, together
+    exactly that order (across a pass boundary too), stay at one position, and a position saved by
+    rank 0 resumes every rank where the job stopped."""
+    n, k, rows = 10, 3, 9  # 27 indices: 2.7 passes, rows straddling the passes' ends
+    whole = iter(PeerShardSampler(n, peer_seed("machine", "run")))
+    ranks = [PeerShardSampler(n, peer_seed("machine", "run"), rank, k) for rank in range(k)]
+    its = [iter(r) for r in ranks]
+    drawn = [[next(it) for it in its] for _ in range(rows)]
+    assert [i for row in drawn for i in row] == [next(whole) for _ in range(rows * k)]
+    assert {r.position for r in ranks} == {rows * k}
+    state = ranks[0].state_dict()
+    resumed = []
+    for rank in range(k):
+        sampler = PeerShardSampler(n, 0, rank, k)
+        sampler.load_state_dict(state)
+        resumed.append(next(iter(sampler)))
+    assert resumed == [next(whole) for _ in range(k)]  # the next row, nothing skipped or repeated
+    for rank, of in ((3, 3), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match="rank must be in"):
+            PeerShardSampler(n, 0, rank, of)
+
+
 def test_arguments_are_checked():
     with pytest.raises(ConfigError, match="target_batch_size"):
         SwarmArguments(run_id="r")

@@ -197,6 +197,80 @@ def test_a_two_rank_swarm_trainer_job_is_one_peer_identical_to_a_one_process_tra
     assert seen and all(s % 16 == 0 for s in seen), seen
 
 
+PL_WORKER = str(Path(__file__).parent / "dist_lightning_proc.py")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_two_rank_lightning_job_is_one_peer_identical_to_a_one_process_lightning_peer(tmp_path: Path) -> None:
+    pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+    pytest.importorskip("transformers", reason="the example model needs the transformers extra")
+    steps = ["--steps", "4"]
+    single = _start([sys.executable, PL_WORKER, "--out", str(tmp_path), "--name", "single", *steps], tmp_path, "single")
+    procs = [single]
+    try:
+        _wait_for(lambda: _addr(tmp_path / "single.out") is not None, START, "the one-process peer", procs)
+        # the same script under torchrun: SwarmStrategy starts gloo and makes the ranks one peer
+        job = _start([*TORCHRUN, "--nproc-per-node", "2", PL_WORKER, "--out", str(tmp_path), "--name", "job", *steps,
+                      "--initial-peers", _addr(tmp_path / "single.out")], tmp_path, "job")
+        procs.append(job)
+        assert job.wait(START + 120) == 0, (tmp_path / "job.err").read_text()[-3000:]
+        assert single.wait(60) == 0, (tmp_path / "single.err").read_text()[-3000:]
+    finally:
+        _stop(procs)
+    runs = {name: _lines(tmp_path / f"{name}.jsonl") for name in ("job-r0", "job-r1", "single-r0")}
+    digests = {name: {r["epoch"]: r["digest"] for r in lines} for name, lines in runs.items()}
+    # max_collective_steps counts the swarm's steps: all three stopped at the 4th, the same parameters at each
+    assert all(lines[-1]["epoch"] == 4 for lines in runs.values()), runs
+    for e in range(1, 5):
+        assert digests["job-r0"][e] == digests["job-r1"][e] == digests["single-r0"][e], e
+    # one peer counting both ranks' samples: rank 0's optimizer took in both ranks' batches, and
+    # the other peer read reports of 16 samples a step (8 per rank), never rank 0's 8 alone
+    r0, r1 = runs["job-r0"][-1], runs["job-r1"][-1]
+    assert r0["own"] == r1["own"] > 0 and r0["own"] < r0["machine"] <= r0["own"] + r1["own"], (r0, r1)
+    assert r0["machine"] % 16 == 0, r0
+    seen = [s for s in runs["single-r0"][-1]["seen"] if s > 0]
+    assert seen and all(s % 16 == 0 for s in seen), seen
+    # each rank drew its own share of the machine's data order, and both are at the same place in it
+    assert r0["position"] == r1["position"] and r0["position"] % 2 == 0, (r0, r1)
+    # rank 0 alone is Lightning's global rank zero: it alone writes checkpoints and logs
+    assert r0["global_zero"] and not r1["global_zero"], (r0, r1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_lightning_job_in_diloco_mode_resumes_from_its_checkpoint_on_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+    pytest.importorskip("transformers", reason="the example model needs the transformers extra")
+    checkpoints = tmp_path / "checkpoints"
+    alone = ["--min-peers", "1", "--diloco"]  # 3 inner steps a round: --steps 9 is 3 rounds
+    job = [*TORCHRUN, "--nproc-per-node", "2", PL_WORKER, "--out", str(tmp_path), *alone]
+    first = _start([*job, "--name", "first", "--steps", "9", "--checkpoints", str(checkpoints)], tmp_path, "first")
+    try:
+        assert first.wait(START + 120) == 0, (tmp_path / "first.err").read_text()[-3000:]
+    finally:
+        _stop([first])
+    before = {name: _digests(tmp_path / f"first-r{rank}.jsonl") for rank, name in enumerate(("r0", "r1"))}
+    assert before["r0"] == before["r1"] and max(before["r0"]) == 3, before
+    # one every 2 optimizer steps: the one after 6 inner steps holds the swarm's state at round 2
+    saved = checkpoints / "epoch=0-step=6.ckpt"
+    state = torch.load(saved, weights_only=False)["optimizer_states"][0]
+    assert state["swarm_optimizer"]["metadata"]["epoch"] == 2 and state["inner_steps"] == 6, state["inner_steps"]
+    assert state["sampler"]["offset"] % 2 == 0, state["sampler"]  # whole rows of the 2 ranks' shares
+    resumed = _start([*job, "--name", "resumed", "--steps", "12", "--resume", str(saved)], tmp_path, "resumed")
+    try:
+        assert resumed.wait(START + 120) == 0, (tmp_path / "resumed.err").read_text()[-3000:]
+    finally:
+        _stop([resumed])
+    after = [_lines(tmp_path / f"resumed-r{rank}.jsonl") for rank in (0, 1)]
+    # both ranks took the checkpoint's state (round 2's parameters, bit for bit), went on to round 4
+    # (12 inner steps) and stayed identical
+    for lines in after:
+        assert lines[0]["epoch"] == 2 and lines[0]["digest"] == before["r0"][2], lines
+        assert lines[-1]["epoch"] == 4, lines
+    assert {r["epoch"]: r["digest"] for r in after[0]} == {r["epoch"]: r["digest"] for r in after[1]}
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
