@@ -7,7 +7,9 @@ as the ranks of one peer (the Trainer starts gloo; the swarm sees rank 0's peer 
 Each rank appends to DIR/<name>-r<rank>.jsonl, at each of its steps at which the swarm's step count
 moved, the fingerprint of the shared tensors there; at the end a line with this rank's own samples,
 the machine's samples the swarm optimizer took in (rank 0: `Optimizer.samples_total`) and the
-sample counts of the other peers' progress reports it read.
+sample counts of the other peers' progress reports it read. With --diloco it trains in DiLoCo mode
+(3 inner steps a round; --steps counts the swarm's inner steps); with --save-steps N, a checkpoint
+every N steps goes to DIR/<name>/; with --resume DIR, training resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from swarm.compression import CompressionType
 from swarm.integrations.session import SwarmArguments
 from swarm.integrations.transformers import SwarmTrainer
-from swarm.optim import CollaborationConfig, Optimizer
+from swarm.optim import CollaborationConfig, DiLoCoConfig, Optimizer
 from swarm.optim.training_state import state_digest
 from swarm.peer import Peer
 
@@ -43,6 +45,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--min-peers", type=int, default=2)
+    parser.add_argument("--diloco", action="store_true")
+    parser.add_argument("--save-steps", type=int, default=0)
+    parser.add_argument("--resume")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
@@ -85,14 +91,17 @@ def main() -> None:
 
     training = TrainingArguments(
         output_dir=str(Path(args.out) / args.name), per_device_train_batch_size=BATCH, max_steps=args.steps,
-        learning_rate=3e-3, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
+        learning_rate=3e-3, report_to=[], use_cpu=True, disable_tqdm=True,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         dataloader_num_workers=0, logging_steps=1000)
-    swarm = SwarmArguments(run_id="hf-job", target_batch_size=48, collaboration=COLLAB, min_peers=2, peers_timeout=120,
-                           initial_peers=tuple(args.initial_peers), listen="/ip4/127.0.0.1/tcp/0")
+    mode = ({"diloco": DiLoCoConfig(local_steps=3, compression=CompressionType.NONE)} if args.diloco
+            else {"target_batch_size": 48})
+    swarm = SwarmArguments(run_id="hf-job", **mode, collaboration=COLLAB, min_peers=args.min_peers,
+                           peers_timeout=120, initial_peers=tuple(args.initial_peers), listen="/ip4/127.0.0.1/tcp/0")
     trainer = SwarmTrainer(model=tiny_gpt2(context=32), args=training, train_dataset=train, swarm=swarm, peer=peer,
                            callbacks=[Record()])
     holder["trainer"] = trainer
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)
     log.close()
     if peer is not None:
         peer.shutdown()

@@ -239,6 +239,37 @@ def test_a_two_rank_lightning_job_is_one_peer_identical_to_a_one_process_lightni
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_a_swarm_trainer_job_in_diloco_mode_resumes_from_its_checkpoint_on_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    pytest.importorskip("datasets", reason="the transformers extra is not installed")
+    job = [*TORCHRUN, "--nproc-per-node", "2", HF_WORKER, "--out", str(tmp_path), "--min-peers", "1", "--diloco"]
+    # 3 inner steps a round: 9 steps are 3 rounds; a checkpoint every 3 steps, rank 0's (Trainer's should_save)
+    first = _start([*job, "--name", "first", "--steps", "9", "--save-steps", "3"], tmp_path, "first")
+    try:
+        assert first.wait(START + 120) == 0, (tmp_path / "first.err").read_text()[-3000:]
+    finally:
+        _stop([first])
+    before = [_digests(tmp_path / f"first-r{rank}.jsonl") for rank in (0, 1)]
+    assert before[0] == before[1] and max(before[0]) == 3, before
+    saved = tmp_path / "first" / "checkpoint-6"
+    state = torch.load(saved / "optimizer.pt", weights_only=False)
+    assert state["swarm_optimizer"]["metadata"]["epoch"] == 2 and state["inner_steps"] == 6, state["inner_steps"]
+    resumed = _start([*job, "--name", "resumed", "--steps", "12", "--resume", str(saved)], tmp_path, "resumed")
+    try:
+        assert resumed.wait(START + 120) == 0, (tmp_path / "resumed.err").read_text()[-3000:]
+    finally:
+        _stop([resumed])
+    after = [_lines(tmp_path / f"resumed-r{rank}.jsonl") for rank in (0, 1)]
+    # both ranks took the checkpoint's state (round 2's parameters, bit for bit), went on to round 4
+    # (12 inner steps) and stayed identical
+    for lines in after:
+        assert lines[0]["epoch"] == 2 and lines[0]["digest"] == before[0][2], lines
+        assert lines[-1]["epoch"] == 4, lines
+    assert {r["epoch"]: r["digest"] for r in after[0]} == {r["epoch"]: r["digest"] for r in after[1]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_a_lightning_job_in_diloco_mode_resumes_from_its_checkpoint_on_every_rank(tmp_path: Path) -> None:
     pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
     pytest.importorskip("transformers", reason="the example model needs the transformers extra")
