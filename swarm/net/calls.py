@@ -291,11 +291,12 @@ class CallStream:
             pass
 
     def close(self) -> None:
-        """Cancels the stream and the calls in flight on it."""
+        """Cancels the stream; the calls in flight on it fail at once (the channel was closed)."""
         self._idle_timer.cancel()
         self._call.cancel()
         self._reader.cancel()
-        self._outbox.close()
+        # a reader cancelled before it first ran never reaches its `_end`: the calls would wait out their timeouts
+        self._end(asyncio.CancelledError())
 
 
 # -- callee side --------------------------------------------------------------------------------

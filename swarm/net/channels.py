@@ -151,7 +151,13 @@ class PeerChannel:
 
     @property
     def channel(self) -> grpc.aio.Channel:
-        """The grpc channel, created on first use so it binds to the peer's event loop."""
+        """The grpc channel, created on first use so it binds to the peer's event loop.
+
+        Raises:
+            PeerUnreachable: the channel was closed (`ChannelPool.forget`): a call made on it would
+                fail with gRPC's own `UsageError`, past the caller's handling of RPC errors."""
+        if self._closed:
+            raise PeerUnreachable(f"the channel to {self.addr} is closed", peer_id=self.peer_id)
         if self._channel is None:
             cfg = self.pool.config
             options: list[tuple[str, int | str]] = [
@@ -405,6 +411,8 @@ class PeerChannel:
         timeout: float | None, metadata: tuple[tuple[str, bytes], ...],
     ) -> M | bytes:
         callable_ = self._unary.get(method)
+        if self._closed:  # closed since `verify` (a Calls stream it ended sent this call here)
+            raise PeerUnreachable(f"the channel to {self.addr} was closed before {method}", peer_id=self.peer_id)
         if callable_ is None:
             callable_ = self._unary[method] = self.channel.unary_unary(method)
         payload = request if isinstance(request, bytes) else request.SerializeToString()

@@ -267,3 +267,33 @@ def test_forgetting_a_channel_that_was_replaced_leaves_the_new_one_open(make_pee
         assert b.pool.known(a.peer_id) is None
 
     b.run(go(), timeout=30)
+
+
+def test_a_first_call_whose_fresh_channel_is_closed_before_the_callee_takes_it_is_peer_unreachable(make_peer):
+    # a follower's join went to a leader whose channel the pool closed just after the handshake:
+    # the closed Calls stream looked refused, the call was resent as a unary call of its own on the
+    # closed channel, and gRPC's UsageError escaped the caller's handling of RPC errors. Closed
+    # before its reader task first ran, the stream left the call waiting out its whole timeout.
+    a = make_peer()
+    b = make_peer()
+
+    async def hang(request: bytes, ctx):
+        await asyncio.sleep(30)
+        return b"late"
+
+    a.server.add_unary("/test.T/Hang", hang)
+
+    async def go() -> list[BaseException | bytes]:
+        outcomes: list[BaseException | bytes] = []
+        for _ in range(3):  # a fresh channel each time
+            channel = b.pool.get(a.addrs[0])
+            await channel.verify()
+            call = asyncio.ensure_future(channel.unary("/test.T/Hang", b"", timeout=20))
+            await asyncio.sleep(0)  # the call opens its Calls stream; the callee has not taken it yet
+            await b.pool.forget(a.peer_id, channel)
+            outcomes.append((await asyncio.gather(asyncio.wait_for(call, 10), return_exceptions=True))[0])
+        return outcomes
+
+    outcomes = b.run(go(), timeout=60)
+    # at once (the call's own timeout is 20 s, the wait for it 10), as a peer out of reach
+    assert all(isinstance(o, PeerUnreachable) for o in outcomes), outcomes
