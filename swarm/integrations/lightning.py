@@ -45,7 +45,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import LRSchedulerConfig
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from swarm.core.errors import ConfigError
 from swarm.integrations import session as swarm_session
@@ -92,6 +94,9 @@ class SwarmStrategy(SingleDeviceStrategy):
         ranks = job_ranks()
         if ranks is not None:  # a torchrun job: its ranks are one peer, rank 0's
             self.global_rank, self.local_rank, self.world_size = ranks.rank, local_rank, ranks.size
+            # Lightning's rank-zero-only logging reads the rank from the environment at import: a
+            # group started without torchrun's variables would log on every rank (DDPStrategy sets it so too)
+            rank_zero_only.rank = utils_rank_zero_only.rank = ranks.rank  # type: ignore[attr-defined]  # a function attribute
         self._ranks = ranks
         self.swarm = swarm
         self.max_collective_steps = max_collective_steps

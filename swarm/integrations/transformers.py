@@ -142,7 +142,8 @@ class SwarmTrainer(transformers.Trainer):
         self._resuming = False
         self._adapter: SwarmTorchOptimizer | None = None
         self.callback_handler.callbacks.insert(0, SwarmCallback(self, first=True))
-        self.add_callback(SwarmCallback(self, first=False))
+        # (not add_callback, which warns the user of a second callback of one class)
+        self.callback_handler.callbacks.append(SwarmCallback(self, first=False))
 
     # -- the peer, the data ------------------------------------------------------------------------
 

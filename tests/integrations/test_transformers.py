@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from gpt2_common import InThreads, byte_corpus, held_out_loss, tiny_gpt2
 
 from swarm.compression import CompressionType
 from swarm.integrations.session import SwarmArguments
-from swarm.integrations.transformers import SwarmTrainer
+from swarm.integrations.transformers import SwarmCallback, SwarmTrainer
 from swarm.optim import DiLoCoConfig
 
 pytestmark = pytest.mark.alone  # several peers average in this process against round deadlines
@@ -112,6 +114,25 @@ def test_a_trainer_with_another_vocabulary_is_refused_before_it_trains(swarm_pee
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # it took no step
     assert running.optimizer.progress.num_peers == 1  # and never reported progress to the run
     running.shutdown()
+
+
+def test_a_trainer_is_built_without_warnings_and_with_its_step_callbacks_first_and_last(tmp_path):
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append  # type: ignore[method-assign]
+    log = transformers.utils.logging.get_logger("transformers")
+    log.addHandler(handler)
+    try:
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=4,
+                                              report_to=[], use_cpu=True)
+        trainer = SwarmTrainer(model=tiny_gpt2(context=32), args=args, train_dataset=byte_corpus(32, limit=2_000)[0],
+                               swarm=SwarmArguments(run_id="built", target_batch_size=48))
+    finally:
+        log.removeHandler(handler)
+    assert not warnings, [w.getMessage()[:200] for w in warnings]
+    callbacks = trainer.callback_handler.callbacks
+    assert isinstance(callbacks[0], SwarmCallback) and callbacks[0].first
+    assert isinstance(callbacks[-1], SwarmCallback) and not callbacks[-1].first
 
 
 def test_epochs_count_passes_of_the_whole_swarm_over_the_data(tmp_path):
