@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -96,6 +95,20 @@ def test_no_group_within_the_timeout_raises_and_leaves_tensors_alone():
         assert torch.equal(t, torch.ones(5))
 
 
+class _NotifyingDHT(FakeDHT):
+    """`FakeDHT` whose `stored` condition is notified after every store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored = threading.Condition()
+
+    async def astore(self, key: str, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        ok = await super().astore(key, value, expiration_time, subkey)
+        with self.stored:
+            self.stored.notify_all()
+        return ok
+
+
 @pytest.mark.timeout(60)
 def test_the_members_of_a_failed_round_retry_it_together():
     """A round that failed is retried under the same key (an epoch) by its members. Each member's
@@ -103,7 +116,7 @@ def test_the_members_of_a_failed_round_retry_it_together():
     again: that is not a group of the round that started without the others. A member that retries
     first waits for the rest, where it used to give up alone after 0.05 s ("started without this
     peer")."""
-    dht = FakeDHT()
+    dht = _NotifyingDHT()
     peers = [Peer() for _ in range(2)]
     try:
         for p in peers:
@@ -119,10 +132,8 @@ def test_the_members_of_a_failed_round_retry_it_together():
             entries = dht.data.get("retry.group.e0", {}).values()
             return len(entries) == 2 and all("started" in e.value for e in entries)
 
-        deadline = time.monotonic() + 10
-        while not withdrawn() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert withdrawn(), dht.data
+        with dht.stored:  # the withdrawals are stores in the background: wait for them (bounded)
+            assert dht.stored.wait_for(withdrawn, timeout=10), dht.data
         # the first member retries while the other's declaration still names the round they were in
         with pytest.raises(AveragingError) as alone:
             avgs[0].step(timeout=1.0, group_key="e0")
