@@ -232,7 +232,8 @@ def check_old(old: types.ModuleType, p: Part, me: int, scales: tuple[float, ...]
               values: torch.Tensor | None = None, digest: bytes | None = None, own: torch.Tensor | None = None) -> str:
     o = p.outcome
     claim = old.PartClaim(digest or p.digest, scales or o.scales, o.tau if tau is None else tau,
-                          o.step if step is None else step, p.sketches if sketches is None else sketches)
+                          o.step if step is None else step,
+                          new.projections(p.sketches if sketches is None else sketches))  # its sketches: the projections
     return str(old.check_part(claim, p.values if values is None else values, p.inputs[me] if own is None else own, me,
                               list(range(len(p.inputs))), p.weights, ROUND, p.index, True, p.tau, p.codec,
                               p.tau_scale))

@@ -110,7 +110,7 @@ class AllReduceConfig:
 
 
 # what verified rounds publish and check (`verification`): peers of different versions do not group
-CHECKS_VERSION = 3
+CHECKS_VERSION = 4
 
 
 def fold_schema(schema: bytes, tag: bytes) -> bytes:

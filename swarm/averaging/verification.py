@@ -8,17 +8,20 @@ its `ResultHeader`:
 
 - `digest`: SHA-256 (first 16 bytes) of the part's float32 values;
 - `clip_scales`, `clip_tau`, `clip_step`: CenteredClip's outcome (robust mode), hence the `a_i`;
-- `sketches`: per contributor, `SKETCHES` projections `<r_l, x_i>` of the input it received, on
-  random sign vectors `r_l` seeded by (round, part, digest): fixed only once the result is, so a
-  reducer cannot aim a lie at the vectors' blind spots without changing them (Fiat-Shamir).
-  It can retry: a lie that moves mass between two coordinates passes a sign vector when its two
-  signs agree, so one try in 2**SKETCHES (256) passes all of them; each try costs it a digest
+- `sketches`: per contributor, the `CLASSES` (256) class sums of the input it received: every
+  coordinate draws a random byte seeded by (round, part, digest), and a class sums the
+  coordinates that drew its byte. Bit l of the byte is the coordinate's sign in random sign
+  vector l, so the class sums give the `SKETCHES` (8) projections `<r_l, x_i>` (`projections`).
+  The bytes are fixed only once the result is, so a reducer cannot aim a lie at them without
+  changing them (Fiat-Shamir). It can retry: a lie that moves mass between two coordinates goes
+  unseen when both drew the same byte, so one try in 256 passes; each try costs it a digest
   and the sketches of every input, and a round's deadline bounds the tries.
 - `distances`: per contributor, the distance of its input from the part as sent.
 
 A member that holds part j checks (`check_part`, no networking): the values match the digest;
-its own input's sketches and distance match what the reducer claims it received; `<r_l, result>`
-equals `sum_i a_i t_il` up to the codec's rounding and the float32 sums; its own clip scale is no
+its own input's sketch and distance match what the reducer claims it received; `<r_l, result>`
+equals `sum_i a_i <r_l, x_i>` up to the codec's rounding and the float32 sums, and so does every
+class sum, up to the rounding in that class (no randomness in its allowance); its own clip scale is no
 smaller than its distance from the result allows; the radius is the agreed one, or (automatic)
 at most `robust.RADIUS_BOUND * tau_scale` times the median published distance; no published
 distance is much less than the sketches' estimate of it (Johnson-Lindenstrauss); and no
@@ -48,6 +51,7 @@ from swarm.compression.uniform4 import BLOCK as UNIFORM4_BLOCK
 from swarm.proto import averaging_pb2
 
 SKETCHES = 8                 # projections per input: one random byte per coordinate gives its sign in each
+CLASSES = 1 << SKETCHES      # a sketch: per value of that byte, the sum of the coordinates that drew it
 DIGEST_BYTES = 16
 # Every check below fails an honest reducer with probability at most 1e-9 per part; the
 # derivation of each allowance is in docs/security.md, "How often a check fails an honest reducer".
@@ -91,7 +95,7 @@ def _seed(round_id: bytes, part: int, digest: bytes) -> int:
 
 
 # row k: the signs of the SKETCHES vectors at a coordinate whose random byte is k
-_SIGNS = torch.tensor([[1.0 if (k >> bit) & 1 else -1.0 for bit in range(SKETCHES)] for k in range(1 << SKETCHES)],
+_SIGNS = torch.tensor([[1.0 if (k >> bit) & 1 else -1.0 for bit in range(SKETCHES)] for k in range(CLASSES)],
                       dtype=torch.float64)
 
 
@@ -105,18 +109,24 @@ def sign_classes(size: int, round_id: bytes, part: int, digest: bytes) -> torch.
 
 def sketch(inputs: Sequence[torch.Tensor], round_id: bytes, part: int, digest: bytes,
            classes: torch.Tensor | None = None) -> torch.Tensor:
-    """(len(inputs), SKETCHES) float64 projections of equal-length 1-D tensors on the part's random
-    sign (Rademacher) vectors. Each input's coordinates are summed per random byte (one bincount
-    pass in float64, no sign matrix built), and the 256 sums combined with each vector's signs.
+    """(len(inputs), CLASSES) float64 sketches of equal-length 1-D tensors: per random byte
+    (`sign_classes`), the sum of the coordinates that drew it (one bincount pass in float64). What
+    a reducer publishes per contributor; `projections` turns a sketch into its SKETCHES projections
+    on the part's random sign vectors.
 
     `classes`: `sign_classes` of the part, when the caller computed them already."""
     n = len(inputs)
     if not n or not inputs[0].numel():
-        return torch.zeros(n, SKETCHES, dtype=torch.float64)
+        return torch.zeros(n, CLASSES, dtype=torch.float64)
     if classes is None:
         classes = sign_classes(inputs[0].numel(), round_id, part, digest)
-    sums = torch.stack([torch.bincount(classes, weights=x.double(), minlength=1 << SKETCHES) for x in inputs])
-    return sums @ _SIGNS
+    return torch.stack([torch.bincount(classes, weights=x.double(), minlength=CLASSES) for x in inputs])
+
+
+def projections(sketches: torch.Tensor) -> torch.Tensor:
+    """(..., SKETCHES) projections on the part's random sign (Rademacher) vectors of inputs given by
+    their (..., CLASSES) sketches: each class's sum combined with each vector's signs there."""
+    return sketches @ _SIGNS
 
 
 def input_distances(inputs: Sequence[torch.Tensor], values: torch.Tensor) -> list[float]:
@@ -129,66 +139,118 @@ def _ulp(magnitude: float) -> float:
     return math.ldexp(1.0, math.frexp(magnitude)[1] - 23) if magnitude > 0 else 0.0
 
 
-def _uniform_bound(v: torch.Tensor, levels: int) -> float:
-    """Squared bound on a uniform codec's rounding of one block: each element within half a step
-    of its value, the step recovered from the block's decoded extremes (codes 0 and `levels`), plus
-    a few float32 ulps of the decoding arithmetic."""
-    high, low = float(v.max()), float(v.min())
-    step = 1.01 * (high - low) / levels
-    slack = 4 * _ulp(max(abs(high), abs(low)))
-    return v.numel() * (step / 2 + slack) ** 2
+def _ulps(magnitude: torch.Tensor) -> torch.Tensor:
+    """`_ulp` of each element of a float64 tensor of magnitudes."""
+    _, exponent = torch.frexp(magnitude)
+    return torch.where(magnitude > 0, torch.ldexp(torch.ones_like(magnitude), exponent - 23), torch.zeros_like(magnitude))
 
 
-def _quantile_bound(v: torch.Tensor) -> float:
-    """Squared bound on QUANTILE_8BIT's rounding of one block. An element decodes to its bucket's
-    mean, and buckets are value intervals: an element of an inner level lies between the levels
-    either side; one of the lowest (highest) level lies below (above) the next level, and the
-    level is the mean of its elements, so their squared errors add up to at most n (n - 1) gap**2."""
-    levels, counts = torch.unique(v.double(), sorted=True, return_counts=True)
+def _uniform(chunk: torch.Tensor, where: torch.Tensor | None, block: int, levels: int) -> tuple[float, torch.Tensor | None]:
+    """A uniform codec's rounding of one chunk, in blocks of `block` elements with a range each:
+    every element lies within half a step of its value, the step recovered from the block's
+    decoded extremes (codes 0 and `levels`), plus a few float32 ulps of the decoding arithmetic.
+    Returns the squared L2 bound and (`where`: the elements' classes) the per-class L1 bounds."""
+    m = chunk.numel()
+    full = m - m % block
+    highs, lows = [], []
+    if full:
+        rows = chunk[:full].view(-1, block)
+        highs.append(rows.amax(dim=1))
+        lows.append(rows.amin(dim=1))
+    if full < m:
+        highs.append(chunk[full:].max().view(1))
+        lows.append(chunk[full:].min().view(1))
+    high, low = torch.cat(highs), torch.cat(lows)
+    bound = 1.01 * (high - low) / levels / 2 + 4 * _ulps(torch.maximum(high.abs(), low.abs()))  # per block
+    sizes = torch.full_like(bound, block)
+    sizes[-1] = m - (bound.numel() - 1) * block
+    squared = float((sizes * bound ** 2).sum())
+    if where is None:
+        return squared, None
+    per_element = bound.repeat_interleave(sizes.long()) if bound.numel() > 1 else bound.expand(m)
+    return squared, torch.bincount(where, weights=per_element, minlength=CLASSES)
+
+
+def _quantile(block: torch.Tensor, where: torch.Tensor | None) -> tuple[float, torch.Tensor | None]:
+    """QUANTILE_8BIT's rounding of one block. An element decodes to its bucket's mean, and buckets
+    are value intervals: an element of an inner level lies between the levels either side; one of
+    the lowest (highest) level lies below (above) the next level, at most a gap past its level,
+    and the level is the mean of its elements, so those on the other side add up to at most
+    (n - 1) gaps, and the squared errors of all n to at most n (n - 1) gap**2.
+    Returns the squared L2 bound and (`where`: the elements' classes) the per-class L1 bounds."""
+    levels, index, counts = torch.unique(block, sorted=True, return_inverse=True, return_counts=True)
     k = levels.numel()
     slack = 4 * _ulp(float(levels.abs().max()))
     if k == 1:
-        return v.numel() * slack ** 2
+        per_class = None if where is None else torch.bincount(where, minlength=CLASSES).double() * slack
+        return block.numel() * slack ** 2, per_class
     gaps = levels[1:] - levels[:-1]
     inner = torch.maximum(gaps[:-1], gaps[1:]) + slack if k > 2 else torch.zeros(0, dtype=torch.float64)
-    total = float((counts[1:-1].double() * inner ** 2).sum())
-    for n, gap in ((int(counts[0]), float(gaps[0])), (int(counts[-1]), float(gaps[-1]))):
-        total += n * (n - 1) * (gap + slack) ** 2 + n * slack ** 2
-    return total
+    squared = float((counts[1:-1].double() * inner ** 2).sum())
+    per_class = None
+    if where is not None:
+        wider = torch.cat([gaps[:1] + slack, inner, gaps[-1:] + slack])  # per level: the side towards its neighbours
+        per_class = torch.bincount(where, weights=wider[index], minlength=CLASSES)
+    for level, gap in ((0, float(gaps[0])), (k - 1, float(gaps[-1]))):
+        n = int(counts[level])
+        squared += n * (n - 1) * (gap + slack) ** 2 + n * slack ** 2
+        if per_class is not None and where is not None and n > 1:
+            present = torch.bincount(where[index == level], minlength=CLASSES) > 0
+            per_class += present.double() * (n - 1) * (gap + slack)
+    return squared, per_class
 
 
-def rounding_bound(values: torch.Tensor, codec: int, chunk_numel: int) -> float:
-    """An upper bound on the L2 distance between a part's values as held (the wire codec's
-    decoding) and the float32 result its reducer encoded, computed from the values alone.
+def rounding_bounds(values: torch.Tensor, codec: int, chunk_numel: int,
+                    classes: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
+    """Bounds on the difference between a part's values as held (the wire codec's decoding) and
+    the float32 result its reducer encoded, computed from the values alone: its L2 norm, and
+    (given the coordinates' `classes`) per class the sum of its absolute values there (CLASSES
+    float64 values; None without `classes`).
 
     Args:
         values: the part as decoded.
         codec: the round's `CompressionType` value (0: raw float32, exact).
         chunk_numel: elements per encoded chunk (each chunk has its own range or codebook).
+        classes: `sign_classes` of the part.
     """
     n = values.numel()
+    per_class = None if classes is None else torch.zeros(CLASSES, dtype=torch.float64)
     if codec == 0 or not n:
-        return 0.0
+        return 0.0, per_class
     v = values.double()
     if codec == 1:  # FLOAT16: 2**-11 relative in the normal range, 2**-25 absolute below it
-        return 2.0 ** -11 * 1.001 * float(torch.linalg.vector_norm(v)) + 2.0 ** -25 * math.sqrt(n)
+        if classes is not None:
+            per_class = torch.bincount(classes, weights=2.0 ** -11 * 1.001 * v.abs() + 2.0 ** -25, minlength=CLASSES)
+        return 2.0 ** -11 * 1.001 * float(torch.linalg.vector_norm(v)) + 2.0 ** -25 * math.sqrt(n), per_class
+    if codec not in (2, 3, 4, 5):
+        return math.inf, None if classes is None else torch.full((CLASSES,), math.inf, dtype=torch.float64)
     total = 0.0
     for a in range(0, n, max(1, chunk_numel)):
         chunk = v[a:a + chunk_numel]
+        where = None if classes is None else classes[a:a + chunk_numel]
+        parts: list[tuple[float, torch.Tensor | None]] = []
         if codec == 2:  # SCALED_FLOAT16: 2**-11 relative, M * 2**-39 absolute (M: the chunk's largest magnitude)
             m = float(chunk.abs().max()) * 1.001
-            total += (2.0 ** -11 * 1.001 * float(torch.linalg.vector_norm(chunk)) + 2.0 ** -39 * m * math.sqrt(chunk.numel())) ** 2
+            squared = (2.0 ** -11 * 1.001 * float(torch.linalg.vector_norm(chunk)) + 2.0 ** -39 * m * math.sqrt(chunk.numel())) ** 2
+            parts.append((squared, None if where is None else
+                          torch.bincount(where, weights=2.0 ** -11 * 1.001 * chunk.abs() + 2.0 ** -39 * m, minlength=CLASSES)))
         elif codec == 3:  # UNIFORM_8BIT: one range per chunk
-            total += _uniform_bound(chunk, 255)
+            parts.append(_uniform(chunk, where, chunk.numel(), 255))
         elif codec == 5:  # UNIFORM_4BIT: one range per block of UNIFORM4_BLOCK elements of the chunk
-            for b in range(0, chunk.numel(), UNIFORM4_BLOCK):
-                total += _uniform_bound(chunk[b:b + UNIFORM4_BLOCK], 15)
-        elif codec == 4:  # QUANTILE_8BIT: one codebook per block of QUANTILE_BLOCK elements of the chunk
-            for b in range(0, chunk.numel(), QUANTILE_BLOCK):
-                total += _quantile_bound(chunk[b:b + QUANTILE_BLOCK])
-        else:
-            return math.inf  # an unknown codec: nothing can be bounded
-    return math.sqrt(total)
+            parts.append(_uniform(chunk, where, UNIFORM4_BLOCK, 15))
+        else:  # QUANTILE_8BIT: one codebook per block of QUANTILE_BLOCK elements of the chunk
+            parts.extend(_quantile(chunk[b:b + QUANTILE_BLOCK], None if where is None else where[b:b + QUANTILE_BLOCK])
+                         for b in range(0, chunk.numel(), QUANTILE_BLOCK))
+        for squared, chunk_classes in parts:
+            total += squared
+            if per_class is not None and chunk_classes is not None:
+                per_class += chunk_classes
+    return math.sqrt(total), per_class
+
+
+def rounding_bound(values: torch.Tensor, codec: int, chunk_numel: int) -> float:
+    """The L2 bound of `rounding_bounds`: on the codec's rounding of the part, from its values alone."""
+    return rounding_bounds(values, codec, chunk_numel)[0]
 
 
 @dataclass(frozen=True)
@@ -199,13 +261,13 @@ class PartClaim:
     scales: tuple[float, ...]
     tau: float
     step: float
-    sketches: torch.Tensor  # (contributors, SKETCHES)
+    sketches: torch.Tensor  # (contributors, CLASSES): each input's `sketch` as received
     distances: tuple[float, ...] = ()  # per contributor, its input's distance from the part (`input_distances`)
 
     @classmethod
     def from_header(cls, header: averaging_pb2.ResultHeader, contributors: int) -> PartClaim:
         values = list(header.sketches)
-        if len(values) != contributors * SKETCHES:
+        if len(values) != contributors * CLASSES:
             raise ValueError(f"{len(values)} sketch values for {contributors} contributors")
         scales = tuple(header.clip_scales) or (1.0,) * contributors
         if len(scales) != contributors:
@@ -214,7 +276,7 @@ class PartClaim:
         if len(distances) != contributors:
             raise ValueError(f"{len(distances)} distances for {contributors} contributors")
         return cls(header.digest, scales, header.clip_tau, header.clip_step,
-                   torch.tensor(values, dtype=torch.float64).view(contributors, SKETCHES), distances)
+                   torch.tensor(values, dtype=torch.float64).view(contributors, CLASSES), distances)
 
 
 def check_part(
@@ -246,7 +308,9 @@ def check_part(
     if not total > 0:
         return "every contributor clipped to nothing"
     coefficients = [p / total for p in pulls]
-    eps = rounding_bound(values, codec, chunk_numel)
+    classes = sign_classes(values.numel(), round_id, part, claim.digest)
+    eps, rounding = rounding_bounds(values, codec, chunk_numel, classes)
+    assert rounding is not None  # given the classes
     # what separates the part from the published combination honestly, besides the codec's
     # rounding (eps): the float32 sums, at most 2n+4 roundings of each term
     size = float(torch.linalg.vector_norm(values.double()))
@@ -257,12 +321,15 @@ def check_part(
         most = claim.tau * sum(w for w in weights if w > 0) / total * (1 + CLIP_RTOL) + float32_error
         if claim.step > most:
             return f"step {claim.step:.4g} beyond what the radius allows ({most:.4g})"
-    mine = sketch([values] + ([own] if own is not None else []), round_id, part, claim.digest)
+    mine = sketch([values] + ([own] if own is not None else []), round_id, part, claim.digest, classes)
     if own is not None:
         reason = _check_own_input(claim, values, own, mine[1], list(contributors).index(me), robust, eps)
         if reason:
             return reason
     reason = _check_sketches(claim, mine[0], coefficients, contributors, eps + float32_error)
+    if reason:
+        return reason
+    reason = _check_classes(claim, values, mine[0], coefficients, rounding, classes, float32_error)
     if reason:
         return reason
     if robust:
@@ -324,15 +391,45 @@ def _check_sketches(
     the codec's and float32's rounding)."""
     # an input's distance as published against the sketches' estimate of it: the estimate exceeds
     # PULL_SLACK times the true distance with odds below 1e-11 (docs/security.md)
+    inputs, result = projections(claim.sketches), projections(result_sketch)
     for i, d in enumerate(claim.distances):
-        estimate = float((claim.sketches[i] - result_sketch).norm()) / math.sqrt(SKETCHES)
-        noise = 1e-9 * (float(claim.sketches[i].norm()) + float(result_sketch.norm()))
+        estimate = float((inputs[i] - result).norm()) / math.sqrt(SKETCHES)
+        noise = 1e-9 * (float(inputs[i].norm()) + float(result.norm()))
         if estimate > PULL_SLACK * d + noise:
             return f"member {contributors[i]}'s input is farther from the part than published ({estimate:.3g} > {d:.3g})"
-    combined = sum(a * claim.sketches[i] for i, a in enumerate(coefficients))
-    scale = sum(a * float(claim.sketches[i].norm()) for i, a in enumerate(coefficients)) + float(result_sketch.norm())
-    if float((combined - result_sketch).abs().max()) > Z_SIGNS * error + 1e-12 * scale + 1e-30:
+    combined = sum(a * inputs[i] for i, a in enumerate(coefficients))
+    scale = sum(a * float(inputs[i].norm()) for i, a in enumerate(coefficients)) + float(result.norm())
+    if float((combined - result).abs().max()) > Z_SIGNS * error + 1e-12 * scale + 1e-30:
         return "the part is not the published combination of the inputs received"
+    return ""
+
+
+def _check_classes(
+    claim: PartClaim, values: torch.Tensor, result_sketch: torch.Tensor, coefficients: Sequence[float],
+    rounding: torch.Tensor, classes: torch.Tensor, float32_error: float,
+) -> str:
+    """The part against the published combination class by class, with no randomness in the
+    allowance: in each class the sum of the part's coordinates differs from the combination of the
+    inputs' sums by at most the codec's rounding there (`rounding`, summed absolute values), the
+    float32 sums (at most sqrt(count) times their L2 bound) and the float64 sums. A change on a few
+    coordinates lands in their classes whole, where it meets 1/CLASSES of the codec's rounding
+    rather than seven times all of it."""
+    combined = torch.zeros(CLASSES, dtype=torch.float64)
+    for i, a in enumerate(coefficients):
+        combined += a * claim.sketches[i]
+    counts = torch.bincount(classes, minlength=CLASSES).double()
+    n = values.numel()
+    # float64: each class sum rounds at most `count` times, relative to the L1 norms of the terms
+    # (an input's within sqrt(n) times its distance of the part's); the combination a few more
+    mass = float(values.abs().sum(dtype=torch.float64))
+    mass += sum(a * (mass + math.sqrt(n) * d) for a, d in zip(coefficients, claim.distances))
+    float64 = (counts + 2 * len(coefficients) + 8) * 2.0 ** -52 * mass
+    allowance = rounding + counts.sqrt() * float32_error + float64 + 1e-300
+    excess = (result_sketch - combined).abs() - allowance
+    worst = int(excess.argmax())
+    if float(excess[worst]) > 0:
+        return (f"the part is not the published combination of the inputs received (class {worst}: off by "
+                f"{float((result_sketch - combined)[worst]):.3g}, its rounding allows {float(allowance[worst]):.3g})")
     return ""
 
 
@@ -429,5 +526,5 @@ class Verdict:
         return averaging_pb2.VerifyVerdict(ok=True)
 
 
-__all__ = ["SKETCHES", "PartClaim", "ReducerLied", "Verdict", "check_part", "input_distances", "part_digest",
-           "rounding_bound", "sketch"]
+__all__ = ["CLASSES", "SKETCHES", "PartClaim", "ReducerLied", "Verdict", "check_part",
+           "input_distances", "part_digest", "projections", "rounding_bound", "rounding_bounds", "sketch"]

@@ -8,7 +8,18 @@ import torch
 
 from swarm.averaging.group import GroupInfo, MemberInfo
 from swarm.averaging.robust import centered_clip
-from swarm.averaging.verification import PartClaim, Verdict, check_part, input_distances, part_digest, sketch
+from swarm.averaging.verification import (
+    CLASSES,
+    Z_SIGNS,
+    PartClaim,
+    Verdict,
+    check_part,
+    input_distances,
+    part_digest,
+    rounding_bound,
+    sketch,
+)
+from swarm.compression import get_codec
 from swarm.proto import averaging_pb2
 
 ROUND = b"r" * 16
@@ -171,6 +182,46 @@ def test_a_reducer_grinding_a_two_coordinate_lie_through_the_sketches_rarely_suc
         forged = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest), input_distances(xs, lie))
         passed += _check(forged, lie, xs, 0, w) == ""
     assert passed <= 3, f"{passed} of 128 forged parts passed"
+
+
+def test_under_a_4_bit_codec_a_two_coordinate_lie_within_the_projections_allowance_is_caught_in_its_classes():
+    # UNIFORM_4BIT rounds each element by up to half a step of its block's range: summed over
+    # 4096 elements that is far more than a two-coordinate move, so the projections (allowed 7
+    # times all of it) cannot see the move. Each class holds ~1/256 of the coordinates: the move
+    # meets only its own classes' rounding there, and no honest rounding fails it.
+    UNIFORM_4BIT, chunk = 5, 1 << 18
+    codec = get_codec(UNIFORM_4BIT)
+
+    def roundtrip(x):
+        out = torch.empty_like(x)
+        codec.decode(codec.encode(x), out)
+        return out
+
+    xs, w = [roundtrip(x) for x in _inputs(n=4, size=4096)[:3]], [1.0] * 3  # three honest inputs as received
+    out = torch.empty_like(xs[0])
+    outcome = centered_clip(xs, w, out)
+    values = roundtrip(out)
+    contributors = list(range(3))
+
+    def check(values, me, round_id=ROUND):
+        digest = part_digest(values)
+        claim = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, round_id, 0, digest),
+                          input_distances(xs, values))
+        assert claim.sketches.shape == (3, CLASSES)
+        return check_part(claim, values, xs[me], me, contributors, w, round_id, 0, True, None, UNIFORM_4BIT, 1.0, chunk)
+
+    for r in range(20):  # the honest part under twenty rounds' classes passes every member
+        assert [check(values, me, bytes([r]) * 16) for me in contributors] == ["", "", ""]
+    shift = 4 * float(values.square().mean().sqrt())  # 4 times the part's RMS at each of two coordinates
+    assert 2 * shift < Z_SIGNS * rounding_bound(values, UNIFORM_4BIT, chunk) / 4  # far inside the projections' allowance
+    caught = 0
+    for a, b in ((7, 2024), (100, 3000), (1, 4095), (512, 513), (2048, 9)):
+        lie = values.clone()
+        lie[a] += shift
+        lie[b] -= shift
+        reason = check(lie, 1)
+        caught += reason.startswith("the part is not the published combination of the inputs received (class")
+    assert caught == 5
 
 
 def test_an_inflated_automatic_radius_is_caught_and_an_honest_one_passes_across_seeds():

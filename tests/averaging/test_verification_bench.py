@@ -27,3 +27,7 @@ def test_no_honest_part_is_accused_and_the_listed_lies_are_caught():
         assert applied > 0 and caught == applied, (name, lines)
     caught, _, applied = results["detected"]["inflate_tau_x10"]
     assert applied > 0 and caught >= applied // 2, lines  # within the codec's rounding a lie passes
+    # a two-coordinate move meets only its two classes' rounding: it passes when both coordinates
+    # drew one byte (1 in 256), or where a coarse codec's rounding in those classes covers it
+    caught, _, applied = results["detected"]["two_coordinates"]
+    assert applied > 0 and caught >= applied - 1, lines
