@@ -109,11 +109,19 @@ def coordinate_median(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torc
     return out
 
 
+def _norm(t: torch.Tensor) -> float:
+    """The L2 norm of a float32 tensor, summed in float32 unless it is so small that its elements'
+    squares may have underflowed (then in float64): a spread of 1e-36 is not 0, and members, who
+    sum in float64, would take a radius or step computed as 0 for a lie."""
+    norm = float(torch.linalg.vector_norm(t))
+    return norm if norm >= 2.0 ** -50 else float(torch.linalg.vector_norm(t.double()))
+
+
 def _distances(inputs: Sequence[torch.Tensor], centre: torch.Tensor, tmp: torch.Tensor) -> list[float]:
     out = []
     for x in inputs:
         torch.sub(x, centre, out=tmp)
-        out.append(float(torch.linalg.vector_norm(tmp)))
+        out.append(_norm(tmp))
     return out
 
 
@@ -228,7 +236,7 @@ def _clip(
         out.zero_()
         for x, w, ci in zip(xs, ws, c):
             out.add_(x, alpha=w * ci / pull)
-        step = float(torch.linalg.vector_norm(torch.sub(out, centre, out=tmp)))
+        step = _norm(torch.sub(out, centre, out=tmp))
     scales = [1.0] * len(inputs)
     coefficients = [0.0] * len(inputs)
     for i, ci, w in zip(active, c, ws):

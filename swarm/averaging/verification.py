@@ -162,6 +162,11 @@ def _uniform(chunk: torch.Tensor, where: torch.Tensor | None, block: int, levels
         lows.append(chunk[full:].min().view(1))
     high, low = torch.cat(highs), torch.cat(lows)
     bound = 1.01 * (high - low) / levels / 2 + 4 * _ulps(torch.maximum(high.abs(), low.abs()))  # per block
+    # a step below float32's normal range is stored with few bits (or inverted to inf, every
+    # element then decoding to an extreme): the block's whole range, plus a subnormal per code
+    tiny = (high - low) / levels < 2.0 ** -126
+    if bool(tiny.any()):
+        bound = torch.where(tiny, (high - low) + levels * 2.0 ** -149 + bound, bound)
     sizes = torch.full_like(bound, block)
     sizes[-1] = m - (bound.numel() - 1) * block
     squared = float((sizes * bound ** 2).sum())
@@ -172,18 +177,26 @@ def _uniform(chunk: torch.Tensor, where: torch.Tensor | None, block: int, levels
 
 
 def _quantile(block: torch.Tensor, where: torch.Tensor | None) -> tuple[float, torch.Tensor | None]:
-    """QUANTILE_8BIT's rounding of one block. An element decodes to its bucket's mean, and buckets
-    are value intervals: an element of an inner level lies between the levels either side; one of
-    the lowest (highest) level lies below (above) the next level, at most a gap past its level,
-    and the level is the mean of its elements, so those on the other side add up to at most
-    (n - 1) gaps, and the squared errors of all n to at most n (n - 1) gap**2.
+    """QUANTILE_8BIT's rounding of one block (swarm/compression/quantile.py). An element decodes to
+    its bucket's mean, and buckets are value intervals: an element of an inner level lies between
+    the levels either side; one of the lowest (highest) level lies below (above) the next level,
+    at most a gap past its level, and the level is the mean of its elements, so those on the
+    other side add up to at most (n - 1) gaps, and the squared errors of all n to at most
+    n (n - 1) gap**2.
     Returns the squared L2 bound and (`where`: the elements' classes) the per-class L1 bounds."""
     levels, index, counts = torch.unique(block, sorted=True, return_inverse=True, return_counts=True)
     k = levels.numel()
     slack = 4 * _ulp(float(levels.abs().max()))
     if k == 1:
-        per_class = None if where is None else torch.bincount(where, minlength=CLASSES).double() * slack
-        return block.numel() * slack ** 2, per_class
+        # One level with no neighbour to bound it. Blocks of more than SORT_NUMEL elements are cut
+        # on a grid of float16 cells (4 patterns of the values scaled by a power of two, relative
+        # width 2**-8 at most), and any two occupied cells get two codes: so the elements share
+        # one cell, or cells whose means round to one float32 (then they lie within a cell's width
+        # of it). Sorted blocks decode 256 distinct values or fewer exactly, and more get two
+        # codes. Either way each element lies within 2**-7 of the level, relatively.
+        bound = 2.0 ** -7 * float(levels.abs().max()) + slack + 2.0 ** -148
+        per_class = None if where is None else torch.bincount(where, minlength=CLASSES).double() * bound
+        return block.numel() * bound ** 2, per_class
     gaps = levels[1:] - levels[:-1]
     inner = torch.maximum(gaps[:-1], gaps[1:]) + slack if k > 2 else torch.zeros(0, dtype=torch.float64)
     squared = float((counts[1:-1].double() * inner ** 2).sum())
@@ -312,9 +325,11 @@ def check_part(
     eps, rounding = rounding_bounds(values, codec, chunk_numel, classes)
     assert rounding is not None  # given the classes
     # what separates the part from the published combination honestly, besides the codec's
-    # rounding (eps): the float32 sums, at most 2n+4 roundings of each term
+    # rounding (eps): the float32 sums, at most 2n+4 roundings of each term, each relative or
+    # (below float32's normal range) at most half the smallest subnormal
     size = float(torch.linalg.vector_norm(values.double()))
-    float32_error = (2 * len(coefficients) + 4) * U32 * (size + 2 * eps + sum(a * d for a, d in zip(coefficients, distances)))
+    float32_error = (2 * len(coefficients) + 4) * (
+        U32 * (size + 2 * eps + sum(a * d for a, d in zip(coefficients, distances))) + 2.0 ** -150 * math.sqrt(values.numel()))
     if robust:
         # the result lies within tau * W / P of CenteredClip's last centre (each input pulls by at
         # most tau), up to float32 rounding: a larger step would loosen the pull check below

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from swarm.averaging.group import GroupInfo, MemberInfo
@@ -17,6 +18,8 @@ from swarm.averaging.verification import (
     input_distances,
     part_digest,
     rounding_bound,
+    rounding_bounds,
+    sign_classes,
     sketch,
 )
 from swarm.compression import get_codec
@@ -222,6 +225,72 @@ def test_under_a_4_bit_codec_a_two_coordinate_lie_within_the_projections_allowan
         reason = check(lie, 1)
         caught += reason.startswith("the part is not the published combination of the inputs received (class")
     assert caught == 5
+
+
+def _awkward(shape, size, gen):
+    """Values that the codecs round in their corner cases (see the tests below)."""
+    if shape == "near_constant":  # within 0.3% of one value: one QUANTILE_8BIT grid cell
+        return 1 + 0.0029 * torch.rand(size, generator=gen)
+    if shape == "subnormal_steps":  # a uniform step below float32's normal range
+        return torch.arange(size, dtype=torch.float32) % 300 * 1e-40
+    if shape == "constant":
+        return torch.full((size,), 0.7)
+    if shape == "zeros":
+        return torch.zeros(size)
+    return torch.cat([torch.randn(size // 2, generator=gen), torch.rand(size - size // 2, generator=gen) * 1e-39])
+
+
+AWKWARD = ["near_constant", "subnormal_steps", "constant", "zeros", "tiny_and_large"]
+
+
+@pytest.mark.parametrize("codec", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("shape", AWKWARD)
+def test_the_rounding_bounds_hold_where_the_codecs_round_in_their_corner_cases(codec, shape):
+    # Whatever float32 result a reducer encodes, the bounds members compute from the decoded
+    # values alone must hold: the L2 norm of the rounding, and its summed absolute values per
+    # class. The corners: a block within 0.3% of one value (QUANTILE_8BIT puts it in one float16
+    # cell: one level with no neighbour, each element up to ~2**-8 off); uniform steps below
+    # float32's normal range (UNIFORM_4BIT's inverse step is inf, UNIFORM_8BIT's stored step
+    # loses bits); constants and zeros; subnormals beside normal values.
+    gen = torch.Generator().manual_seed(codec)
+    c, chunk = get_codec(codec), 1 << 18
+    for size in (5000, 256, 300):
+        result = _awkward(shape, size, gen)
+        decoded = torch.empty_like(result)
+        c.decode(c.encode(result), decoded)
+        error = (decoded.double() - result.double()).abs()
+        classes = sign_classes(size, ROUND, 0, part_digest(decoded))
+        eps, per_class = rounding_bounds(decoded, codec, chunk, classes)
+        assert float(torch.linalg.vector_norm(error)) <= eps, (size, eps)
+        assert bool((torch.bincount(classes, weights=error, minlength=CLASSES) <= per_class).all()), size
+
+
+@pytest.mark.parametrize("codec", [0, 1, 3, 4, 5])
+@pytest.mark.parametrize("shape", AWKWARD)
+def test_an_honest_part_of_awkward_inputs_passes_every_member(codec, shape):
+    # The same values as three contributors' inputs, through the whole check: CenteredClip's
+    # float32 distances of subnormal inputs underflowed to 0, so it took the fallback radius 1
+    # that members (summing in float64) refused; it now sums such small norms in float64.
+    gen = torch.Generator().manual_seed(codec)
+    c, chunk = get_codec(codec), 1 << 18
+    base = _awkward(shape, 5000, gen)
+    xs = []
+    for i in range(3):
+        x = base * (1 + 1e-4 * i) + 1e-41 * i
+        if codec:
+            c.decode(c.encode(x.clone()), x)
+        xs.append(x)
+    w = [1.0, 1.0, 1.0]
+    out = torch.empty_like(xs[0])
+    outcome = centered_clip(xs, w, out)
+    values = out.clone()
+    if codec:
+        c.decode(c.encode(out), values)
+    digest = part_digest(values)
+    claim = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest),
+                      input_distances(xs, values))
+    for me in range(3):
+        assert check_part(claim, values, xs[me], me, [0, 1, 2], w, ROUND, 0, True, None, codec, 1.0, chunk) == ""
 
 
 def test_an_inflated_automatic_radius_is_caught_and_an_honest_one_passes_across_seeds():
