@@ -47,6 +47,7 @@ from swarm.averaging.group import GroupInfo
 from swarm.averaging.parts import RoundFailed
 from swarm.averaging.robust import RADIUS_BOUND, result_distances
 from swarm.compression.quantile import BLOCK_NUMEL as QUANTILE_BLOCK
+from swarm.compression.quantile import SORT_NUMEL as QUANTILE_SORT
 from swarm.compression.uniform4 import BLOCK as UNIFORM4_BLOCK
 from swarm.proto import averaging_pb2
 
@@ -192,9 +193,12 @@ def _quantile(block: torch.Tensor, where: torch.Tensor | None) -> tuple[float, t
         # on a grid of float16 cells (4 patterns of the values scaled by a power of two, relative
         # width 2**-8 at most), and any two occupied cells get two codes: so the elements share
         # one cell, or cells whose means round to one float32 (then they lie within a cell's width
-        # of it). Sorted blocks decode 256 distinct values or fewer exactly, and more get two
-        # codes. Either way each element lies within 2**-7 of the level, relatively.
-        bound = 2.0 ** -7 * float(levels.abs().max()) + slack + 2.0 ** -148
+        # of it): within 2**-7 of the level, relatively. Sorted blocks decode 256 distinct values
+        # or fewer exactly, and more get two codes: one level then means buckets whose means
+        # round to it, each bucket's elements on its side of the next, so within n + 1 ulps.
+        level = float(levels.abs().max())
+        spread = (block.numel() + 1) * 2 * _ulp(level) if block.numel() <= QUANTILE_SORT else 2.0 ** -7 * level
+        bound = spread + slack + 2.0 ** -148
         per_class = None if where is None else torch.bincount(where, minlength=CLASSES).double() * bound
         return block.numel() * bound ** 2, per_class
     gaps = levels[1:] - levels[:-1]
