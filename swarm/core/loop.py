@@ -98,6 +98,8 @@ class LoopThread:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.loop.close()
+        else:  # it stays a daemon thread: should the process exit now, it is stopped mid-callback
+            logger.warning("the peer's event loop did not stop within %.0f s of its shutdown", timeout)
 
 
 def spawn(coro: Coroutine[object, None, T], name: str) -> asyncio.Task[T]:

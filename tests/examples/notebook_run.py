@@ -52,7 +52,9 @@ class DemoTrainer:
              "--listen", "/ip4/127.0.0.1/tcp/0", "--threads", "1", "--duration", "600",
              "--hidden-dim", str(ModelConfig().hidden_dim), "--log-level", "INFO"],
             stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+            # faulthandler: an abort (one run's trainer died at exit with "terminate called without
+            # an active exception") shows every thread's Python stack in the log
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"},
         )
         self.events: list[object] = []
 
