@@ -89,6 +89,11 @@ class LoopThread:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                # Close the async generators left suspended, grpc's stream readers among them:
+                # each holds its call, and a live call keeps grpc.aio's poller thread running
+                # into the interpreter's exit, where it can abort the process ("terminate called
+                # without an active exception") as it takes the GIL.
+                await self.loop.shutdown_asyncgens()
 
             try:
                 asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(timeout)

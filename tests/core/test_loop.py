@@ -82,3 +82,30 @@ def test_stop_cancels_pending_tasks():
     assert cancelled.is_set()
     with pytest.raises(RuntimeError, match="shut down"):
         lt.submit(background())
+
+
+def test_stop_closes_the_async_generators_left_suspended():
+    # grpc.aio reads a stream's responses through an async generator; one left suspended when
+    # its reader task was cancelled holds the call, and a live call keeps grpc.aio's poller
+    # thread running into the interpreter's exit (where a demo trainer aborted once with
+    # "terminate called without an active exception").
+    lt = LoopThread()
+    closed = threading.Event()
+
+    async def responses():
+        try:
+            yield 1
+            await asyncio.Event().wait()
+            yield 2
+        finally:
+            closed.set()
+
+    async def reader():
+        stream = responses()
+        await stream.__anext__()
+        return stream  # suspended after its first item; nobody closes it
+
+    kept = lt.run(reader())
+    lt.stop()
+    assert closed.is_set()
+    del kept
