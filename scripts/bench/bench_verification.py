@@ -26,6 +26,7 @@ revision of verification.py, loaded from git, run on the same parts and lies in 
 invocation (lies on fields that revision did not have are marked n/a).
 
     nice .venv/bin/python scripts/bench/bench_verification.py [--parts 100000] [--trials 2000] [--seed 0]
+    .venv/bin/python scripts/bench/bench_verification.py --cost REV   # check_part's time per codec, against REV
 """
 
 from __future__ import annotations
@@ -434,6 +435,36 @@ def run(parts: int, trials: int, seed: int, baseline: str | None, signs: int = 4
     return results
 
 
+def cost(baseline: str, numel: int = 1 << 22, contributors: int = 4, repeats: int = 3) -> None:
+    """Time one member's `check_part` of an honest part per codec, against `baseline`'s checks
+    in the same process (best of `repeats`)."""
+    old = load_baseline(baseline)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(numel, generator=gen) for _ in range(contributors)]
+    weights = [1.0] * contributors
+    out = torch.empty(numel)
+    outcome = centered_clip(inputs, weights, out)
+    chunk = 1 << 18
+    for codec in (0, 3, 4, 5):
+        values = _codec_roundtrip(out, codec, chunk)
+        digest = new.part_digest(values)
+        line = f"codec {codec}: check_part of a {numel}-element part, {contributors} contributors:"
+        for name, module in (("this revision", new), (baseline, old)):
+            if module is None:
+                continue
+            claim = module.PartClaim(digest, outcome.scales, outcome.tau, outcome.step,
+                                     module.sketch(inputs, ROUND, 0, digest), tuple(new.input_distances(inputs, values)))
+            best = math.inf
+            for _ in range(repeats):
+                started = time.perf_counter()
+                reason = module.check_part(claim, values, inputs[1], 1, list(range(contributors)), weights, ROUND, 0,
+                                           True, None, codec, 1.0, chunk)
+                best = min(best, time.perf_counter() - started)
+            assert reason == "", (name, codec, reason)
+            line += f" {name} {best * 1e3:.0f} ms"
+        print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", type=int, default=100_000, help="honest parts to check")
@@ -442,7 +473,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--by-codec", action="store_true", help="detection rates per codec too")
     ap.add_argument("--baseline", default=BASELINE, help="git revision whose checks run beside ('' for none)")
+    ap.add_argument("--cost", metavar="REV", help="instead: time check_part per codec against REV's checks")
     args = ap.parse_args()
+    if args.cost:
+        cost(args.cost)
+        return
     run(args.parts, args.trials, args.seed, args.baseline or None, args.signs, args.by_codec,
         lambda line: print(line, flush=True))
 

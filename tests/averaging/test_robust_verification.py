@@ -36,6 +36,15 @@ def _inputs(n=5, size=3000, seed=0):
     return xs
 
 
+def _roundtrip(codec, x):
+    """`x` as a peer receives it under `codec` (a CompressionType value; 0: as is)."""
+    out = x.clone()
+    if codec:
+        c = get_codec(codec)
+        c.decode(c.encode(x), out)
+    return out
+
+
 def _honest_claim(xs, weights, result=None, part=0):
     out = torch.empty_like(xs[0])
     outcome = centered_clip(xs, weights, out)
@@ -193,17 +202,10 @@ def test_under_a_4_bit_codec_a_two_coordinate_lie_within_the_projections_allowan
     # times all of it) cannot see the move. Each class holds ~1/256 of the coordinates: the move
     # meets only its own classes' rounding there, and no honest rounding fails it.
     UNIFORM_4BIT, chunk = 5, 1 << 18
-    codec = get_codec(UNIFORM_4BIT)
-
-    def roundtrip(x):
-        out = torch.empty_like(x)
-        codec.decode(codec.encode(x), out)
-        return out
-
-    xs, w = [roundtrip(x) for x in _inputs(n=4, size=4096)[:3]], [1.0] * 3  # three honest inputs as received
+    xs, w = [_roundtrip(UNIFORM_4BIT, x) for x in _inputs(n=4, size=4096)[:3]], [1.0] * 3  # three honest inputs as received
     out = torch.empty_like(xs[0])
     outcome = centered_clip(xs, w, out)
-    values = roundtrip(out)
+    values = _roundtrip(UNIFORM_4BIT, out)
     contributors = list(range(3))
 
     def check(values, me, round_id=ROUND):
@@ -253,11 +255,10 @@ def test_the_rounding_bounds_hold_where_the_codecs_round_in_their_corner_cases(c
     # float32's normal range (UNIFORM_4BIT's inverse step is inf, UNIFORM_8BIT's stored step
     # loses bits); constants and zeros; subnormals beside normal values.
     gen = torch.Generator().manual_seed(codec)
-    c, chunk = get_codec(codec), 1 << 18
+    chunk = 1 << 18
     for size in (5000, 256, 300):
         result = _awkward(shape, size, gen)
-        decoded = torch.empty_like(result)
-        c.decode(c.encode(result), decoded)
+        decoded = _roundtrip(codec, result)
         error = (decoded.double() - result.double()).abs()
         classes = sign_classes(size, ROUND, 0, part_digest(decoded))
         eps, per_class = rounding_bounds(decoded, codec, chunk, classes)
@@ -272,20 +273,13 @@ def test_an_honest_part_of_awkward_inputs_passes_every_member(codec, shape):
     # float32 distances of subnormal inputs underflowed to 0, so it took the fallback radius 1
     # that members (summing in float64) refused; it now sums such small norms in float64.
     gen = torch.Generator().manual_seed(codec)
-    c, chunk = get_codec(codec), 1 << 18
+    chunk = 1 << 18
     base = _awkward(shape, 5000, gen)
-    xs = []
-    for i in range(3):
-        x = base * (1 + 1e-4 * i) + 1e-41 * i
-        if codec:
-            c.decode(c.encode(x.clone()), x)
-        xs.append(x)
+    xs = [_roundtrip(codec, base * (1 + 1e-4 * i) + 1e-41 * i) for i in range(3)]
     w = [1.0, 1.0, 1.0]
     out = torch.empty_like(xs[0])
     outcome = centered_clip(xs, w, out)
-    values = out.clone()
-    if codec:
-        c.decode(c.encode(out), values)
+    values = _roundtrip(codec, out)
     digest = part_digest(values)
     claim = PartClaim(digest, outcome.scales, outcome.tau, outcome.step, sketch(xs, ROUND, 0, digest),
                       input_distances(xs, values))
