@@ -14,6 +14,7 @@ import threading
 from collections.abc import Coroutine
 from typing import TypeVar
 
+from swarm.core.collector import release_at_exit
 from swarm.core.signals import block_stop_signals
 
 T = TypeVar("T")
@@ -32,6 +33,7 @@ class LoopThread:
     """Owns an event loop running forever in a daemon thread until `stop()`."""
 
     def __init__(self, name: str = "swarm-loop") -> None:
+        release_at_exit()  # gRPC objects left in reference cycles are freed before the interpreter finalizes
         self.loop = new_event_loop()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._started = threading.Event()
