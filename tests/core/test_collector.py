@@ -65,13 +65,15 @@ def test_a_peer_that_averages_freezes_what_it_imported():
     assert result.stdout.strip() == "ok"
 
 
-def test_grpc_objects_the_freeze_or_a_cycle_holds_are_freed_before_the_interpreter_finalizes():
-    # Two peers talk over a call stream, one of them averages (so the freeze runs while the
-    # stream is open), both shut down. The stream's objects then sit in reference cycles, some
-    # frozen. Freed during finalization, they would shut down grpc.aio's completion queue there,
-    # and its poller thread, taking the GIL, would abort the process. The exit hook below is
-    # registered before swarm's, so it runs after it: by then the poller must have stopped.
-    result = run_script("""
+
+def pollers_at_exit(averages: bool) -> subprocess.CompletedProcess[str]:
+    """Two peers talk over a call stream; with `averages`, one of them then averages (so the
+    freeze runs while the stream is open); both shut down. The stream's objects then sit in
+    reference cycles (frozen ones with `averages`). Freed during finalization, they would shut
+    down grpc.aio's completion queue there, and its poller thread, taking the GIL, would abort
+    the process. The exit hook below is registered before swarm's, so it runs after it: it
+    prints the poller threads still running."""
+    return run_script(f"""
         import atexit, threading
 
         def at_exit():
@@ -80,16 +82,27 @@ def test_grpc_objects_the_freeze_or_a_cycle_holds_are_freed_before_the_interpret
 
         atexit.register(at_exit)
 
-        import torch
         import swarm
 
         a = swarm.Peer(listen="/ip4/127.0.0.1/tcp/0")
         b = swarm.Peer(initial_peers=[str(a.addrs[0])], listen="/ip4/127.0.0.1/tcp/0")
         assert b.dht.get("no-such-key") is None   # a call on b's stream to a
-        swarm.Averager(b, [torch.zeros(4)], prefix="collector-exit-test", target_group_size=2)
+        if {averages}:
+            import torch
+            swarm.Averager(b, [torch.zeros(4)], prefix="collector-exit-test", target_group_size=2)
         b.shutdown()
         a.shutdown()
         assert any("_poll_wrapper" in t.name for t in threading.enumerate()), "the case no longer holds gRPC objects"
     """)
+
+
+def test_grpc_objects_left_in_reference_cycles_are_freed_before_the_interpreter_finalizes():
+    result = pollers_at_exit(averages=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "pollers at exit: []", result.stdout
+
+
+def test_grpc_objects_the_freeze_holds_are_freed_before_the_interpreter_finalizes():
+    result = pollers_at_exit(averages=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "pollers at exit: []", result.stdout
