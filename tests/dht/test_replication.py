@@ -5,7 +5,6 @@ shows the writer did not know the nearest nodes, and a writer that shuts down ca
 from __future__ import annotations
 
 import logging
-import time
 
 from swarm.core.timeutil import get_dht_time
 from swarm.dht import DHTConfig, FaultPlan, LinkFault
@@ -13,7 +12,8 @@ from swarm.dht.ids import DHTID
 from swarm.dht.keys import key_to_bytes
 from swarm.dht.wire import FIND, STORE
 
-SLOW = 1.5  # seconds added to the links to every replica but the nearest
+SLOW = 1.5  # seconds added to the links to every replica but the nearest: which replicas hold a record
+# when a call returns shows whether it waited for them (a store on its own takes milliseconds)
 
 
 def by_distance(peers, key):
@@ -39,10 +39,9 @@ def slow_replicas(swarm, key, delay=SLOW):
 
 def test_a_store_returns_once_the_nearest_replica_has_it_and_the_others_follow(swarm):
     peers, writer, replicas = slow_replicas(swarm, "hurry")
-    start = time.monotonic()
     assert writer.dht.store("hurry", "now", get_dht_time() + 60)
-    assert time.monotonic() - start < SLOW / 2
-    assert holders(peers, "hurry") == replicas[:1]  # the node any reader asks first has it
+    # it returned without waiting for the slow replicas: only the nearest, the node any reader asks first, has it
+    assert holders(peers, "hurry") == replicas[:1]
     assert peers[0].dht.get("hurry").value == "now"
     assert writer.run(writer.dht.node.wait_for_stores(timeout=5))  # the others, written in the background
     assert set(holders(peers, "hurry")) == set(replicas)
@@ -60,13 +59,11 @@ def test_replicas_still_in_flight_are_cancelled_when_the_writer_stops(swarm, cap
     peers, writer, replicas = slow_replicas(swarm, "short-lived")
     assert writer.dht.store("short-lived", 1, get_dht_time() + 60)
     assert writer.dht.node._tasks  # the slow replicas are still being written to
-    start = time.monotonic()
     with caplog.at_level(logging.WARNING):
         writer.shutdown()  # they get `leave_timeout` (0.5 s) to finish, which is not enough here
-    assert time.monotonic() - start < SLOW  # it did not wait for them
     assert not writer.dht.node._tasks
     assert not [r for r in caplog.records if "destroyed" in r.getMessage() or "failed" in r.getMessage()]
-    assert holders(peers, "short-lived") == replicas[:1]
+    assert holders(peers, "short-lived") == replicas[:1]  # it did not wait for them
 
 
 def test_a_store_needs_no_lookup_when_the_writer_knows_the_nearest_nodes(swarm):
