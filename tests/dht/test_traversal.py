@@ -129,7 +129,7 @@ def test_hung_nodes_cannot_hold_a_lookup_past_its_deadline() -> None:
     net.hung = set(net.nearest(key, 3, alive_only=False))
     start = time.monotonic()
     results = run(net.traversal(net.nodes[-1], [key], beam_size=5).run(timeout=0.3))
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 10.0  # the deadline, not the hung nodes' hour (wide: a loaded CI)
     assert results[key].timed_out
     assert all(n.node_id not in net.hung for n in results[key].nearest)
 
@@ -226,7 +226,7 @@ def test_a_hedged_lookup_asks_one_node_unless_it_is_slow() -> None:
     assert net.calls[0][0] in net.hung and len(net.calls) >= 5
     assert len(results[key].nearest) == 4 and results[key].timed_out
     assert not net.hung & {n.node_id for n in results[key].nearest}
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10.0  # the deadline, not the hung node's hour (wide: a loaded CI)
 
 
 def test_a_slow_node_frees_its_place_but_the_lookup_still_waits_for_it() -> None:
