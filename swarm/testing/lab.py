@@ -404,13 +404,26 @@ class Lab:
                 self.relay.wait(5)
             except subprocess.TimeoutExpired:
                 self.relay.kill()
-                self.relay.wait()
+                try:  # bounded: a process in an uninterruptible wait dies only when the kernel lets go
+                    self.relay.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
             if self.relay.stdout:
                 self.relay.stdout.close()
+        failed: list[LabError] = []
+
+        def delete(name: str) -> None:
+            try:
+                delete_namespace(name)
+            except LabError as e:  # one namespace that would not go keeps no other one
+                failed.append(e)
+
         for name in reversed(self._created):
-            delete_namespace(name)
+            delete(name)
         for name in lab_namespaces(self.prefix):  # anything half-made by an interrupted build
-            delete_namespace(name)
+            delete(name)
         atexit.unregister(self.close)
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_sigterm)  # type: ignore[arg-type]
+        if failed:
+            raise failed[0]

@@ -118,7 +118,8 @@ def test_a_partition_cuts_both_ways_until_healed() -> None:
 
 
 OWNER = textwrap.dedent("""
-    import sys, time
+    import faulthandler, signal, sys, time
+    faulthandler.register(signal.SIGUSR1)  # its stack on stderr, should it not exit when told
     from swarm.testing import Lab, HostSpec, LinkProfile
     with Lab([HostSpec("a", LinkProfile(delay_ms=1)), HostSpec("b")]) as lab:
         lab.spawn("a", ["sleep", "600"])
@@ -128,10 +129,10 @@ OWNER = textwrap.dedent("""
 
 
 def start_owner() -> tuple[subprocess.Popen, str]:
-    owner = subprocess.Popen([PY, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+    owner = subprocess.Popen([PY, "-c", OWNER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": os.getcwd()})
     prefix = owner.stdout.readline().strip()
-    assert prefix.startswith("swlab-"), prefix
+    assert prefix.startswith("swlab-"), prefix or owner.stderr.read()
     assert len(lab_namespaces(prefix)) == 3
     return owner, prefix
 
@@ -140,8 +141,30 @@ def start_owner() -> tuple[subprocess.Popen, str]:
 def test_an_interrupted_lab_removes_everything(signum: int) -> None:
     owner, prefix = start_owner()
     owner.send_signal(signum)
-    owner.wait(30)
+    wait_or_explain(owner, 60)
     assert lab_namespaces(prefix) == []
+
+
+def wait_or_explain(owner: subprocess.Popen, seconds: float) -> None:
+    """Waits for the owner to exit; if it does not in `seconds` (it exits in ~0.1 s here, also
+    with every core busy), fails with what it and its children were doing: the owner's Python
+    stack and each process's state and kernel wait channel."""
+    try:
+        owner.wait(seconds)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    tree = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:32,etime,args", "--pid", str(owner.pid),
+                           "--ppid", str(owner.pid)], check=False, capture_output=True, text=True).stdout
+    owner.send_signal(signal.SIGUSR1)
+    try:  # gathers the stack it prints; the owner still does not exit
+        owner.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    owner.kill()
+    _, stderr = owner.communicate(timeout=30)
+    clean_stale()
+    pytest.fail(f"the lab's owner had not exited {seconds} s after the signal\n{tree}\n{stderr}")
 
 
 def test_the_stale_cleaner_removes_what_a_killed_lab_left() -> None:
