@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -119,6 +120,10 @@ def test_a_partition_cuts_both_ways_until_healed() -> None:
 
 OWNER = textwrap.dedent("""
     import faulthandler, signal, sys, time
+    # Ctrl+C and SIGTERM as a process started from a shell has them: a signal the test process
+    # ignores or blocks (a library used in-process may ignore SIGINT) would reach this one so
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     faulthandler.register(signal.SIGUSR1)  # its stack on stderr, should it not exit when told
     from swarm.testing import Lab, HostSpec, LinkProfile
     with Lab([HostSpec("a", LinkProfile(delay_ms=1)), HostSpec("b")]) as lab:
@@ -148,7 +153,7 @@ def test_an_interrupted_lab_removes_everything(signum: int) -> None:
 def wait_or_explain(owner: subprocess.Popen, seconds: float) -> None:
     """Waits for the owner to exit; if it does not in `seconds` (it exits in ~0.1 s here, also
     with every core busy), fails with what it and its children were doing: the owner's Python
-    stack and each process's state and kernel wait channel."""
+    stack, each process's state and kernel wait channel, and the owner's signal masks."""
     try:
         owner.wait(seconds)
         return
@@ -156,6 +161,8 @@ def wait_or_explain(owner: subprocess.Popen, seconds: float) -> None:
         pass
     tree = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:32,etime,args", "--pid", str(owner.pid),
                            "--ppid", str(owner.pid)], check=False, capture_output=True, text=True).stdout
+    status = Path(f"/proc/{owner.pid}/status").read_text()
+    tree += "".join(line + "\n" for line in status.splitlines() if line.startswith("Sig"))
     owner.send_signal(signal.SIGUSR1)
     try:  # gathers the stack it prints; the owner still does not exit
         owner.communicate(timeout=5)
