@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from swarm.testing import HostSpec, Lab, LinkProfile, clean_stale
-from swarm.testing.netns import lab_namespaces
+from swarm.testing import HostSpec, Lab, LabError, LinkProfile, clean_stale
+from swarm.testing import lab as lab_module
+from swarm.testing.netns import delete_namespace, lab_namespaces
 
 pytestmark = pytest.mark.usefixtures("needs_lab")
 PY = sys.executable
@@ -116,6 +117,26 @@ def test_a_partition_cuts_both_ways_until_healed() -> None:
             lab.partition({"a"}, {"a"})
         with pytest.raises(ValueError):
             lab.partition({"a"}, {"nope"})
+
+
+
+def test_a_namespace_that_will_not_go_keeps_no_other_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = Lab([HostSpec("a"), HostSpec("b")])
+    try:
+        with pytest.raises(LabError, match="refused"), lab:
+            stuck = lab.namespace("a")
+
+            def delete(name: str) -> None:
+                if name == stuck:
+                    raise LabError(f"ip netns delete {name}: refused")
+                delete_namespace(name)
+
+            monkeypatch.setattr(lab_module, "delete_namespace", delete)
+        assert lab_namespaces(lab.prefix) == [stuck]  # the bridge and b are gone all the same
+    finally:
+        for name in lab_namespaces(lab.prefix):
+            delete_namespace(name)
+    assert lab_namespaces(lab.prefix) == []
 
 
 OWNER = textwrap.dedent("""
